@@ -1,0 +1,284 @@
+"""SageBwd backward: dQ, dK, dV with four of the five products in INT8.
+
+Two kernels, as in Triton's fused-attention tutorial, so that no gradient needs atomics (the result is
+deterministic and GQA head groups are summed in registers):
+
+* ``_attn_bwd_dkdv_kernel``: one program per (key tile, sequence, KV head); walks the query tiles of every
+  query head in its group. ``S^T = K8 Q8^T`` (INT8), ``dP^T = V dO^T`` (input dtype, fp32 accumulation),
+  ``dV += P^T dO`` and ``dK += dS^T Q`` (INT8).
+* ``_attn_bwd_dq_kernel``: one program per (query tile, sequence, query head); walks the key tiles:
+  ``S`` and ``dP`` again, then ``dQ += dS K`` (INT8).
+
+P and dS are quantized on the fly with one scale per row of the reduced-over tile: per key for dV and dK
+(reduction over queries), per query for dQ (reduction over keys). The other operand's per-token scale is
+folded into P or dS first, so that operand's INT8 bytes are the forward's, read token-contiguous.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .forward import _key_range, _score_mask, _seq_bounds
+from .layout import SeqLayout, strides3, strides4
+from .quantize import Q_SMOOTH_BLOCK, maybe
+
+
+@triton.jit
+def _quantize_rows(x, SIGNED: tl.constexpr):
+    """Quantize each row of ``x`` to int8 with its own scale; returns (int8 tile, fp32 row scales)."""
+    if SIGNED:
+        x_max = tl.max(tl.abs(x), 1)
+    else:
+        x_max = tl.max(x, 1)
+    inv = tl.where(x_max > 0, 127.0 / x_max, 0.0)
+    y = x * inv[:, None]
+    if SIGNED:
+        y = tl.where(y >= 0, y + 0.5, y - 0.5)   # round half away from zero; the cast truncates
+    else:
+        y = y + 0.5
+    return y.to(tl.int8), x_max * (1.0 / 127.0)
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q8, QS, QS_RAW, Q8RT, K8, KS, V, DO, DO8T, DOS, LSE, DELTA, QMEAN, QMEAN_CU, DK, DV, CU_Q, CU_K,
+    s_q8b, s_q8h, s_q8t,
+    s_qsb, s_qsh,
+    s_qtb, s_qth, s_qtd,
+    s_k8b, s_k8h, s_k8t,
+    s_ksb, s_ksh,
+    s_vb, s_vh, s_vt, s_vd,
+    s_dob, s_doh, s_dot, s_dod,
+    s_dtb, s_dth, s_dtd,
+    s_qmh, s_qmb,
+    s_dkb, s_dkh, s_dkt, s_dkd,
+    s_dvb, s_dvh, s_dvt, s_dvd,
+    n_q, n_k, num_kv_heads, group, head_dim, window_left, window_right, softmax_scale,
+    IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_kv_heads
+    hk = pid_bh % num_kv_heads
+    bq, q0, seqlen_q = _seq_bounds(CU_Q, b, n_q, IS_VARLEN)
+    bk, k0, seqlen_k = _seq_bounds(CU_K, b, n_k, IS_VARLEN)
+    start_n = pid_n * BLOCK_N
+    if start_n >= seqlen_k:
+        return
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < seqlen_k
+    d_ok = offs_d < head_dim
+    nd_ok = n_ok[:, None] & d_ok[None, :]
+
+    k8 = tl.load(K8 + bk * s_k8b + hk * s_k8h + (k0 + offs_n)[:, None] * s_k8t + offs_d[None, :],
+                 mask=nd_ok, other=0)
+    k_scale = tl.load(KS + bk * s_ksb + hk * s_ksh + k0 + offs_n, mask=n_ok, other=0.0)
+    v = tl.load(V + bk * s_vb + hk * s_vh + (k0 + offs_n)[:, None] * s_vt + offs_d[None, :] * s_vd,
+                mask=nd_ok, other=0.0)
+    if DOT_FP32:   # Triton's interpreter mis-multiplies bf16 dots
+        v = v.to(tl.float32)
+    if Q_SMOOTH:
+        k8f = k8.to(tl.float32)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+    # query tiles that see this key tile: the key range of _key_range, solved for the queries
+    diag = seqlen_k - seqlen_q
+    lo = 0
+    hi = seqlen_q
+    if MASK_RIGHT:
+        lo = tl.maximum(0, start_n - diag - window_right)
+        lo = (lo // BLOCK_M) * BLOCK_M
+    if MASK_LEFT:
+        hi = tl.minimum(hi, start_n + BLOCK_N - diag + window_left)
+
+    for g in range(group):
+        h = hk * group + g
+        Q8_h = Q8 + bq * s_q8b + h * s_q8h
+        QS_h = QS + bq * s_qsb + h * s_qsh
+        QSR_h = QS_RAW + bq * s_qsb + h * s_qsh
+        Q8RT_h = Q8RT + bq * s_qtb + h * s_qth
+        DO_h = DO + bq * s_dob + h * s_doh
+        DO8T_h = DO8T + bq * s_dtb + h * s_dth
+        DOS_h = DOS + bq * s_qsb + h * s_qsh
+        LSE_h = LSE + bq * s_qsb + h * s_qsh
+        DELTA_h = DELTA + bq * s_qsb + h * s_qsh
+        for start_m in range(lo, hi, BLOCK_M):
+            start_m = tl.multiple_of(start_m, BLOCK_M)
+            rows = start_m + offs_m
+            m_ok = rows < seqlen_q
+            md_ok_t = d_ok[:, None] & m_ok[None, :]
+            q8t = tl.load(Q8_h + (q0 + rows)[None, :] * s_q8t + offs_d[:, None], mask=md_ok_t, other=0)
+            q_scale = tl.load(QS_h + q0 + rows, mask=m_ok, other=0.0)
+            lse = tl.load(LSE_h + q0 + rows, mask=m_ok, other=float("inf"))
+            st = tl.dot(k8, q8t, out_dtype=tl.int32).to(tl.float32) * k_scale[:, None] * q_scale[None, :]
+            if Q_SMOOTH:
+                blk = tl.load(QMEAN_CU + b) + start_m // QSB
+                q_mean = tl.load(QMEAN + h * s_qmh + blk * s_qmb + offs_d, mask=d_ok, other=0.0)
+                st += (tl.sum(k8f * q_mean[None, :], 1) * k_scale)[:, None]
+            valid = _score_mask(rows[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
+                                window_right, MASK_LEFT, MASK_RIGHT)
+            pt = tl.where(valid, tl.exp2(st - lse[None, :]), 0.0)
+
+            # dV += P^T dO, dO's per-token scale folded into P^T
+            do_scale = tl.load(DOS_h + q0 + rows, mask=m_ok, other=0.0)
+            p8t, p_scale = _quantize_rows(pt * do_scale[None, :], False)
+            do8 = tl.load(DO8T_h + offs_d[None, :] * s_dtd + (q0 + rows)[:, None],
+                          mask=m_ok[:, None] & d_ok[None, :], other=0)
+            dv += tl.dot(p8t, do8, out_dtype=tl.int32).to(tl.float32) * p_scale[:, None]
+
+            # dP^T = V dO^T stays in the input dtype (quantizing it would feed error into dS)
+            dot_t = tl.load(DO_h + (q0 + rows)[None, :] * s_dot + offs_d[:, None] * s_dod,
+                            mask=md_ok_t, other=0.0)
+            if DOT_FP32:
+                dot_t = dot_t.to(tl.float32)
+            dpt = tl.dot(v, dot_t)
+            delta = tl.load(DELTA_h + q0 + rows, mask=m_ok, other=0.0)
+            dst = pt * (dpt - delta[None, :])
+
+            # dK += dS^T Q, Q's per-token scale folded into dS^T
+            qr_scale = tl.load(QSR_h + q0 + rows, mask=m_ok, other=0.0)
+            ds8t, ds_scale = _quantize_rows(dst * qr_scale[None, :], True)
+            q8r = tl.load(Q8RT_h + offs_d[None, :] * s_qtd + (q0 + rows)[:, None],
+                          mask=m_ok[:, None] & d_ok[None, :], other=0)
+            dk += tl.dot(ds8t, q8r, out_dtype=tl.int32).to(tl.float32) * ds_scale[:, None]
+
+    tl.store(DK + bk * s_dkb + hk * s_dkh + (k0 + offs_n)[:, None] * s_dkt + offs_d[None, :] * s_dkd,
+             (dk * softmax_scale).to(DK.dtype.element_ty), mask=nd_ok)
+    tl.store(DV + bk * s_dvb + hk * s_dvh + (k0 + offs_n)[:, None] * s_dvt + offs_d[None, :] * s_dvd,
+             dv.to(DV.dtype.element_ty), mask=nd_ok)
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q8, QS, K8, K8T, KS, V, DO, LSE, DELTA, QMEAN, QMEAN_CU, DQ, CU_Q, CU_K,
+    s_q8b, s_q8h, s_q8t,
+    s_qsb, s_qsh,
+    s_k8b, s_k8h, s_k8t,
+    s_ktb, s_kth, s_ktd,
+    s_ksb, s_ksh,
+    s_vb, s_vh, s_vt, s_vd,
+    s_dob, s_doh, s_dot, s_dod,
+    s_qmh, s_qmb,
+    s_dqb, s_dqh, s_dqt, s_dqd,
+    n_q, n_k, num_heads, group, head_dim, window_left, window_right, softmax_scale,
+    IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    hk = h // group
+    bq, q0, seqlen_q = _seq_bounds(CU_Q, b, n_q, IS_VARLEN)
+    bk, k0, seqlen_k = _seq_bounds(CU_K, b, n_k, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < seqlen_q
+    d_ok = offs_d < head_dim
+    md_ok = m_ok[:, None] & d_ok[None, :]
+
+    q8 = tl.load(Q8 + bq * s_q8b + h * s_q8h + (q0 + offs_m)[:, None] * s_q8t + offs_d[None, :],
+                 mask=md_ok, other=0)
+    q_scale = tl.load(QS + bq * s_qsb + h * s_qsh + q0 + offs_m, mask=m_ok, other=0.0)
+    lse = tl.load(LSE + bq * s_qsb + h * s_qsh + q0 + offs_m, mask=m_ok, other=float("inf"))
+    delta = tl.load(DELTA + bq * s_qsb + h * s_qsh + q0 + offs_m, mask=m_ok, other=0.0)
+    do = tl.load(DO + bq * s_dob + h * s_doh + (q0 + offs_m)[:, None] * s_dot + offs_d[None, :] * s_dod,
+                 mask=md_ok, other=0.0)
+    if DOT_FP32:
+        do = do.to(tl.float32)
+    if Q_SMOOTH:
+        blk = tl.load(QMEAN_CU + b) + start_m // QSB
+        q_mean = tl.load(QMEAN + h * s_qmh + blk * s_qmb + offs_d, mask=d_ok, other=0.0)
+
+    K8_base = K8 + bk * s_k8b + hk * s_k8h
+    K8T_base = K8T + bk * s_ktb + hk * s_kth
+    KS_base = KS + bk * s_ksb + hk * s_ksh
+    V_base = V + bk * s_vb + hk * s_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    lo, hi = _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                        BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        n_ok = cols < seqlen_k
+        dn_ok = d_ok[:, None] & n_ok[None, :]
+        k8t = tl.load(K8_base + (k0 + cols)[None, :] * s_k8t + offs_d[:, None], mask=dn_ok, other=0)
+        k_scale = tl.load(KS_base + k0 + cols, mask=n_ok, other=0.0)
+        s = tl.dot(q8, k8t, out_dtype=tl.int32).to(tl.float32) * q_scale[:, None] * k_scale[None, :]
+        if Q_SMOOTH:
+            s += (tl.sum(q_mean[:, None] * k8t.to(tl.float32), 0) * k_scale)[None, :]
+        valid = _score_mask(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                            MASK_LEFT, MASK_RIGHT)
+        p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
+
+        vt = tl.load(V_base + (k0 + cols)[None, :] * s_vt + offs_d[:, None] * s_vd, mask=dn_ok, other=0.0)
+        if DOT_FP32:
+            vt = vt.to(tl.float32)
+        dp = tl.dot(do, vt)
+        ds = p * (dp - delta[:, None])
+
+        # dQ += dS K, K's per-token scale folded into dS
+        ds8, ds_scale = _quantize_rows(ds * k_scale[None, :], True)
+        k8 = tl.load(K8T_base + offs_d[None, :] * s_ktd + (k0 + cols)[:, None],
+                     mask=n_ok[:, None] & d_ok[None, :], other=0)
+        dq += tl.dot(ds8, k8, out_dtype=tl.int32).to(tl.float32) * ds_scale[:, None]
+
+    tl.store(DQ + bq * s_dqb + h * s_dqh + (q0 + offs_m)[:, None] * s_dqt + offs_d[None, :] * s_dqd,
+             (dq * softmax_scale).to(DQ.dtype.element_ty), mask=md_ok)
+
+
+def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse, delta,
+                    dq4, dk4, dv4, layout_q: SeqLayout, layout_k: SeqLayout,
+                    num_heads, num_kv_heads, head_dim, window, softmax_scale, dkdv_config, dq_config):
+    """Run both backward kernels; ``dq4, dk4, dv4`` (``[B, H, N, D]`` views, any strides) are written."""
+    q8, k8, q_mean, q_mean_cu = quant["q8"], quant["k8"], quant["q_mean"], quant["q_mean_cu"]
+    q_scale, k_scale = quant["q_scale"], quant["k_scale"]
+    group = num_heads // num_kv_heads
+    dot_fp32 = v4.device.type == "cpu" and v4.dtype == torch.bfloat16
+    common = dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
+                  Q_SMOOTH=q_mean is not None, QSB=Q_SMOOTH_BLOCK, DOT_FP32=dot_fp32)
+    cu_q = maybe(layout_q.cu_seqlens, q8)
+    cu_k = maybe(layout_k.cu_seqlens, q8)
+    q_mean_arg = maybe(q_mean, q_scale)
+    q_mean_cu_arg = maybe(q_mean_cu, q8)
+
+    block_m, block_n, block_d, num_warps, num_stages = dkdv_config
+    assert Q_SMOOTH_BLOCK % block_m == 0
+    grid = (triton.cdiv(layout_k.max_len, block_n), layout_k.num_seqs * num_kv_heads)
+    _attn_bwd_dkdv_kernel[grid](
+        q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta,
+        q_mean_arg, q_mean_cu_arg, dk4, dv4, cu_q, cu_k,
+        *strides4(q8)[:3], *strides3(q_scale)[:2], *strides4(q8rt)[:3],
+        *strides4(k8)[:3], *strides3(k_scale)[:2],
+        *strides4(v4), *strides4(do4), *strides4(do8t)[:3],
+        *strides3(q_mean)[:2], *strides4(dk4), *strides4(dv4),
+        q8.shape[2], k8.shape[2], num_kv_heads, group, head_dim, window[0], window[1], softmax_scale,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages,
+        **common,
+    )
+
+    block_m, block_n, block_d, num_warps, num_stages = dq_config
+    assert Q_SMOOTH_BLOCK % block_m == 0
+    grid = (triton.cdiv(layout_q.max_len, block_m), layout_q.num_seqs * num_heads)
+    _attn_bwd_dq_kernel[grid](
+        q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, q_mean_arg, q_mean_cu_arg, dq4, cu_q, cu_k,
+        *strides4(q8)[:3], *strides3(q_scale)[:2],
+        *strides4(k8)[:3], *strides4(k8t)[:3], *strides3(k_scale)[:2],
+        *strides4(v4), *strides4(do4), *strides3(q_mean)[:2], *strides4(dq4),
+        q8.shape[2], k8.shape[2], num_heads, group, head_dim, window[0], window[1], softmax_scale,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages,
+        **common,
+    )

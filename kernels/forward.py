@@ -1,0 +1,171 @@
+"""SageBwd forward: ``O = softmax(Q K^T) V`` with both products in INT8.
+
+One program per (query tile, sequence, query head); an online softmax in base 2 walks the key tiles.
+``S = Q8 K8^T`` is exact in int32 and dequantized with the per-token scales. ``P`` is quantized per row
+of each key tile, with the row's largest value in the tile (``exp2(tile_max - m)``) mapped to 127, so rows
+whose tile holds only small probabilities keep their resolution. ``P8 V8`` is again exact in int32 and
+scaled once per tile; V's per-channel scale is applied at the very end.
+"""
+import triton
+import triton.language as tl
+
+from .layout import SeqLayout, strides3, strides4
+from .quantize import Q_SMOOTH_BLOCK, maybe
+
+
+@triton.jit
+def _seq_bounds(CU, b, n_dense, IS_VARLEN: tl.constexpr):
+    """(batch index into the tensors, first token, length) of sequence ``b``."""
+    if IS_VARLEN:
+        start = tl.load(CU + b)
+        return 0, start, tl.load(CU + b + 1) - start
+    return b, 0, n_dense
+
+
+@triton.jit
+def _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """Key tiles a query tile can see. Masks are aligned bottom-right: query i sees key j when
+    ``i + diag - window_left <= j <= i + diag + window_right`` with ``diag = seqlen_k - seqlen_q``.
+    ``lo`` is rounded down to a tile edge so tiles always start at multiples of BLOCK_N."""
+    diag = seqlen_k - seqlen_q
+    lo = 0
+    hi = seqlen_k
+    if MASK_RIGHT:
+        hi = tl.minimum(hi, start_m + BLOCK_M + diag + window_right)
+    if MASK_LEFT:
+        lo = tl.maximum(0, start_m + diag - window_left)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    return lo, hi
+
+
+@triton.jit
+def _score_mask(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
+                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """Booleans, broadcast of query indices ``rows`` against key indices ``cols`` (both 2D, either
+    orientation): in bounds and inside the causal/window band."""
+    diag = seqlen_k - seqlen_q
+    valid = (rows < seqlen_q) & (cols < seqlen_k)
+    if MASK_RIGHT:
+        valid = valid & (cols <= rows + diag + window_right)
+    if MASK_LEFT:
+        valid = valid & (cols >= rows + diag - window_left)
+    return valid
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q8, QS, K8, KS, V8T, VS, QMEAN, QMEAN_CU, O, LSE, CU_Q, CU_K,
+    s_q8b, s_q8h, s_q8t,
+    s_qsb, s_qsh,
+    s_k8b, s_k8h, s_k8t,
+    s_ksb, s_ksh,
+    s_vtb, s_vth, s_vtd,
+    s_vsb, s_vsh,
+    s_qmh, s_qmb,
+    s_ob, s_oh, s_ot, s_od,
+    s_lb, s_lh,
+    n_q, n_k, num_heads, group, head_dim, window_left, window_right,
+    IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    Q_SMOOTH: tl.constexpr, QSB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    hk = h // group
+    bq, q0, seqlen_q = _seq_bounds(CU_Q, b, n_q, IS_VARLEN)
+    bk, k0, seqlen_k = _seq_bounds(CU_K, b, n_k, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < seqlen_q
+    d_ok = offs_d < head_dim
+
+    q8 = tl.load(Q8 + bq * s_q8b + h * s_q8h + (q0 + offs_m)[:, None] * s_q8t + offs_d[None, :],
+                 mask=m_ok[:, None] & d_ok[None, :], other=0)
+    q_scale = tl.load(QS + bq * s_qsb + h * s_qsh + q0 + offs_m, mask=m_ok, other=0.0)
+    if Q_SMOOTH:  # all rows of this tile share one Q-mean block
+        blk = tl.load(QMEAN_CU + b) + start_m // QSB
+        q_mean = tl.load(QMEAN + h * s_qmh + blk * s_qmb + offs_d, mask=d_ok, other=0.0)
+
+    K8_base = K8 + bk * s_k8b + hk * s_k8h
+    KS_base = KS + bk * s_ksb + hk * s_ksh
+    V8T_base = V8T + bk * s_vtb + hk * s_vth
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    lo, hi = _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                        BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        n_ok = cols < seqlen_k
+        k8t = tl.load(K8_base + (k0 + cols)[None, :] * s_k8t + offs_d[:, None],
+                      mask=n_ok[None, :] & d_ok[:, None], other=0)
+        k_scale = tl.load(KS_base + k0 + cols, mask=n_ok, other=0.0)
+        s = tl.dot(q8, k8t, out_dtype=tl.int32).to(tl.float32) * q_scale[:, None] * k_scale[None, :]
+        if Q_SMOOTH:
+            s += (tl.sum(q_mean[:, None] * k8t.to(tl.float32), 0) * k_scale)[None, :]
+        valid = _score_mask(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                            MASK_LEFT, MASK_RIGHT)
+        s = tl.where(valid, s, float("-inf"))
+
+        tile_max = tl.max(s, 1)
+        m_new = tl.maximum(m_i, tile_max)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing visible yet
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        p_max = tl.exp2(tile_max - m_ref)                       # largest p of each row in this tile
+        p_inv = tl.where(p_max > 0, 127.0 / p_max, 0.0)
+        p8 = (p * p_inv[:, None] + 0.5).to(tl.int8)
+        v8 = tl.load(V8T_base + offs_d[None, :] * s_vtd + (k0 + cols)[:, None],
+                     mask=n_ok[:, None] & d_ok[None, :], other=0)
+        pv = tl.dot(p8, v8, out_dtype=tl.int32).to(tl.float32)
+        acc = acc * alpha[:, None] + pv * (p_max * (1.0 / 127.0))[:, None]
+        m_i = m_new
+
+    v_scale = tl.load(VS + b * s_vsb + hk * s_vsh + offs_d, mask=d_ok, other=0.0)
+    has_keys = l_i > 0
+    inv_l = tl.where(has_keys, 1.0 / l_i, 0.0)                  # fully masked rows give zeros, not NaN
+    out = acc * inv_l[:, None] * v_scale[None, :]
+    tl.store(O + bq * s_ob + h * s_oh + (q0 + offs_m)[:, None] * s_ot + offs_d[None, :] * s_od,
+             out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    # base-2 log-sum-exp; +inf for empty rows makes the backward's exp2(s - lse) exactly 0
+    lse = tl.where(has_keys, m_i + tl.log2(l_i), float("inf"))
+    tl.store(LSE + bq * s_lb + h * s_lh + q0 + offs_m, lse, mask=m_ok)
+
+
+def launch_forward(quant, v8t, v_scale, out4, lse, layout_q: SeqLayout, layout_k: SeqLayout,
+                   num_heads, group, head_dim, window, config):
+    """Run the forward kernel. ``out4`` ``[B, Hq, N, D]`` (any strides) and ``lse`` ``[B, Hq, N]`` fp32 are written."""
+    block_m, block_n, block_d, num_warps, num_stages = config
+    assert Q_SMOOTH_BLOCK % block_m == 0
+    q8, k8 = quant["q8"], quant["k8"]
+    q_mean = quant["q_mean"]
+    grid = (triton.cdiv(layout_q.max_len, block_m), layout_q.num_seqs * num_heads)
+    _attn_fwd_kernel[grid](
+        q8, quant["q_scale"], k8, quant["k_scale"], v8t, v_scale,
+        maybe(q_mean, v_scale), maybe(quant["q_mean_cu"], q8), out4, lse,
+        maybe(layout_q.cu_seqlens, q8), maybe(layout_k.cu_seqlens, q8),
+        *strides4(q8)[:3], *strides3(quant["q_scale"])[:2],
+        *strides4(k8)[:3], *strides3(quant["k_scale"])[:2],
+        *strides4(v8t)[:3], *strides3(v_scale)[:2],
+        *strides3(q_mean)[:2],
+        *strides4(out4), *strides3(lse)[:2],
+        q8.shape[2], k8.shape[2], num_heads, group, head_dim, window[0], window[1],
+        IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
+        Q_SMOOTH=q_mean is not None, QSB=Q_SMOOTH_BLOCK,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=num_warps, num_stages=num_stages,
+    )

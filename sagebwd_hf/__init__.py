@@ -1,0 +1,14 @@
+"""sagebwd-hf: SageBwd trainable INT8 attention for PyTorch and Hugging Face Transformers."""
+import os as _os
+
+# The Triton kernels live in the repository's top-level kernels/ folder and are installed as
+# sagebwd_hf.kernels (setup.cfg). In a source checkout (editable install, or the repo on PYTHONPATH)
+# that folder sits beside this package: let sagebwd_hf.kernels resolve there. kernels/ has no
+# __init__.py, so it never shadows Hugging Face's own top-level `kernels` package.
+if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")):
+    __path__.append(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+
+from .interface import sagebwd_attn_func, sagebwd_attn_varlen_func  # noqa: E402
+
+__all__ = ["sagebwd_attn_func", "sagebwd_attn_varlen_func"]
+__version__ = "0.1.0"

@@ -1,0 +1,309 @@
+"""SageBwd attention: the functional API.
+
+``sagebwd_attn_func`` (padded ``[B, H, N, D]``, the layout Transformers hands a backend) and
+``sagebwd_attn_varlen_func`` (packed ``[total_tokens, H, D]`` with ``cu_seqlens``) sit on one
+autograd.Function. CUDA tensors run the Triton kernels in ``sagebwd_hf.kernels``; CPU tensors run the
+same quantized algorithm in plain PyTorch (``sagebwd_hf.naive``), or the Triton kernels under Triton's
+interpreter when ``TRITON_INTERPRET=1``.
+"""
+import os
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+from . import naive
+from .kernels.backward import launch_backward
+from .kernels.forward import launch_forward
+from .kernels.layout import SeqLayout, as_bhnd
+from .kernels.quantize import (next_power_of_two, quantize_per_token, quantize_qk, quantize_v,
+                               token_major_copy)
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+_warned = set()
+
+
+def _warn_once(key: str, message: str):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tile shapes. They are part of the numerics (P and dS get one scale per row of a tile), so the
+# PyTorch path uses the same ones as the kernels. Each entry: (BLOCK_M, BLOCK_N, num_warps, num_stages).
+# ---------------------------------------------------------------------------------------------------
+
+def tile_configs(head_dim: int, device: torch.device):
+    """{"fwd", "dkdv", "dq"} -> (BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages)."""
+    block_d = max(32, next_power_of_two(head_dim))
+    if device.type != "cuda":
+        fwd = dkdv = dq = (64, 64, 4, 1)
+    elif block_d <= 64:
+        fwd, dkdv, dq = (128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)
+    elif block_d <= 128:
+        fwd, dkdv, dq = (128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 2)
+    else:
+        fwd, dkdv, dq = (64, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 1)
+    pack = lambda c: (c[0], c[1], block_d, c[2], c[3])  # noqa: E731
+    return {"fwd": pack(fwd), "dkdv": pack(dkdv), "dq": pack(dq)}
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The op
+# ---------------------------------------------------------------------------------------------------
+
+def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, backend):
+    """q/k/v padded ``[B, H, N, D]`` or packed ``[T, H, D]`` (then cu_* given). Returns (out, lse2)."""
+    varlen = cu_q is not None
+    cfg = tile_configs(q.shape[-1], q.device)
+    if backend == "naive":
+        return _per_sequence(
+            lambda qs, ks, vs: naive.sagebwd_forward_naive(qs, ks, vs, scale, window, k_smoothing,
+                                                           q_smoothing, block_n=cfg["fwd"][1]),
+            q, k, v, cu_q, cu_k)
+    q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
+    lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
+    lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
+    quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing)
+    v8t, v_scale = quantize_v(v4, lay_k)
+    if varlen:
+        out = torch.empty_like(q)
+    else:  # written as [B, N, H, D] so that Transformers' transpose(1, 2) afterwards is free
+        out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
+    lse = torch.empty(q4.shape[:3], device=q.device, dtype=torch.float32)
+    launch_forward(quant, v8t, v_scale, as_bhnd(out, varlen), lse, lay_q, lay_k, q4.shape[1],
+                   q4.shape[1] // k4.shape[1], q4.shape[3], window, cfg["fwd"])
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
+              q_smoothing, backend):
+    varlen = cu_q is not None
+    cfg = tile_configs(q.shape[-1], q.device)
+    if backend == "naive":
+        if varlen:
+            lse_t = lse[0].transpose(0, 1)      # [T, H] so it splits like the tokens
+            return _per_sequence(
+                lambda qs, ks, vs, os_, ls, dos: naive.sagebwd_backward_naive(
+                    qs, ks, vs, os_, ls[:, :, :, 0], dos, scale, window, k_smoothing, q_smoothing,
+                    cfg["dkdv"][0], cfg["dq"][1]),
+                q, k, v, cu_q, cu_k, extra_q=(out, lse_t.unsqueeze(-1), dout))
+        return naive.sagebwd_backward_naive(q, k, v, out, lse, dout, scale, window, k_smoothing,
+                                            q_smoothing, cfg["dkdv"][0], cfg["dq"][1])
+    q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
+    do4, o4 = as_bhnd(dout, varlen), as_bhnd(out, varlen)
+    lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
+    lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
+    # the forward's bytes again: same inputs, same deterministic quantization
+    quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing)
+    if q_smoothing:
+        q8r, q_scale_raw = quantize_per_token(q4)
+    else:
+        q8r, q_scale_raw = quant["q8"], quant["q_scale_raw"]
+    do8, do_scale = quantize_per_token(do4)
+    delta = (do4.float() * o4.float()).sum(-1).contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    launch_backward(quant, token_major_copy(q8r), q_scale_raw, token_major_copy(quant["k8"]), v4, do4,
+                    token_major_copy(do8), do_scale, lse, delta,
+                    as_bhnd(dq, varlen), as_bhnd(dk, varlen), as_bhnd(dv, varlen), lay_q, lay_k,
+                    q4.shape[1], k4.shape[1], q4.shape[3], window, scale, cfg["dkdv"], cfg["dq"])
+    return dq, dk, dv
+
+
+def _per_sequence(fn, q, k, v, cu_q, cu_k, extra_q=()):
+    """Run a padded-layout function on every sequence of a packed batch and re-pack the results.
+
+    ``fn`` gets ``[1, H, n, D]`` tensors; tensors of ``extra_q`` are split like q."""
+    if cu_q is None:
+        return fn(q, k, v, *extra_q)
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    pieces = []
+    to4 = lambda x, a, b: x[a:b].transpose(0, 1).unsqueeze(0)  # noqa: E731
+    for i in range(len(bq) - 1):
+        args = [to4(q, bq[i], bq[i + 1]), to4(k, bk[i], bk[i + 1]), to4(v, bk[i], bk[i + 1])]
+        args += [to4(x, bq[i], bq[i + 1]) for x in extra_q]
+        pieces.append(fn(*args))
+    results = []
+    for parts in zip(*pieces):
+        if parts[0].dim() == 3:   # base-2 lse [1, H, n] -> [1, H, T]
+            results.append(torch.cat(parts, dim=2))
+        else:                     # [1, H, n, D] -> [T, H, D]
+            results.append(torch.cat([x[0].transpose(0, 1) for x in parts], dim=0))
+    return tuple(results)
+
+
+class SageBwdFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, backend):
+        out, lse = _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing,
+                            backend)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.args = (max_q, max_k, scale, window, k_smoothing, q_smoothing, backend)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, scale, window, k_smoothing, q_smoothing, backend = ctx.args
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window,
+                               k_smoothing, q_smoothing, backend)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Argument checks: every bad input gets a ValueError/TypeError naming the argument
+# ---------------------------------------------------------------------------------------------------
+
+def _check_tensors(q, k, v, rank, layout_name):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != rank:
+            raise ValueError(f"{name} must have shape {layout_name}, got {tuple(x.shape)}")
+        if x.device != q.device:
+            raise ValueError(f"q, k and v must be on one device: q is on {q.device}, {name} on {x.device}")
+        if x.dtype not in SUPPORTED_DTYPES + (torch.float32,):
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"q, k and v must share one dtype: q is {q.dtype}, {name} is {x.dtype}")
+    head_dim = q.shape[-1]
+    if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
+        raise ValueError(f"q, k and v must share the head dim: got {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}")
+    if head_dim % 8 != 0 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def _check_heads(num_heads, num_kv_heads):
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"q's heads ({num_heads}) must be a multiple of k/v's heads ({num_kv_heads})")
+
+
+def _check_options(window_size, softmax_scale, head_dim, causal):
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and w >= -1 for w in window_size)):
+        raise ValueError(f"window_size must be a pair of ints >= -1 (left, right), got {window_size!r}")
+    left, right = window_size
+    if causal:
+        if right not in (-1, 0):
+            raise ValueError(f"window_size right must be -1 or 0 with causal=True, got {right}")
+        right = 0
+    if softmax_scale is None:
+        softmax_scale = head_dim ** -0.5
+    elif not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
+    return (left, right), float(softmax_scale)
+
+
+def _check_cu_seqlens(name, cu, total, max_seqlen, device):
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be a 1-D tensor of batch_size + 1 offsets")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on {device} like q, got {cu.device}")
+    if not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"max_seqlen for {name} must be a non-negative int, got {max_seqlen!r}")
+    lengths = cu[1:] - cu[:-1]
+    first, last, shortest, longest = torch.stack([cu[0], cu[-1], lengths.min(), lengths.max()]).tolist()
+    if first != 0 or shortest < 0:
+        raise ValueError(f"{name} must start at 0 and never decrease, got {cu.tolist()}")
+    if last != total:
+        raise ValueError(f"{name}[-1] is {last} but the packed tensor holds {total} tokens")
+    if longest > max_seqlen:
+        raise ValueError(f"a sequence in {name} has {longest} tokens, more than its max_seqlen {max_seqlen}")
+
+
+def _compute_dtype(q, k, v):
+    if q.dtype == torch.float32:
+        _warn_once("fp32", "sagebwd: float32 q/k/v are computed in bfloat16 (INT8 attention has no fp32 "
+                           "path); the output and gradients are returned in float32.")
+        return q.bfloat16(), k.bfloat16(), v.bfloat16(), torch.float32
+    return q, k, v, None
+
+
+def _backend(q, backend):
+    if backend is None:
+        return "triton" if _use_triton(q) else "naive"
+    if backend not in ("triton", "naive"):
+        raise ValueError(f"backend must be None, 'triton' or 'naive', got {backend!r}")
+    if backend == "triton" and not _use_triton(q):
+        raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+    return backend
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------
+
+def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                      softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
+                      k_smoothing: bool = True, q_smoothing: bool = False, return_lse: bool = False,
+                      backend: Optional[str] = None):
+    """INT8 attention with an INT8 backward (SageBwd).
+
+    Args:
+        q: ``[batch, heads, seqlen_q, head_dim]``, float16 or bfloat16 (float32 runs in bfloat16).
+        k, v: ``[batch, kv_heads, seqlen_k, head_dim]``; ``heads`` a multiple of ``kv_heads`` (GQA/MQA).
+            Any strides; inputs are never modified.
+        causal: mask future keys, aligned bottom-right when ``seqlen_q != seqlen_k``.
+        softmax_scale: defaults to ``head_dim ** -0.5``.
+        window_size: ``(left, right)`` local attention as in FlashAttention, -1 for unbounded.
+        k_smoothing: subtract the mean key (per sequence and KV head) before quantizing. Keep it on.
+        q_smoothing: subtract per-block query means, adding their scores back in fp32. Off by default.
+        return_lse: also return the natural-log log-sum-exp ``[batch, heads, seqlen_q]`` (fp32,
+            -inf for rows that see no key; not differentiable).
+        backend: None picks Triton for CUDA tensors and PyTorch for CPU ones; "naive" or "triton" force one.
+
+    Returns:
+        ``out`` ``[batch, heads, seqlen_q, head_dim]`` in q's dtype, and ``lse`` if asked.
+    """
+    _check_tensors(q, k, v, 4, "[batch, heads, seqlen, head_dim]")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    _check_heads(q.shape[1], k.shape[1])
+    window, scale = _check_options(window_size, softmax_scale, q.shape[-1], causal)
+    backend = _backend(q, backend)
+    q, k, v, restore = _compute_dtype(q, k, v)
+    out, lse = SageBwdFunction.apply(q, k, v, None, None, q.shape[2], k.shape[2], scale, window,
+                                     bool(k_smoothing), bool(q_smoothing), backend)
+    if restore is not None:
+        out = out.to(restore)
+    return (out, naive.lse_to_natural(lse)) if return_lse else out
+
+
+def sagebwd_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                             max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                             softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
+                             k_smoothing: bool = True, q_smoothing: bool = False, return_lse: bool = False,
+                             backend: Optional[str] = None):
+    """Packed (padding-free) batches, as ``flash_attn_varlen_func``.
+
+    ``q`` is ``[total_q, heads, head_dim]``, ``k``/``v`` ``[total_k, kv_heads, head_dim]``; sequence ``i``
+    holds tokens ``cu_seqlens[i]:cu_seqlens[i+1]`` (int32, on q's device). No token attends across a
+    sequence boundary. ``lse``, if asked, is ``[heads, total_q]``. Other arguments as ``sagebwd_attn_func``.
+    """
+    _check_tensors(q, k, v, 3, "[total_tokens, heads, head_dim]")
+    _check_heads(q.shape[1], k.shape[1])
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
+                         f"got {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
+    window, scale = _check_options(window_size, softmax_scale, q.shape[-1], causal)
+    backend = _backend(q, backend)
+    q, k, v, restore = _compute_dtype(q, k, v)
+    out, lse = SageBwdFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                     window, bool(k_smoothing), bool(q_smoothing), backend)
+    if restore is not None:
+        out = out.to(restore)
+    return (out, naive.lse_to_natural(lse[0])) if return_lse else out

@@ -1,0 +1,200 @@
+"""Readable PyTorch versions of attention, kept beside the Triton kernels.
+
+* ``attention_exact``: plain softmax attention in any precision (float64 in tests): the ground truth.
+* ``sagebwd_forward_naive`` / ``sagebwd_backward_naive``: the SageBwd quantized algorithm, step by step,
+  with the kernels' tiling (it decides the P and dS scales), so it is both the tests' oracle for the
+  kernels and the op's implementation when tensors live on the CPU.
+
+All functions take padded ``[B, H, N, D]`` tensors (K/V may have fewer heads: GQA). Masks follow
+FlashAttention: ``window_size = (left, right)``, ``-1`` for unbounded, causal is ``right = 0``, aligned
+to the bottom-right corner when the query and key lengths differ.
+"""
+import math
+
+import torch
+
+LOG2E = 1.4426950408889634
+Q_SMOOTH_BLOCK = 128
+
+
+def band_mask(n_q: int, n_k: int, window_size, device) -> torch.Tensor:
+    """``[n_q, n_k]`` booleans: may query i attend to key j."""
+    left, right = window_size
+    i = torch.arange(n_q, device=device)[:, None]
+    j = torch.arange(n_k, device=device)[None, :]
+    diag = n_k - n_q
+    ok = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        ok &= j <= i + diag + right
+    if left >= 0:
+        ok &= j >= i + diag - left
+    return ok
+
+
+def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    return x.repeat_interleave(num_heads // x.shape[1], dim=1)
+
+
+def _sum_groups(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    b, h, n, d = x.shape
+    return x.view(b, num_kv_heads, h // num_kv_heads, n, d).sum(2)
+
+
+def attention_exact(q, k, v, softmax_scale=None, window_size=(-1, -1), dtype=torch.float64):
+    """Softmax attention computed in ``dtype``; differentiable. Returns (out, natural-log lse).
+
+    Rows that see no key give zeros (and lse -inf)."""
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    q, k, v = q.to(dtype), _repeat_kv(k.to(dtype), q.shape[1]), _repeat_kv(v.to(dtype), q.shape[1])
+    s = (q @ k.transpose(-1, -2)) * scale
+    mask = band_mask(q.shape[2], k.shape[2], window_size, q.device)
+    s = s.masked_fill(~mask, float("-inf"))
+    row_max = s.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max).detach()
+    p = torch.exp(s - row_max)
+    denom = p.sum(-1, keepdim=True)
+    out = (p @ v) / torch.where(denom > 0, denom, torch.ones_like(denom))
+    lse = torch.where(denom > 0, denom.log() + row_max, torch.full_like(denom, float("-inf")))
+    return out, lse.squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The quantized algorithm
+# ---------------------------------------------------------------------------------------------------
+
+def quantize_per_token(x: torch.Tensor):
+    """Symmetric INT8 with one scale per row of the last dim (stored as integer-valued fp32)."""
+    xf = x.float()
+    scale = xf.abs().amax(-1) / 127.0
+    return torch.round(xf / scale.clamp_min(1e-30).unsqueeze(-1)), scale
+
+
+def _round_half_away(x: torch.Tensor) -> torch.Tensor:
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def _row_quantize(x: torch.Tensor, dim: int, signed: bool):
+    """Quantize ``x`` with one scale per slice along ``dim`` (the reduced-over tile axis)."""
+    x_max = (x.abs() if signed else x).amax(dim, keepdim=True)
+    inv = torch.where(x_max > 0, 127.0 / x_max, torch.zeros_like(x_max))
+    x8 = _round_half_away(x * inv) if signed else torch.floor(x * inv + 0.5)
+    return x8, x_max * (1.0 / 127.0)
+
+
+def _q_block_means(qf: torch.Tensor) -> torch.Tensor:
+    """Per-token copy of the mean of its block of Q_SMOOTH_BLOCK tokens."""
+    n = qf.shape[2]
+    out = torch.empty_like(qf)
+    for start in range(0, n, Q_SMOOTH_BLOCK):
+        blk = qf[:, :, start:start + Q_SMOOTH_BLOCK]
+        out[:, :, start:start + Q_SMOOTH_BLOCK] = blk.mean(2, keepdim=True)
+    return out
+
+
+def _scores(q, k, softmax_scale, window_size, k_smoothing, q_smoothing):
+    """Dequantized base-2 scores S * softmax_scale * log2(e), masked with -inf, plus what the
+    backward reuses: (s, q8, q_scale_raw, k8, k_scale) with K/V heads already repeated."""
+    c = softmax_scale * LOG2E
+    kf = k.float()
+    if k_smoothing:
+        kf = kf - kf.mean(2, keepdim=True)
+    k8, k_scale = quantize_per_token(kf)
+    qf = q.float()
+    if q_smoothing:
+        q_mean = _q_block_means(qf)
+        qf = qf - q_mean
+    q8, q_scale_raw = quantize_per_token(qf)
+    k8, k_scale = _repeat_kv(k8, q.shape[1]), _repeat_kv(k_scale.unsqueeze(-1), q.shape[1]).squeeze(-1)
+    # int8 x int8 sums stay below 2^24, so these float32 products are exact
+    s = (q8 @ k8.transpose(-1, -2)) * (q_scale_raw * c)[..., :, None] * k_scale[..., None, :]
+    if q_smoothing:
+        s = s + ((q_mean * c) @ k8.transpose(-1, -2)) * k_scale[..., None, :]
+    mask = band_mask(q.shape[2], k.shape[2], window_size, q.device)
+    return s.masked_fill(~mask, float("-inf")), q8, q_scale_raw, k8, k_scale, mask
+
+
+def sagebwd_forward_naive(q, k, v, softmax_scale, window_size=(-1, -1), k_smoothing=True,
+                          q_smoothing=False, block_n=64):
+    """Returns (out in q's dtype, base-2 log-sum-exp fp32 with +inf for rows that see no key)."""
+    s, _, _, _, _, _ = _scores(q, k, softmax_scale, window_size, k_smoothing, q_smoothing)
+    vf = v.float()
+    v_scale = vf.abs().amax(2, keepdim=True) / 127.0                       # per channel
+    v8 = _repeat_kv(torch.round(vf / v_scale.clamp_min(1e-30)), q.shape[1])
+    v_scale = _repeat_kv(v_scale, q.shape[1])
+
+    b, h, n_q, n_k = s.shape
+    m = torch.full((b, h, n_q), float("-inf"), device=q.device)
+    l = torch.zeros(b, h, n_q, device=q.device)
+    acc = torch.zeros(b, h, n_q, v.shape[-1], device=q.device)
+    for start in range(0, n_k, block_n):            # online softmax, one key tile at a time
+        s_tile = s[..., start:start + block_n]
+        tile_max = s_tile.amax(-1)
+        m_new = torch.maximum(m, tile_max)
+        m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp2(m - m_ref)
+        p = torch.exp2(s_tile - m_ref[..., None])
+        l = l * alpha + p.sum(-1)
+        p_max = torch.exp2(tile_max - m_ref)        # P is quantized per row of the tile
+        p_inv = torch.where(p_max > 0, 127.0 / p_max, torch.zeros_like(p_max))
+        p8 = torch.floor(p * p_inv[..., None] + 0.5)
+        acc = acc * alpha[..., None] + (p8 @ v8[:, :, start:start + block_n]) * (p_max / 127.0)[..., None]
+        m = m_new
+    out = acc * torch.where(l > 0, 1.0 / l, torch.zeros_like(l))[..., None] * v_scale
+    lse = torch.where(l > 0, m + torch.log2(l), torch.full_like(l, float("inf")))
+    return out.to(q.dtype), lse
+
+
+def _tiles(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """Zero-pad ``dim`` to a multiple of ``size`` and split it into (tiles, size)."""
+    n = x.shape[dim]
+    pad = (-n) % size
+    if pad:
+        shape = list(x.shape)
+        shape[dim] = pad
+        x = torch.cat([x, x.new_zeros(shape)], dim)
+    shape = list(x.shape)
+    shape[dim:dim + 1] = [(n + pad) // size, size]
+    return x.reshape(shape)
+
+
+def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(-1, -1),
+                           k_smoothing=True, q_smoothing=False, block_m_dkdv=64, block_n_dq=64):
+    """Gradients (dq, dk, dv) of the quantized algorithm, in the inputs' dtypes.
+
+    ``block_m_dkdv``: query tile of the dK/dV kernel (P and dS get one scale per key per tile);
+    ``block_n_dq``: key tile of the dQ kernel (dS gets one scale per query per tile)."""
+    s, q8, q_scale_raw, k8, k_scale, mask = _scores(q, k, softmax_scale, window_size, k_smoothing,
+                                                     q_smoothing)
+    if q_smoothing:   # dK needs the true Q, not the smoothed one the scores used
+        q8, q_scale_raw = quantize_per_token(q)
+    do8, do_scale = quantize_per_token(dout)
+    vf = _repeat_kv(v.float(), q.shape[1])
+    n_q, n_k = s.shape[-2:]
+
+    p = torch.where(mask, torch.exp2(s - lse[..., None]), torch.zeros_like(s))
+    dp = dout.float() @ vf.transpose(-1, -2)        # stays in high precision
+    delta = (dout.float() * out.float()).sum(-1)
+    ds = p * (dp - delta[..., None])
+
+    # dV = P^T dO and dK = dS^T Q reduce over queries: one scale per key per query tile
+    def over_queries(x, x8, x_scale, signed):
+        t = _tiles(x * x_scale[..., :, None], 2, block_m_dkdv)                # [B, H, T, bm, Nk]
+        t8, t_scale = _row_quantize(t, 3, signed)
+        rhs = _tiles(x8, 2, block_m_dkdv)                                     # [B, H, T, bm, D]
+        return ((t8.transpose(-1, -2) @ rhs) * t_scale.transpose(-1, -2)).sum(2)
+
+    dv = over_queries(p, do8, do_scale, False)
+    dk = over_queries(ds, q8, q_scale_raw, True) * softmax_scale
+    # dQ = dS K reduces over keys: one scale per query per key tile
+    t = _tiles(ds * k_scale[..., None, :], 3, block_n_dq)                     # [B, H, Nq, T, bn]
+    t8, t_scale = _row_quantize(t, 4, True)
+    k_tiles = _tiles(k8, 2, block_n_dq)                                       # [B, H, T, bn, D]
+    dq = ((t8.transpose(2, 3) @ k_tiles) * t_scale.transpose(2, 3)).sum(2) * softmax_scale
+
+    hkv = k.shape[1]
+    return dq.to(q.dtype), _sum_groups(dk, hkv).to(k.dtype), _sum_groups(dv, hkv).to(v.dtype)
+
+
+def lse_to_natural(lse2: torch.Tensor) -> torch.Tensor:
+    """Internal base-2 lse (+inf marks empty rows) -> natural log (-inf for empty rows)."""
+    return torch.where(torch.isinf(lse2), torch.full_like(lse2, float("-inf")), lse2 * math.log(2.0))

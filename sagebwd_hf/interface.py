@@ -16,12 +16,21 @@ from . import naive
 from .kernels.backward import launch_backward
 from .kernels.forward import launch_forward
 from .kernels.layout import SeqLayout, as_bhnd
-from .kernels.quantize import (next_power_of_two, quantize_per_token, quantize_qk, quantize_v,
-                               token_major_copy)
+from .kernels.quantize import (next_power_of_two, per_sequence, per_token, quantize_per_token, quantize_qk,
+                               quantize_v, token_major_copy)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 _warned = set()
+# Tests set SAGEBWD_POISON=1: kernel outputs start as NaN, so an element a kernel forgot shows up.
+_POISON = os.environ.get("SAGEBWD_POISON") == "1"
+
+
+def _poisoned(*tensors):
+    if _POISON:
+        for x in tensors:
+            x.fill_(float("nan"))
+    return tensors
 
 
 def _warn_once(key: str, message: str):
@@ -77,6 +86,7 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_sm
     else:  # written as [B, N, H, D] so that Transformers' transpose(1, 2) afterwards is free
         out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
     lse = torch.empty(q4.shape[:3], device=q.device, dtype=torch.float32)
+    _poisoned(out, lse)
     launch_forward(quant, v8t, v_scale, as_bhnd(out, varlen), lse, lay_q, lay_k, q4.shape[1],
                    q4.shape[1] // k4.shape[1], q4.shape[3], window, cfg["fwd"])
     return out, lse
@@ -108,7 +118,7 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
         q8r, q_scale_raw = quant["q8"], quant["q_scale_raw"]
     do8, do_scale = quantize_per_token(do4)
     delta = (do4.float() * o4.float()).sum(-1).contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = _poisoned(torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     launch_backward(quant, token_major_copy(q8r), q_scale_raw, token_major_copy(quant["k8"]), v4, do4,
                     token_major_copy(do8), do_scale, lse, delta,
                     as_bhnd(dq, varlen), as_bhnd(dk, varlen), as_bhnd(dv, varlen), lay_q, lay_k,
@@ -160,6 +170,21 @@ class SageBwdFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------
 # Argument checks: every bad input gets a ValueError/TypeError naming the argument
 # ---------------------------------------------------------------------------------------------------
+
+def _true_lse(lse2, q, k, cu_q, cu_k, scale, k_smoothing):
+    """Natural-log lse of the caller's scores. K-smoothing moved every score of row i by
+    ``-scale * q_i . mean(k)``: the kernels' lse is that much too small."""
+    lse = naive.lse_to_natural(lse2)
+    if not k_smoothing:
+        return lse
+    varlen = cu_q is not None
+    q4, k4 = as_bhnd(q, varlen), as_bhnd(k, varlen)
+    lay_q = SeqLayout(cu_q.numel() - 1, 0, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
+    lay_k = SeqLayout(cu_k.numel() - 1, 0, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
+    k_mean = per_sequence(k4.float(), lay_k, "mean").repeat_interleave(q4.shape[1] // k4.shape[1], dim=1)
+    shift = (q4.float() * per_token(k_mean, q4, lay_q)).sum(-1) * scale
+    return lse + shift
+
 
 def _check_tensors(q, k, v, rank, layout_name):
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -277,7 +302,9 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                                      bool(k_smoothing), bool(q_smoothing), backend)
     if restore is not None:
         out = out.to(restore)
-    return (out, naive.lse_to_natural(lse)) if return_lse else out
+    if not return_lse:
+        return out
+    return out, _true_lse(lse, q.detach(), k.detach(), None, None, scale, k_smoothing)
 
 
 def sagebwd_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -306,4 +333,6 @@ def sagebwd_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                      window, bool(k_smoothing), bool(q_smoothing), backend)
     if restore is not None:
         out = out.to(restore)
-    return (out, naive.lse_to_natural(lse[0])) if return_lse else out
+    if not return_lse:
+        return out
+    return out, _true_lse(lse, q.detach(), k.detach(), cu_seqlens_q, cu_seqlens_k, scale, k_smoothing)[0]

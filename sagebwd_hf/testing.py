@@ -1,0 +1,58 @@
+"""Shared by the tests and benchmarks: input generators and error metrics against exact attention."""
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .naive import attention_exact
+
+
+def error_stats(x: torch.Tensor, ref: torch.Tensor) -> Tuple[float, float]:
+    """(cosine similarity, relative L2 error) of ``x`` against ``ref``, computed in float64."""
+    a, b = x.detach().double().flatten(), ref.detach().double().flatten()
+    if not torch.isfinite(a).all():
+        return float("nan"), float("nan")
+    ref_norm = b.norm()
+    if ref_norm == 0:
+        return (1.0 if a.norm() == 0 else 0.0), a.norm().item()
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+    return cos, ((a - b).norm() / ref_norm).item()
+
+
+def make_qkv(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype, device, k_outliers=0.0,
+             seed: Optional[int] = None):
+    """Random q, k, v ``[B, H, N, D]`` plus an upstream gradient.
+
+    ``k_outliers > 0`` adds a per-channel offset to K of that many standard deviations on a few
+    channels and a smaller one on all: the channel bias real models show and K-smoothing removes."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed if seed is not None else torch.randint(0, 2**31 - 1, ()).item())
+    rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    q = rnd(batch, heads, seqlen_q, head_dim)
+    k = rnd(batch, kv_heads, seqlen_k, head_dim)
+    if k_outliers:
+        offset = rnd(head_dim) * (k_outliers / 4)
+        offset[torch.randperm(head_dim, generator=gen)[: max(1, head_dim // 16)]] = k_outliers
+        k = k + offset
+    v = rnd(batch, kv_heads, seqlen_k, head_dim)
+    do = rnd(batch, heads, seqlen_q, head_dim)
+    cast = lambda x: x.to(device=device, dtype=dtype)  # noqa: E731
+    return cast(q), cast(k), cast(v), cast(do)
+
+
+def run_with_grads(fn, q, k, v, do) -> Dict[str, torch.Tensor]:
+    """out and dq/dk/dv of ``fn(q, k, v)`` for the upstream gradient ``do``; inputs are not touched."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(do.to(out.dtype))
+    return {"O": out.detach(), "dQ": leaves[0].grad, "dK": leaves[1].grad, "dV": leaves[2].grad}
+
+
+def exact_reference(q, k, v, do, softmax_scale=None, window_size=(-1, -1), dtype=torch.float64):
+    """Exact attention and its gradients (float64 by default)."""
+    return run_with_grads(lambda a, b, c: attention_exact(a, b, c, softmax_scale, window_size, dtype)[0],
+                          q.to(dtype), k.to(dtype), v.to(dtype), do.to(dtype))
+
+
+def compare(result: Dict[str, torch.Tensor], reference: Dict[str, torch.Tensor]):
+    """{name: (cos, rel_l2)} for O, dQ, dK, dV."""
+    return {name: error_stats(result[name], reference[name]) for name in ("O", "dQ", "dK", "dV")}

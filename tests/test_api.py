@@ -1,0 +1,115 @@
+"""Argument checking, dtype handling and the PyTorch (CPU) path of the public API."""
+import importlib.util
+import warnings
+
+import pytest
+import torch
+
+import sagebwd_hf
+from sagebwd_hf import interface, sagebwd_attn_func, sagebwd_attn_varlen_func
+from sagebwd_hf.testing import compare, exact_reference, make_qkv, run_with_grads
+
+
+def _qkv(b=1, h=2, hk=2, n=16, d=64, dtype=torch.float16):
+    return make_qkv(b, h, hk, n, n, d, dtype, "cpu")[:3]
+
+
+@pytest.mark.parametrize("make_bad, match", [
+    (lambda q, k, v: (q[0], k, v), r"q must have shape"),
+    (lambda q, k, v: (q, k[..., :32], v), r"head dim"),
+    (lambda q, k, v: (q, k, v[:, :, :8]), r"k and v must have the same shape"),
+    (lambda q, k, v: (q.repeat(2, 1, 1, 1), k, v), r"batch size"),
+    (lambda q, k, v: (q.repeat(1, 3, 1, 1)[:, :3], k, v), r"multiple of k/v's heads"),
+    (lambda q, k, v: (q[..., :20], k[..., :20], v[..., :20]), r"multiple of 8"),
+    (lambda q, k, v: (torch.zeros(1, 2, 4, 264, dtype=torch.float16),) * 3, r"multiple of 8 from 8 to 256"),
+])
+def test_shape_errors_name_the_argument(make_bad, match):
+    with pytest.raises(ValueError, match=match):
+        sagebwd_attn_func(*make_bad(*_qkv()))
+
+
+def test_type_errors():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="share one dtype"):
+        sagebwd_attn_func(q, k.bfloat16(), v)
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        sagebwd_attn_func(q.double(), k.double(), v.double())
+    with pytest.raises(TypeError, match="k must be a torch.Tensor"):
+        sagebwd_attn_func(q, k.tolist(), v)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(window_size=(3,)), "window_size"),
+    (dict(window_size=(-2, 0)), "window_size"),
+    (dict(causal=True, window_size=(4, 5)), "right must be -1 or 0 with causal"),
+    (dict(softmax_scale=0.0), "softmax_scale"),
+    (dict(backend="cuda"), "backend"),
+])
+def test_option_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sagebwd_attn_func(*_qkv(), **kwargs)
+
+
+def test_varlen_errors():
+    q = torch.randn(10, 2, 64, dtype=torch.float16)
+    good = torch.tensor([0, 4, 10], dtype=torch.int32)
+    cases = [
+        (dict(cu_seqlens_q=good.long()), TypeError, "cu_seqlens_q must be int32"),
+        (dict(cu_seqlens_q=torch.tensor([0, 4, 9], dtype=torch.int32)), ValueError, "holds 10 tokens"),
+        (dict(cu_seqlens_k=torch.tensor([0, 7, 4, 10], dtype=torch.int32)), ValueError, "never decrease"),
+        (dict(cu_seqlens_q=torch.tensor([1, 4, 10], dtype=torch.int32)), ValueError, "start at 0"),
+        (dict(max_seqlen_q=5), ValueError, "more than its max_seqlen"),
+        (dict(cu_seqlens_k=torch.tensor([0, 10], dtype=torch.int32), max_seqlen_k=10), ValueError,
+         "same number of sequences"),
+    ]
+    for override, exc, match in cases:
+        args = dict(cu_seqlens_q=good, cu_seqlens_k=good, max_seqlen_q=6, max_seqlen_k=6)
+        args.update(override)
+        with pytest.raises(exc, match=match):
+            sagebwd_attn_varlen_func(q, q, q, **args)
+    with pytest.raises(ValueError, match=r"q must have shape \[total_tokens"):
+        sagebwd_attn_varlen_func(q[None], q[None], q[None], good, good, 6, 6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
+def test_device_mismatch():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="one device"):
+        sagebwd_attn_func(q.cuda(), k, v)
+
+
+def test_fp32_runs_in_bf16_and_returns_fp32():
+    q, k, v, do = make_qkv(1, 2, 2, 40, 40, 64, torch.float32, "cpu")
+    interface._warned.discard("fp32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, causal=True), q, k, v, do)
+        run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, causal=True), q, k, v, do)
+    messages = [str(w.message) for w in caught if "bfloat16" in str(w.message)]
+    assert len(messages) == 1, "the fp32 notice is given once"
+    assert all(t.dtype == torch.float32 for t in res.values())
+    for name, (cos, rel) in compare(res, exact_reference(q, k, v, do, window_size=(-1, 0))).items():
+        assert cos > 0.999 and rel < 0.05, (name, cos, rel)
+
+
+@pytest.mark.parametrize("backend", ["naive", None])
+def test_cpu_path_matches_exact(backend):
+    """The CPU path (reference implementation) on its own, against float64 attention."""
+    q, k, v, do = make_qkv(2, 4, 2, 90, 90, 64, torch.bfloat16, "cpu")
+    res = run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, causal=True, backend=backend), q, k, v, do)
+    for name, (cos, rel) in compare(res, exact_reference(q, k, v, do, window_size=(-1, 0))).items():
+        assert cos > 0.999 and rel < 0.05, (name, cos, rel)
+
+
+def test_kernels_folder_is_not_a_top_level_module():
+    """Hugging Face's `kernels` package owns that name; ours is importable as sagebwd_hf.kernels only."""
+    import os
+
+    import sagebwd_hf.kernels.forward as fwd
+    repo_kernels = os.path.dirname(fwd.__file__)
+    # no __init__.py: with the repo root on sys.path, `kernels` is at most a namespace portion, which
+    # loses to any real `kernels` install and which transformers' availability check rejects
+    assert not os.path.exists(os.path.join(repo_kernels, "__init__.py"))
+    spec = importlib.util.find_spec("kernels")
+    if spec is not None and spec.origin not in (None, "namespace"):
+        assert not spec.origin.startswith(repo_kernels)

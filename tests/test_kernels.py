@@ -1,0 +1,226 @@
+"""The Triton kernels against the PyTorch reference of the same quantized algorithm (tight) and against
+exact float64 attention (cosine / relative L2 bounds), forward and backward.
+
+On a CPU machine they run under Triton's interpreter; with ``-m gpu`` on CUDA."""
+import pytest
+import torch
+from conftest import kernel_devices
+
+from sagebwd_hf import sagebwd_attn_func, sagebwd_attn_varlen_func
+from sagebwd_hf.testing import compare, exact_reference, make_qkv, run_with_grads
+
+# The oracle runs the same algorithm with the same tiles: only fp32 rounding order and exp2
+# implementations differ, which can flip a rare INT8 rounding of P or dS. Under the interpreter, fp32 ->
+# bf16 stores truncate instead of rounding to nearest, which costs up to one bf16 ulp (2^-8) per element
+# of O; the backward's Delta = rowsum(dO * O) carries that bias into dS = P (dP - Delta), a difference of
+# close numbers, so dQ/dK move by up to ~1e-2 there.
+ORACLE_REL = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
+ORACLE_REL_GPU = {torch.float16: 2e-3, torch.bfloat16: 6e-3}
+# Against exact attention on Gaussian inputs (the measured error is ~1.5e-2; these catch real bugs).
+EXACT_MIN_COS = {"O": 0.999, "dQ": 0.998, "dK": 0.998, "dV": 0.999}
+EXACT_MAX_REL = {"O": 0.04, "dQ": 0.06, "dK": 0.06, "dV": 0.04}
+
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, window)
+CASES = [
+    (2, 4, 4, 17, 17, 64, False, (-1, -1)),
+    (1, 4, 1, 127, 127, 64, True, (-1, -1)),       # MQA, causal
+    (1, 8, 2, 200, 200, 128, True, (-1, -1)),      # GQA 4
+    (1, 2, 2, 200, 200, 80, False, (-1, -1)),      # odd head dim
+    (1, 4, 4, 1, 127, 128, True, (-1, -1)),        # one-token decode, bottom-right causal
+    (2, 2, 1, 17, 200, 96, True, (-1, -1)),        # q shorter than k
+    (1, 2, 2, 200, 17, 64, True, (-1, -1)),        # q longer than k: first rows see nothing
+    (1, 2, 2, 200, 200, 64, True, (31, 0)),        # sliding window
+    (1, 2, 1, 127, 200, 64, False, (40, 7)),       # two-sided local window
+    (1, 2, 2, 1000, 1000, 64, True, (-1, -1)),
+    (1, 1, 1, 1000, 1000, 128, False, (-1, -1)),
+    (1, 2, 2, 64, 64, 256, False, (-1, -1)),
+    (1, 2, 1, 33, 33, 8, True, (-1, -1)),
+]
+
+
+def _name(case):
+    b, h, hk, nq, nk, d, causal, window = case
+    return f"b{b}h{h}kv{hk}-q{nq}k{nk}-d{d}-{'causal' if causal else 'full'}-w{window[0]}_{window[1]}"
+
+
+def _effective_window(causal, window):
+    return (window[0], 0) if causal else window
+
+
+def _check_exact(stats, label=""):
+    for name, (cos, rel) in stats.items():
+        assert cos >= EXACT_MIN_COS[name], f"{label}{name}: cos {cos:.5f} < {EXACT_MIN_COS[name]}"
+        assert rel <= EXACT_MAX_REL[name], f"{label}{name}: rel L2 {rel:.4f} > {EXACT_MAX_REL[name]}"
+
+
+def _check_oracle(stats, dtype, device, label=""):
+    bound = (ORACLE_REL if device == "cpu" else ORACLE_REL_GPU)[dtype]
+    for name, (cos, rel) in stats.items():
+        assert rel <= bound, f"{label}{name}: kernel vs reference rel L2 {rel:.2e} > {bound}"
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize("case", CASES, ids=_name)
+def test_kernel_matches_reference_and_exact(device, case):
+    b, h, hk, nq, nk, d, causal, window = case
+    dtype = torch.float16
+    q, k, v, do = make_qkv(b, h, hk, nq, nk, d, dtype, device)
+    fn = lambda backend: (lambda x, y, z: sagebwd_attn_func(  # noqa: E731
+        x, y, z, causal=causal, window_size=window, backend=backend))
+    kern = run_with_grads(fn("triton"), q, k, v, do)
+    for name, t in kern.items():
+        assert torch.isfinite(t).all(), f"{name} has NaN/inf (or an element the kernel never wrote)"
+    ref = run_with_grads(fn("naive"), q, k, v, do)
+    exact = exact_reference(q, k, v, do, window_size=_effective_window(causal, window))
+    _check_oracle(compare(kern, ref), dtype, device)
+    _check_exact(compare(kern, exact))
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("q_smoothing", [False, True], ids=["", "qsmooth"])
+def test_dtypes_and_smoothing(device, dtype, q_smoothing):
+    q, k, v, do = make_qkv(2, 4, 2, 150, 150, 64, dtype, device, k_outliers=8.0)
+    q = q + 2.0   # a shared offset: what Q-smoothing takes out
+    fn = lambda backend: (lambda x, y, z: sagebwd_attn_func(  # noqa: E731
+        x, y, z, causal=True, q_smoothing=q_smoothing, backend=backend))
+    kern = run_with_grads(fn("triton"), q, k, v, do)
+    _check_oracle(compare(kern, run_with_grads(fn("naive"), q, k, v, do)), dtype, device)
+    _check_exact(compare(kern, exact_reference(q, k, v, do, window_size=(-1, 0))))
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+def test_varlen_matches_padded_sequences(device):
+    """Packed sequences of uneven lengths (one empty) equal each sequence run alone."""
+    torch.manual_seed(0)
+    lens_q, lens_k = [5, 130, 0, 64, 1], [9, 130, 3, 64, 77]
+    h, hk, d, dtype = 4, 2, 64, torch.float16
+    cu_q = torch.tensor([0] + lens_q, device=device).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device=device).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lens_q), h, d, device=device, dtype=dtype)
+    k = torch.randn(sum(lens_k), hk, d, device=device, dtype=dtype)
+    v = torch.randn(sum(lens_k), hk, d, device=device, dtype=dtype)
+    do = torch.randn_like(q)
+    window = (24, -1)
+    packed = run_with_grads(lambda x, y, z: sagebwd_attn_varlen_func(
+        x, y, z, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, window_size=window), q, k, v, do)
+    assert all(torch.isfinite(t).all() for t in packed.values())
+    for i in range(len(lens_q)):
+        sq, sk = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        to4 = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731
+        alone = run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, causal=True, window_size=window),
+                               to4(q[sq]), to4(k[sk]), to4(v[sk]), to4(do[sq]))
+        for name, part in (("O", sq), ("dQ", sq), ("dK", sk), ("dV", sk)):
+            got, want = packed[name][part], alone[name][0].transpose(0, 1)
+            assert torch.allclose(got.float(), want.float(), atol=1e-3, rtol=1e-3), f"seq {i} {name}"
+        if lens_q[i] == 0:
+            continue
+        exact = exact_reference(to4(q[sq]), to4(k[sk]), to4(v[sk]), to4(do[sq]), window_size=(24, 0))
+        for name, (cos, rel) in compare(alone, exact).items():
+            if exact[name].norm() > 0:
+                assert rel <= EXACT_MAX_REL[name], f"seq {i} {name} rel {rel}"
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+def test_varlen_reference_path_agrees(device):
+    lens = [37, 90]
+    cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lens), 2, 64, device=device, dtype=torch.float16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    do = torch.randn_like(q)
+    fn = lambda backend: (lambda x, y, z: sagebwd_attn_varlen_func(  # noqa: E731
+        x, y, z, cu, cu, max(lens), max(lens), causal=True, q_smoothing=True, backend=backend))
+    _check_oracle(compare(run_with_grads(fn("triton"), q, k, v, do), run_with_grads(fn("naive"), q, k, v, do)),
+                  torch.float16, device)
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+def test_fully_masked_rows_give_zeros(device):
+    """Causal with more queries than keys: the first rows see no key. Zeros, never NaN."""
+    q, k, v, do = make_qkv(1, 2, 2, 70, 6, 64, torch.float16, device)
+    res = run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, causal=True), q, k, v, do)
+    out, lse = sagebwd_attn_func(q, k, v, causal=True, return_lse=True)
+    assert torch.isfinite(res["dQ"]).all() and torch.isfinite(res["dK"]).all() and torch.isfinite(res["dV"]).all()
+    assert (res["O"][:, :, :64] == 0).all() and (res["dQ"][:, :, :64] == 0).all()
+    assert (res["O"][:, :, 64:].abs().sum(-1) > 0).all()
+    assert torch.isneginf(lse[:, :, :64]).all() and torch.isfinite(lse[:, :, 64:]).all()
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+def test_lse_matches_exact(device):
+    from sagebwd_hf.naive import attention_exact
+    q, k, v, _ = make_qkv(1, 2, 1, 100, 130, 64, torch.float16, device)
+    _, lse = sagebwd_attn_func(q, k, v, causal=True, return_lse=True)
+    _, lse_exact = attention_exact(q, k, v, window_size=(-1, 0))
+    assert lse.dtype == torch.float32 and lse.shape == (1, 2, 100)
+    assert torch.allclose(lse.double(), lse_exact, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+def test_noncontiguous_inputs_and_no_mutation(device):
+    """Transformers hands [B, N, H, D] memory viewed as [B, H, N, D]; inputs must come back untouched."""
+    b, n, h, d = 2, 70, 4, 64
+    q = torch.randn(b, n, h, d, device=device, dtype=torch.float16).transpose(1, 2)
+    k = torch.randn(b, n, 2, d, device=device, dtype=torch.float16).transpose(1, 2)
+    v = torch.randn(b, n, 2, d, device=device, dtype=torch.float16).transpose(1, 2)
+    do = torch.randn(b, h, n, d, device=device, dtype=torch.float16)
+    before = [x.clone() for x in (q, k, v)]
+    strided = run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, causal=True), q, k, v, do)
+    for x, x0 in zip((q, k, v), before):
+        assert torch.equal(x, x0)
+    contiguous = run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, causal=True),
+                                q.contiguous(), k.contiguous(), v.contiguous(), do)
+    for name in strided:
+        assert torch.equal(strided[name], contiguous[name]), name
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+def test_k_smoothing_cuts_error_on_k_outliers(device):
+    q, k, v, do = make_qkv(1, 2, 2, 128, 128, 64, torch.float16, device, k_outliers=20.0)
+    exact = exact_reference(q, k, v, do)
+    errs = {}
+    for smooth in (True, False):
+        res = run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, k_smoothing=smooth), q, k, v, do)
+        errs[smooth] = compare(res, exact)
+    for name in ("O", "dQ", "dV"):
+        assert errs[True][name][1] < errs[False][name][1], (name, errs)
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+def test_backward_is_deterministic(device):
+    q, k, v, do = make_qkv(1, 8, 2, 200, 200, 64, torch.bfloat16, device)
+    first = run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, causal=True), q, k, v, do)
+    second = run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, causal=True), q, k, v, do)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU only: real sizes, bf16, the shapes the interpreter is too slow for
+# ------------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    (2, 16, 16, 2048, 2048, 128, True, (-1, -1)),
+    (2, 16, 4, 2048, 2048, 128, False, (-1, -1)),
+    (4, 8, 8, 1000, 1000, 64, True, (-1, -1)),
+    (1, 8, 1, 1536, 1536, 64, True, (255, 0)),
+    (2, 8, 8, 777, 1111, 96, True, (-1, -1)),
+    (1, 8, 2, 1024, 1024, 256, True, (-1, -1)),
+    (1, 4, 4, 1024, 1024, 192, False, (-1, -1)),
+    (8, 8, 8, 1, 4096, 128, True, (-1, -1)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=_name)
+def test_gpu_sweep(case, dtype):
+    b, h, hk, nq, nk, d, causal, window = case
+    q, k, v, do = make_qkv(b, h, hk, nq, nk, d, dtype, "cuda")
+    fn = lambda backend: (lambda x, y, z: sagebwd_attn_func(  # noqa: E731
+        x, y, z, causal=causal, window_size=window, backend=backend))
+    kern = run_with_grads(fn("triton"), q, k, v, do)
+    ref = run_with_grads(fn("naive"), q, k, v, do)
+    exact = exact_reference(q, k, v, do, window_size=_effective_window(causal, window), dtype=torch.float32)
+    _check_oracle(compare(kern, ref), dtype, "cuda")
+    _check_exact(compare(kern, exact))

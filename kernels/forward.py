@@ -18,8 +18,13 @@ def _seq_bounds(CU, b, n_dense, IS_VARLEN: tl.constexpr):
     """(batch index into the tensors, first token, length) of sequence ``b``."""
     if IS_VARLEN:
         start = tl.load(CU + b)
-        return 0, start, tl.load(CU + b + 1) - start
-    return b, 0, n_dense
+        length = tl.load(CU + b + 1) - start
+        batch = 0
+    else:
+        start = 0
+        length = n_dense
+        batch = b
+    return batch, start, length
 
 
 @triton.jit

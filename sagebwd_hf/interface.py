@@ -71,20 +71,21 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_sm
     """q/k/v padded ``[B, H, N, D]`` or packed ``[T, H, D]`` (then cu_* given). Returns (out, lse2)."""
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device)
+    if varlen:
+        out = torch.empty_like(q)
+    else:  # written as [B, N, H, D] so that Transformers' transpose(1, 2) afterwards is free
+        out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
     if backend == "naive":
-        return _per_sequence(
+        out_naive, lse = _per_sequence(
             lambda qs, ks, vs: naive.sagebwd_forward_naive(qs, ks, vs, scale, window, k_smoothing,
                                                            q_smoothing, block_n=cfg["fwd"][1]),
             q, k, v, cu_q, cu_k)
+        return out.copy_(out_naive), lse
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
     lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
     quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing)
     v8t, v_scale = quantize_v(v4, lay_k)
-    if varlen:
-        out = torch.empty_like(q)
-    else:  # written as [B, N, H, D] so that Transformers' transpose(1, 2) afterwards is free
-        out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
     lse = torch.empty(q4.shape[:3], device=q.device, dtype=torch.float32)
     _poisoned(out, lse)
     launch_forward(quant, v8t, v_scale, as_bhnd(out, varlen), lse, lay_q, lay_k, q4.shape[1],
@@ -96,16 +97,19 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
               q_smoothing, backend):
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device)
+    dq, dk, dv = _poisoned(torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     if backend == "naive":
         if varlen:
             lse_t = lse[0].transpose(0, 1)      # [T, H] so it splits like the tokens
-            return _per_sequence(
+            grads = _per_sequence(
                 lambda qs, ks, vs, os_, ls, dos: naive.sagebwd_backward_naive(
                     qs, ks, vs, os_, ls[:, :, :, 0], dos, scale, window, k_smoothing, q_smoothing,
                     cfg["dkdv"][0], cfg["dq"][1]),
                 q, k, v, cu_q, cu_k, extra_q=(out, lse_t.unsqueeze(-1), dout))
-        return naive.sagebwd_backward_naive(q, k, v, out, lse, dout, scale, window, k_smoothing,
-                                            q_smoothing, cfg["dkdv"][0], cfg["dq"][1])
+        else:
+            grads = naive.sagebwd_backward_naive(q, k, v, out, lse, dout, scale, window, k_smoothing,
+                                                 q_smoothing, cfg["dkdv"][0], cfg["dq"][1])
+        return tuple(dst.copy_(src) for dst, src in zip((dq, dk, dv), grads))
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
     do4, o4 = as_bhnd(dout, varlen), as_bhnd(out, varlen)
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
@@ -118,7 +122,6 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
         q8r, q_scale_raw = quant["q8"], quant["q_scale_raw"]
     do8, do_scale = quantize_per_token(do4)
     delta = (do4.float() * o4.float()).sum(-1).contiguous()
-    dq, dk, dv = _poisoned(torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     launch_backward(quant, token_major_copy(q8r), q_scale_raw, token_major_copy(quant["k8"]), v4, do4,
                     token_major_copy(do8), do_scale, lse, delta,
                     as_bhnd(dq, varlen), as_bhnd(dk, varlen), as_bhnd(dv, varlen), lay_q, lay_k,
@@ -148,23 +151,55 @@ def _per_sequence(fn, q, k, v, cu_q, cu_k, extra_q=()):
     return tuple(results)
 
 
-class SageBwdFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, backend):
-        out, lse = _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing,
-                            backend)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.args = (max_q, max_k, scale, window, k_smoothing, q_smoothing, backend)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+# Registered as torch custom ops with fake (meta) implementations, so torch.compile traces through the
+# attention without a graph break, and autograd is attached to the op rather than to Python code.
 
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        max_q, max_k, scale, window, k_smoothing, q_smoothing, backend = ctx.args
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window,
-                               k_smoothing, q_smoothing, backend)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+@torch.library.custom_op("sagebwd::attn_fwd", mutates_args=())
+def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
+                 cu_k: Optional[torch.Tensor], max_q: int, max_k: int, scale: float, window_left: int,
+                 window_right: int, k_smoothing: bool, q_smoothing: bool,
+                 backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, (window_left, window_right), k_smoothing,
+                    q_smoothing, backend)
+
+
+@_attn_fwd_op.register_fake
+def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing, q_smoothing, backend):
+    if cu_q is not None:
+        return torch.empty_like(q), q.new_empty(1, q.shape[1], q.shape[0], dtype=torch.float32)
+    b, h, n, d = q.shape
+    return q.new_empty(b, n, h, d).transpose(1, 2), q.new_empty(b, h, n, dtype=torch.float32)
+
+
+@torch.library.custom_op("sagebwd::attn_bwd", mutates_args=())
+def _attn_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor], max_q: int,
+                 max_k: int, scale: float, window_left: int, window_right: int, k_smoothing: bool,
+                 q_smoothing: bool, backend: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, (window_left, window_right),
+                     k_smoothing, q_smoothing, backend)
+
+
+@_attn_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing,
+      q_smoothing, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, *args = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
+    ctx.args = args
+    ctx.mark_non_differentiable(output[1])
+
+
+def _attn_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = _attn_bwd_op(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    return (dq, dk, dv) + (None,) * 10
+
+
+_attn_fwd_op.register_autograd(_attn_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -237,6 +272,8 @@ def _check_cu_seqlens(name, cu, total, max_seqlen, device):
         raise ValueError(f"{name} must be on {device} like q, got {cu.device}")
     if not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise ValueError(f"max_seqlen for {name} must be a non-negative int, got {max_seqlen!r}")
+    if torch.compiler.is_compiling():   # the value checks below would read the tensor back: graph break
+        return
     lengths = cu[1:] - cu[:-1]
     first, last, shortest, longest = torch.stack([cu[0], cu[-1], lengths.min(), lengths.max()]).tolist()
     if first != 0 or shortest < 0:
@@ -298,8 +335,8 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     window, scale = _check_options(window_size, softmax_scale, q.shape[-1], causal)
     backend = _backend(q, backend)
     q, k, v, restore = _compute_dtype(q, k, v)
-    out, lse = SageBwdFunction.apply(q, k, v, None, None, q.shape[2], k.shape[2], scale, window,
-                                     bool(k_smoothing), bool(q_smoothing), backend)
+    out, lse = _attn_fwd_op(q, k, v, None, None, q.shape[2], k.shape[2], scale, *window,
+                            bool(k_smoothing), bool(q_smoothing), backend)
     if restore is not None:
         out = out.to(restore)
     if not return_lse:
@@ -329,8 +366,8 @@ def sagebwd_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     window, scale = _check_options(window_size, softmax_scale, q.shape[-1], causal)
     backend = _backend(q, backend)
     q, k, v, restore = _compute_dtype(q, k, v)
-    out, lse = SageBwdFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                                     window, bool(k_smoothing), bool(q_smoothing), backend)
+    out, lse = _attn_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *window,
+                            bool(k_smoothing), bool(q_smoothing), backend)
     if restore is not None:
         out = out.to(restore)
     if not return_lse:

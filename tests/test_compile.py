@@ -1,0 +1,37 @@
+"""The op is a torch custom op: torch.compile traces it without graph breaks, and opcheck passes."""
+import pytest
+import torch
+
+from sagebwd_hf import interface, sagebwd_attn_func, sagebwd_attn_varlen_func
+from sagebwd_hf.testing import make_qkv
+
+
+def test_opcheck_forward_and_backward():
+    q, k, v, _ = make_qkv(1, 4, 2, 40, 40, 64, torch.float16, "cpu")
+    args = (None, None, 40, 40, 0.125, -1, 0, True, False, "naive")
+    for x in (q, k, v):
+        x.requires_grad_()
+    torch.library.opcheck(interface._attn_fwd_op, (q, k, v) + args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_compile_fullgraph_matches_eager(varlen):
+    q, k, v, do = make_qkv(2, 4, 2, 48, 48, 64, torch.float16, "cpu")
+    if varlen:
+        cu = torch.tensor([0, 30, 96], dtype=torch.int32)
+        q, k, v, do = (x.transpose(1, 2).reshape(-1, x.shape[1], 64) for x in (q, k, v, do))
+        fn = lambda a, b, c: sagebwd_attn_varlen_func(a, b, c, cu, cu, 66, 66, causal=True)  # noqa: E731
+    else:
+        fn = lambda a, b, c: sagebwd_attn_func(a, b, c, causal=True)  # noqa: E731
+
+    def run(f):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        out = f(*leaves)
+        out.backward(do)
+        return [out.detach()] + [x.grad for x in leaves]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)   # fullgraph: a break would raise
+    for got, want in zip(run(compiled), run(fn)):
+        assert torch.equal(got, want)

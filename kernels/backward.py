@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import _key_range, _score_mask, _seq_bounds
-from .layout import SeqLayout, strides3, strides4
-from .quantize import Q_SMOOTH_BLOCK, maybe
+from .forward import _ceil_to, _floor_to, _key_tiles, _score_mask
+from .layout import SeqLayout, maybe, strides3, strides4
+from .quantize import Q_SMOOTH_BLOCK, _seq_bounds, int32_to_float, round_to_int8
 
 
 @triton.jit
@@ -29,13 +29,77 @@ def _quantize_rows(x, SIGNED: tl.constexpr):
         x_max = tl.max(tl.abs(x), 1)
     else:
         x_max = tl.max(x, 1)
-    inv = tl.where(x_max > 0, 127.0 / x_max, 0.0)
-    y = x * inv[:, None]
-    if SIGNED:
-        y = tl.where(y >= 0, y + 0.5, y - 0.5)   # round half away from zero; the cast truncates
-    else:
-        y = y + 0.5
-    return y.to(tl.int8), x_max * (1.0 / 127.0)
+    x8 = round_to_int8(x * tl.where(x_max > 0, 127.0 / x_max, 0.0)[:, None])
+    return x8, x_max * (1.0 / 127.0)
+
+
+@triton.jit
+def _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """Query tiles that see the key tile at ``start_n`` (``_key_tiles`` solved for the queries):
+    ``[lo, full_lo)`` and ``[full_hi, hi)`` cross the band's edge and need the mask. Rows and keys past
+    the ends need none here: their lse is +inf and their dO, K and V are zero-filled."""
+    diag = seqlen_k - seqlen_q
+    lo = 0
+    full_lo = 0
+    hi = seqlen_q
+    full_hi = _ceil_to(seqlen_q, BLOCK_M)
+    if MASK_RIGHT:
+        lo = _floor_to(start_n - diag - window_right, BLOCK_M)
+        full_lo = _ceil_to(start_n + BLOCK_N - 1 - diag - window_right, BLOCK_M)
+    if MASK_LEFT:
+        hi = tl.minimum(hi, start_n + BLOCK_N - diag + window_left)
+        full_hi = tl.minimum(full_hi, _floor_to(start_n - diag + window_left + 1, BLOCK_M))
+    hi = _ceil_to(hi, BLOCK_M)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_ok,
+               Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, q_mean_h,
+               q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd, s_dot, s_dod, s_dtd,
+               MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+               Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr):
+    rows = start_m + offs_m
+    m_ok = rows < seqlen_q
+    md_ok_t = d_ok[:, None] & m_ok[None, :]
+    q8t = tl.load(Q8_h + (q0 + rows)[None, :] * s_q8t + offs_d[:, None], mask=md_ok_t, other=0)
+    q_scale = tl.load(QS_h + q0 + rows, mask=m_ok, other=0.0)
+    lse = tl.load(LSE_h + q0 + rows, mask=m_ok, other=float("inf"))
+    st = int32_to_float(tl.dot(k8, q8t, out_dtype=tl.int32)) * k_scale[:, None] * q_scale[None, :]
+    if Q_SMOOTH:
+        st += (tl.sum(k8f * q_mean_h[None, :], 1) * k_scale)[:, None]
+    pt = tl.exp2(st - lse[None, :])
+    if MASKED:
+        valid = _score_mask(rows[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
+                            window_right, MASK_LEFT, MASK_RIGHT)
+        pt = tl.where(valid, pt, 0.0)
+
+    # dV += P^T dO, dO's per-token scale folded into P^T
+    do_scale = tl.load(DOS_h + q0 + rows, mask=m_ok, other=0.0)
+    p8t, p_scale = _quantize_rows(pt * do_scale[None, :], False)
+    do8 = tl.load(DO8T_h + offs_d[None, :] * s_dtd + (q0 + rows)[:, None],
+                  mask=m_ok[:, None] & d_ok[None, :], other=0)
+    dv += int32_to_float(tl.dot(p8t, do8, out_dtype=tl.int32)) * p_scale[:, None]
+
+    # dP^T = V dO^T stays in the input dtype (quantizing it would feed error into dS)
+    dot_t = tl.load(DO_h + (q0 + rows)[None, :] * s_dot + offs_d[:, None] * s_dod, mask=md_ok_t, other=0.0)
+    if DOT_FP32:
+        dot_t = dot_t.to(tl.float32)
+    dpt = tl.dot(v, dot_t)
+    delta = tl.load(DELTA_h + q0 + rows, mask=m_ok, other=0.0)
+    dst = pt * (dpt - delta[None, :])
+
+    # dK += dS^T Q, Q's per-token scale folded into dS^T
+    qr_scale = tl.load(QSR_h + q0 + rows, mask=m_ok, other=0.0)
+    ds8t, ds_scale = _quantize_rows(dst * qr_scale[None, :], True)
+    q8r = tl.load(Q8RT_h + offs_d[None, :] * s_qtd + (q0 + rows)[:, None],
+                  mask=m_ok[:, None] & d_ok[None, :], other=0)
+    dk += int32_to_float(tl.dot(ds8t, q8r, out_dtype=tl.int32)) * ds_scale[:, None]
+    return dk, dv
 
 
 @triton.jit
@@ -81,22 +145,14 @@ def _attn_bwd_dkdv_kernel(
                 mask=nd_ok, other=0.0)
     if DOT_FP32:   # Triton's interpreter mis-multiplies bf16 dots
         v = v.to(tl.float32)
+    k8f = k_scale  # unused unless Q_SMOOTH
     if Q_SMOOTH:
         k8f = k8.to(tl.float32)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-
-    # query tiles that see this key tile: the key range of _key_range, solved for the queries
-    diag = seqlen_k - seqlen_q
-    lo = 0
-    hi = seqlen_q
-    if MASK_RIGHT:
-        lo = tl.maximum(0, start_n - diag - window_right)
-        lo = (lo // BLOCK_M) * BLOCK_M
-    if MASK_LEFT:
-        hi = tl.minimum(hi, start_n + BLOCK_N - diag + window_left)
-
+    lo, full_lo, full_hi, hi = _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                            BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     for g in range(group):
         h = hk * group + g
         Q8_h = Q8 + bq * s_q8b + h * s_q8h
@@ -108,50 +164,75 @@ def _attn_bwd_dkdv_kernel(
         DOS_h = DOS + bq * s_qsb + h * s_qsh
         LSE_h = LSE + bq * s_qsb + h * s_qsh
         DELTA_h = DELTA + bq * s_qsb + h * s_qsh
-        for start_m in range(lo, hi, BLOCK_M):
-            start_m = tl.multiple_of(start_m, BLOCK_M)
-            rows = start_m + offs_m
-            m_ok = rows < seqlen_q
-            md_ok_t = d_ok[:, None] & m_ok[None, :]
-            q8t = tl.load(Q8_h + (q0 + rows)[None, :] * s_q8t + offs_d[:, None], mask=md_ok_t, other=0)
-            q_scale = tl.load(QS_h + q0 + rows, mask=m_ok, other=0.0)
-            lse = tl.load(LSE_h + q0 + rows, mask=m_ok, other=float("inf"))
-            st = tl.dot(k8, q8t, out_dtype=tl.int32).to(tl.float32) * k_scale[:, None] * q_scale[None, :]
-            if Q_SMOOTH:
-                blk = tl.load(QMEAN_CU + b) + start_m // QSB
-                q_mean = tl.load(QMEAN + h * s_qmh + blk * s_qmb + offs_d, mask=d_ok, other=0.0)
-                st += (tl.sum(k8f * q_mean[None, :], 1) * k_scale)[:, None]
-            valid = _score_mask(rows[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
-                                window_right, MASK_LEFT, MASK_RIGHT)
-            pt = tl.where(valid, tl.exp2(st - lse[None, :]), 0.0)
-
-            # dV += P^T dO, dO's per-token scale folded into P^T
-            do_scale = tl.load(DOS_h + q0 + rows, mask=m_ok, other=0.0)
-            p8t, p_scale = _quantize_rows(pt * do_scale[None, :], False)
-            do8 = tl.load(DO8T_h + offs_d[None, :] * s_dtd + (q0 + rows)[:, None],
-                          mask=m_ok[:, None] & d_ok[None, :], other=0)
-            dv += tl.dot(p8t, do8, out_dtype=tl.int32).to(tl.float32) * p_scale[:, None]
-
-            # dP^T = V dO^T stays in the input dtype (quantizing it would feed error into dS)
-            dot_t = tl.load(DO_h + (q0 + rows)[None, :] * s_dot + offs_d[:, None] * s_dod,
-                            mask=md_ok_t, other=0.0)
-            if DOT_FP32:
-                dot_t = dot_t.to(tl.float32)
-            dpt = tl.dot(v, dot_t)
-            delta = tl.load(DELTA_h + q0 + rows, mask=m_ok, other=0.0)
-            dst = pt * (dpt - delta[None, :])
-
-            # dK += dS^T Q, Q's per-token scale folded into dS^T
-            qr_scale = tl.load(QSR_h + q0 + rows, mask=m_ok, other=0.0)
-            ds8t, ds_scale = _quantize_rows(dst * qr_scale[None, :], True)
-            q8r = tl.load(Q8RT_h + offs_d[None, :] * s_qtd + (q0 + rows)[:, None],
-                          mask=m_ok[:, None] & d_ok[None, :], other=0)
-            dk += tl.dot(ds8t, q8r, out_dtype=tl.int32).to(tl.float32) * ds_scale[:, None]
+        QM_h = QMEAN + h * s_qmh
+        for start_m in range(lo, full_lo, BLOCK_M):
+            q_mean = _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB, Q_SMOOTH)
+            dk, dv = _dkdv_tile(dk, dv, k8, k8f, k_scale, v, tl.multiple_of(start_m, BLOCK_M), offs_m, offs_n,
+                                offs_d, d_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h,
+                                q_mean, q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd,
+                                s_dot, s_dod, s_dtd, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
+        for start_m in range(full_lo, full_hi, BLOCK_M):
+            q_mean = _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB, Q_SMOOTH)
+            dk, dv = _dkdv_tile(dk, dv, k8, k8f, k_scale, v, tl.multiple_of(start_m, BLOCK_M), offs_m, offs_n,
+                                offs_d, d_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h,
+                                q_mean, q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd,
+                                s_dot, s_dod, s_dtd, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
+        for start_m in range(full_hi, hi, BLOCK_M):
+            q_mean = _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB, Q_SMOOTH)
+            dk, dv = _dkdv_tile(dk, dv, k8, k8f, k_scale, v, tl.multiple_of(start_m, BLOCK_M), offs_m, offs_n,
+                                offs_d, d_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h,
+                                q_mean, q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd,
+                                s_dot, s_dod, s_dtd, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
 
     tl.store(DK + bk * s_dkb + hk * s_dkh + (k0 + offs_n)[:, None] * s_dkt + offs_d[None, :] * s_dkd,
              (dk * softmax_scale).to(DK.dtype.element_ty), mask=nd_ok)
     tl.store(DV + bk * s_dvb + hk * s_dvh + (k0 + offs_n)[:, None] * s_dvt + offs_d[None, :] * s_dvd,
              dv.to(DV.dtype.element_ty), mask=nd_ok)
+
+
+@triton.jit
+def _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB: tl.constexpr, Q_SMOOTH: tl.constexpr):
+    """Q-smoothing mean of the block holding the query tile at ``start_m`` (tiles never straddle blocks)."""
+    if Q_SMOOTH:
+        blk = tl.load(QMEAN_CU + b) + start_m // QSB
+        q_mean = tl.load(QM_h + blk * s_qmb + offs_d, mask=d_ok, other=0.0)
+    else:
+        q_mean = tl.zeros([offs_d.shape[0]], tl.float32)
+    return q_mean
+
+
+@triton.jit
+def _dq_tile(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base, start_n,
+             offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
+             s_k8t, s_ktd, s_vt, s_vd,
+             MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+             Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr):
+    cols = start_n + offs_n
+    n_ok = cols < seqlen_k
+    dn_ok = d_ok[:, None] & n_ok[None, :]
+    k8t = tl.load(K8_base + (k0 + cols)[None, :] * s_k8t + offs_d[:, None], mask=dn_ok, other=0)
+    k_scale = tl.load(KS_base + k0 + cols, mask=n_ok, other=0.0)
+    s = int32_to_float(tl.dot(q8, k8t, out_dtype=tl.int32)) * q_scale[:, None] * k_scale[None, :]
+    if Q_SMOOTH:
+        s += (tl.sum(q_mean[:, None] * k8t.to(tl.float32), 0) * k_scale)[None, :]
+    p = tl.exp2(s - lse[:, None])
+    if MASKED:
+        valid = _score_mask(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                            MASK_LEFT, MASK_RIGHT)
+        p = tl.where(valid, p, 0.0)
+
+    vt = tl.load(V_base + (k0 + cols)[None, :] * s_vt + offs_d[:, None] * s_vd, mask=dn_ok, other=0.0)
+    if DOT_FP32:
+        vt = vt.to(tl.float32)
+    dp = tl.dot(do, vt)
+    ds = p * (dp - delta[:, None])
+
+    # dQ += dS K, K's per-token scale folded into dS
+    ds8, ds_scale = _quantize_rows(ds * k_scale[None, :], True)
+    k8 = tl.load(K8T_base + offs_d[None, :] * s_ktd + (k0 + cols)[:, None],
+                 mask=n_ok[:, None] & d_ok[None, :], other=0)
+    dq += int32_to_float(tl.dot(ds8, k8, out_dtype=tl.int32)) * ds_scale[:, None]
+    return dq
 
 
 @triton.jit
@@ -198,9 +279,7 @@ def _attn_bwd_dq_kernel(
                  mask=md_ok, other=0.0)
     if DOT_FP32:
         do = do.to(tl.float32)
-    if Q_SMOOTH:
-        blk = tl.load(QMEAN_CU + b) + start_m // QSB
-        q_mean = tl.load(QMEAN + h * s_qmh + blk * s_qmb + offs_d, mask=d_ok, other=0.0)
+    q_mean = _q_mean(QMEAN + h * s_qmh, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB, Q_SMOOTH)
 
     K8_base = K8 + bk * s_k8b + hk * s_k8h
     K8T_base = K8T + bk * s_ktb + hk * s_kth
@@ -208,33 +287,23 @@ def _attn_bwd_dq_kernel(
     V_base = V + bk * s_vb + hk * s_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    lo, hi = _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                        BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n
-        n_ok = cols < seqlen_k
-        dn_ok = d_ok[:, None] & n_ok[None, :]
-        k8t = tl.load(K8_base + (k0 + cols)[None, :] * s_k8t + offs_d[:, None], mask=dn_ok, other=0)
-        k_scale = tl.load(KS_base + k0 + cols, mask=n_ok, other=0.0)
-        s = tl.dot(q8, k8t, out_dtype=tl.int32).to(tl.float32) * q_scale[:, None] * k_scale[None, :]
-        if Q_SMOOTH:
-            s += (tl.sum(q_mean[:, None] * k8t.to(tl.float32), 0) * k_scale)[None, :]
-        valid = _score_mask(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
-                            MASK_LEFT, MASK_RIGHT)
-        p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
-
-        vt = tl.load(V_base + (k0 + cols)[None, :] * s_vt + offs_d[:, None] * s_vd, mask=dn_ok, other=0.0)
-        if DOT_FP32:
-            vt = vt.to(tl.float32)
-        dp = tl.dot(do, vt)
-        ds = p * (dp - delta[:, None])
-
-        # dQ += dS K, K's per-token scale folded into dS
-        ds8, ds_scale = _quantize_rows(ds * k_scale[None, :], True)
-        k8 = tl.load(K8T_base + offs_d[None, :] * s_ktd + (k0 + cols)[:, None],
-                     mask=n_ok[:, None] & d_ok[None, :], other=0)
-        dq += tl.dot(ds8, k8, out_dtype=tl.int32).to(tl.float32) * ds_scale[:, None]
+    lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                          BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, False)
+    for start_n in range(lo, full_lo, BLOCK_N):
+        dq = _dq_tile(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base,
+                      tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k,
+                      window_left, window_right, s_k8t, s_ktd, s_vt, s_vd,
+                      True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
+    for start_n in range(full_lo, full_hi, BLOCK_N):
+        dq = _dq_tile(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base,
+                      tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k,
+                      window_left, window_right, s_k8t, s_ktd, s_vt, s_vd,
+                      False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        dq = _dq_tile(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base,
+                      tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k,
+                      window_left, window_right, s_k8t, s_ktd, s_vt, s_vd,
+                      True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
 
     tl.store(DQ + bq * s_dqb + h * s_dqh + (q0 + offs_m)[:, None] * s_dqt + offs_d[None, :] * s_dqd,
              (dq * softmax_scale).to(DQ.dtype.element_ty), mask=md_ok)
@@ -242,8 +311,10 @@ def _attn_bwd_dq_kernel(
 
 def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse, delta,
                     dq4, dk4, dv4, layout_q: SeqLayout, layout_k: SeqLayout,
-                    num_heads, num_kv_heads, head_dim, window, softmax_scale, dkdv_config, dq_config):
-    """Run both backward kernels; ``dq4, dk4, dv4`` (``[B, H, N, D]`` views, any strides) are written."""
+                    num_heads, num_kv_heads, head_dim, window, softmax_scale, dkdv_config, dq_config,
+                    kernels=("dkdv", "dq")):
+    """Run the backward kernels; ``dq4, dk4, dv4`` (``[B, H, N, D]`` views, any strides) are written.
+    ``kernels`` picks a subset (benchmarks time them one at a time)."""
     q8, k8, q_mean, q_mean_cu = quant["q8"], quant["k8"], quant["q_mean"], quant["q_mean_cu"]
     q_scale, k_scale = quant["q_scale"], quant["k_scale"]
     group = num_heads // num_kv_heads
@@ -255,7 +326,19 @@ def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse,
     q_mean_arg = maybe(q_mean, q_scale)
     q_mean_cu_arg = maybe(q_mean_cu, q8)
 
-    block_m, block_n, block_d, num_warps, num_stages = dkdv_config
+    if "dkdv" in kernels:
+        _launch_dkdv(q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta,
+                     q_mean_arg, q_mean_cu_arg, dk4, dv4, cu_q, cu_k, q_mean, layout_k, num_kv_heads, group,
+                     head_dim, window, softmax_scale, dkdv_config, common)
+    if "dq" in kernels:
+        _launch_dq(q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, q_mean_arg, q_mean_cu_arg, dq4, cu_q,
+                   cu_k, q_mean, layout_q, num_heads, group, head_dim, window, softmax_scale, dq_config, common)
+
+
+def _launch_dkdv(q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta,
+                 q_mean_arg, q_mean_cu_arg, dk4, dv4, cu_q, cu_k, q_mean, layout_k, num_kv_heads, group,
+                 head_dim, window, softmax_scale, config, common):
+    block_m, block_n, block_d, num_warps, num_stages = config
     assert Q_SMOOTH_BLOCK % block_m == 0
     grid = (triton.cdiv(layout_k.max_len, block_n), layout_k.num_seqs * num_kv_heads)
     _attn_bwd_dkdv_kernel[grid](
@@ -270,7 +353,11 @@ def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse,
         **common,
     )
 
-    block_m, block_n, block_d, num_warps, num_stages = dq_config
+
+
+def _launch_dq(q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, q_mean_arg, q_mean_cu_arg, dq4, cu_q, cu_k,
+               q_mean, layout_q, num_heads, group, head_dim, window, softmax_scale, config, common):
+    block_m, block_n, block_d, num_warps, num_stages = config
     assert Q_SMOOTH_BLOCK % block_m == 0
     grid = (triton.cdiv(layout_q.max_len, block_m), layout_q.num_seqs * num_heads)
     _attn_bwd_dq_kernel[grid](

@@ -5,44 +5,55 @@ One program per (query tile, sequence, query head); an online softmax in base 2 
 of each key tile, with the row's largest value in the tile (``exp2(tile_max - m)``) mapped to 127, so rows
 whose tile holds only small probabilities keep their resolution. ``P8 V8`` is again exact in int32 and
 scaled once per tile; V's per-channel scale is applied at the very end.
+
+Key tiles always start at multiples of BLOCK_N (the P scales depend on the tiling, and the PyTorch
+reference uses the same one). Only tiles that cross the causal/window band or the end of the keys pay
+for a mask: the loop over the key range is split into masked edges and an unmasked middle.
 """
 import triton
 import triton.language as tl
 
-from .layout import SeqLayout, strides3, strides4
-from .quantize import Q_SMOOTH_BLOCK, maybe
+from .layout import SeqLayout, maybe, strides3, strides4
+from .quantize import Q_SMOOTH_BLOCK, _seq_bounds, int32_to_float, round_to_int8
 
 
 @triton.jit
-def _seq_bounds(CU, b, n_dense, IS_VARLEN: tl.constexpr):
-    """(batch index into the tensors, first token, length) of sequence ``b``."""
-    if IS_VARLEN:
-        start = tl.load(CU + b)
-        length = tl.load(CU + b + 1) - start
-        batch = 0
-    else:
-        start = 0
-        length = n_dense
-        batch = b
-    return batch, start, length
+def _floor_to(x, BLOCK: tl.constexpr):
+    return (tl.maximum(x, 0) // BLOCK) * BLOCK
 
 
 @triton.jit
-def _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+def _ceil_to(x, BLOCK: tl.constexpr):
+    return ((tl.maximum(x, 0) + BLOCK - 1) // BLOCK) * BLOCK
+
+
+@triton.jit
+def _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
-    """Key tiles a query tile can see. Masks are aligned bottom-right: query i sees key j when
-    ``i + diag - window_left <= j <= i + diag + window_right`` with ``diag = seqlen_k - seqlen_q``.
-    ``lo`` is rounded down to a tile edge so tiles always start at multiples of BLOCK_N."""
+               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BOUND_KEYS: tl.constexpr):
+    """Key tiles seen by the query tile at ``start_m``: ``[lo, full_lo)`` and ``[full_hi, hi)`` need the
+    mask, ``[full_lo, full_hi)`` does not. Masks are aligned bottom-right: query i sees key j when
+    ``i + diag - window_left <= j <= i + diag + window_right``, ``diag = seqlen_k - seqlen_q``.
+    ``BOUND_KEYS``: keys past the end must be masked too (they are harmless where P is multiplied by
+    zero-filled K or V anyway)."""
     diag = seqlen_k - seqlen_q
-    lo = 0
     hi = seqlen_k
+    if BOUND_KEYS:
+        full_hi = _floor_to(seqlen_k, BLOCK_N)
+    else:
+        full_hi = _ceil_to(seqlen_k, BLOCK_N)
+    lo = 0
+    full_lo = 0
     if MASK_RIGHT:
         hi = tl.minimum(hi, start_m + BLOCK_M + diag + window_right)
+        full_hi = tl.minimum(full_hi, _floor_to(start_m + diag + window_right + 1, BLOCK_N))
     if MASK_LEFT:
-        lo = tl.maximum(0, start_m + diag - window_left)
-        lo = (lo // BLOCK_N) * BLOCK_N
-    return lo, hi
+        lo = _floor_to(start_m + diag - window_left, BLOCK_N)
+        full_lo = _ceil_to(start_m + BLOCK_M - 1 + diag - window_left, BLOCK_N)
+    hi = _ceil_to(hi, BLOCK_N)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
@@ -57,6 +68,40 @@ def _score_mask(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
     if MASK_LEFT:
         valid = valid & (cols >= rows + diag - window_left)
     return valid
+
+
+@triton.jit
+def _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base, start_n,
+              offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
+              MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+              Q_SMOOTH: tl.constexpr):
+    cols = start_n + offs_n
+    n_ok = cols < seqlen_k
+    k8t = tl.load(K8_base + (k0 + cols)[None, :] * s_k8t + offs_d[:, None],
+                  mask=n_ok[None, :] & d_ok[:, None], other=0)
+    k_scale = tl.load(KS_base + k0 + cols, mask=n_ok, other=0.0)
+    s = int32_to_float(tl.dot(q8, k8t, out_dtype=tl.int32)) * q_scale[:, None] * k_scale[None, :]
+    if Q_SMOOTH:
+        s += (tl.sum(q_mean[:, None] * k8t.to(tl.float32), 0) * k_scale)[None, :]
+    if MASKED:
+        valid = _score_mask(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                            MASK_LEFT, MASK_RIGHT)
+        s = tl.where(valid, s, float("-inf"))
+
+    tile_max = tl.max(s, 1)
+    m_new = tl.maximum(m_i, tile_max)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing visible yet
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    p_max = tl.exp2(tile_max - m_ref)                       # largest p of each row in this tile
+    p8 = round_to_int8(p * tl.where(p_max > 0, 127.0 / p_max, 0.0)[:, None])
+    v8 = tl.load(V8T_base + offs_d[None, :] * s_vtd + (k0 + cols)[:, None],
+                 mask=n_ok[:, None] & d_ok[None, :], other=0)
+    pv = int32_to_float(tl.dot(p8, v8, out_dtype=tl.int32))
+    acc = acc * alpha[:, None] + pv * (p_max * (1.0 / 127.0))[:, None]
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -96,6 +141,7 @@ def _attn_fwd_kernel(
     q8 = tl.load(Q8 + bq * s_q8b + h * s_q8h + (q0 + offs_m)[:, None] * s_q8t + offs_d[None, :],
                  mask=m_ok[:, None] & d_ok[None, :], other=0)
     q_scale = tl.load(QS + bq * s_qsb + h * s_qsh + q0 + offs_m, mask=m_ok, other=0.0)
+    q_mean = q_scale  # unused unless Q_SMOOTH
     if Q_SMOOTH:  # all rows of this tile share one Q-mean block
         blk = tl.load(QMEAN_CU + b) + start_m // QSB
         q_mean = tl.load(QMEAN + h * s_qmh + blk * s_qmb + offs_d, mask=d_ok, other=0.0)
@@ -108,37 +154,23 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    lo, hi = _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                        BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n
-        n_ok = cols < seqlen_k
-        k8t = tl.load(K8_base + (k0 + cols)[None, :] * s_k8t + offs_d[:, None],
-                      mask=n_ok[None, :] & d_ok[:, None], other=0)
-        k_scale = tl.load(KS_base + k0 + cols, mask=n_ok, other=0.0)
-        s = tl.dot(q8, k8t, out_dtype=tl.int32).to(tl.float32) * q_scale[:, None] * k_scale[None, :]
-        if Q_SMOOTH:
-            s += (tl.sum(q_mean[:, None] * k8t.to(tl.float32), 0) * k_scale)[None, :]
-        valid = _score_mask(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
-                            MASK_LEFT, MASK_RIGHT)
-        s = tl.where(valid, s, float("-inf"))
-
-        tile_max = tl.max(s, 1)
-        m_new = tl.maximum(m_i, tile_max)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing visible yet
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        p_max = tl.exp2(tile_max - m_ref)                       # largest p of each row in this tile
-        p_inv = tl.where(p_max > 0, 127.0 / p_max, 0.0)
-        p8 = (p * p_inv[:, None] + 0.5).to(tl.int8)
-        v8 = tl.load(V8T_base + offs_d[None, :] * s_vtd + (k0 + cols)[:, None],
-                     mask=n_ok[:, None] & d_ok[None, :], other=0)
-        pv = tl.dot(p8, v8, out_dtype=tl.int32).to(tl.float32)
-        acc = acc * alpha[:, None] + pv * (p_max * (1.0 / 127.0))[:, None]
-        m_i = m_new
+    lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                          BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
+    for start_n in range(lo, full_lo, BLOCK_N):
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base,
+                                  tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0,
+                                  seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
+                                  True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH)
+    for start_n in range(full_lo, full_hi, BLOCK_N):
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base,
+                                  tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0,
+                                  seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
+                                  False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base,
+                                  tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0,
+                                  seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
+                                  True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH)
 
     v_scale = tl.load(VS + b * s_vsb + hk * s_vsh + offs_d, mask=d_ok, other=0.0)
     has_keys = l_i > 0

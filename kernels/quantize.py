@@ -1,146 +1,245 @@
-"""Smoothing and INT8 quantization of the attention inputs, done before the attention kernels run.
+"""Smoothing and INT8 quantization of the attention inputs, before the attention kernels run.
 
 Scales (all fp32, symmetric, ``x ~ scale * x8``):
 
 * Q, K, dO: one scale per token (``max|x| / 127`` over the head dim). A per-token scale sits outside the
   head-dim reduction of ``Q K^T``; for products that reduce over tokens (``dS K``, ``dS^T Q``, ``P^T dO``)
-  the kernels fold it into the other operand (dS or P) before quantizing that one, so the int8 data is
-  the same in both layouts.
+  the attention kernels fold it into the other operand (dS or P) before quantizing that one, so the INT8
+  bytes are the same in both layouts.
 * V: one scale per channel per sequence; it leaves the ``P V`` reduction and is applied once at the end.
 
-Products that reduce over tokens need the INT8 operand token-contiguous (Hopper's 8-bit wgmma is K-major
-only), so those tensors also get a transposed copy ``[B, H, D, N_pad]``.
+Products that reduce over tokens need their INT8 operand token-contiguous (Hopper's 8-bit wgmma is K-major
+only), so those tensors get a transposed copy ``[B, H, D, N_pad]``, written by the same pass.
 
-Everything here is plain PyTorch and deterministic (no atomics): forward and backward quantize the same
-inputs to the same bytes, so the backward's recomputed scores match the forward's log-sum-exp.
+Two kernels: ``_token_stats_kernel`` (mean or max|x| over runs of tokens: the K mean, the Q-smoothing
+block means, V's channel scales) and ``_quantize_kernel`` (one read of the input, INT8 out in either
+layout, the scales, and for dO also ``delta = rowsum(dO * O)``). Each program reduces its own tokens in a
+fixed order: no atomics, so forward and backward quantize the same input to the same bytes.
 """
-import math
-from typing import Optional
-
 import torch
+import triton
+import triton.language as tl
 
-from .layout import SeqLayout
+from .layout import SeqLayout, strides3, strides4
 
 LOG2E = 1.4426950408889634
 TOKEN_ALIGN = 16        # transposed copies pad the token axis so every row starts 16-byte aligned
 Q_SMOOTH_BLOCK = 128    # tokens per Q-smoothing mean; every kernel's query tile divides it
+_ROUND_MAGIC = 12582912.0   # 1.5 * 2^23
 
 
-def quantize_per_token(x: torch.Tensor):
-    """``x [..., D]`` -> (int8 ``[..., D]``, fp32 scale ``[...]``); all-zero rows get scale 0."""
-    xf = x.float()
-    scale = xf.abs().amax(-1) / 127.0
-    x8 = torch.round(xf / scale.clamp_min(1e-30).unsqueeze(-1)).to(torch.int8)
-    return x8.contiguous(), scale.contiguous()
+@triton.jit
+def round_to_int8(x):
+    """Round to nearest (ties to even) and narrow to int8, for |x| <= 127.
+
+    Adding 1.5 * 2^23 leaves the rounded integer in the low mantissa bits, whose low byte is the int8:
+    one float add instead of a float-to-int conversion (those issue at a quarter of the FP32 rate)."""
+    return (x + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
 
 
-def token_major_copy(x8: torch.Tensor) -> torch.Tensor:
-    """``[B, H, N, D]`` int8 -> ``[B, H, D, N_pad]`` with tokens contiguous, zero padded."""
-    b, h, n, d = x8.shape
-    n_pad = -(-max(n, 1) // TOKEN_ALIGN) * TOKEN_ALIGN
-    out = x8.new_zeros(b, h, d, n_pad)
-    out[..., :n] = x8.transpose(-1, -2)
-    return out
+@triton.jit
+def int32_to_float(x):
+    """Exact for |x| < 2^22 (INT8 dots of up to 256 terms): an integer add and a float subtract instead
+    of an int-to-float conversion."""
+    return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
 
-def _segments(x4: torch.Tensor, lengths: torch.Tensor, reduce: str) -> torch.Tensor:
-    """Reduce a packed ``[1, H, T, D]`` tensor over consecutive token segments -> ``[S, H, D]``."""
-    _, h, t, d = x4.shape
-    flat = x4[0].transpose(0, 1).reshape(t, h * d)
-    if reduce == "mean":
-        sums = torch.segment_reduce(flat, "sum", lengths=lengths, axis=0)
-        out = sums / lengths.clamp_min(1).to(sums.dtype).unsqueeze(1)
+@triton.jit
+def _seq_bounds(CU, b, n_dense, IS_VARLEN: tl.constexpr):
+    """(batch index into the tensors, first token, length) of sequence ``b``."""
+    if IS_VARLEN:
+        start = tl.load(CU + b)
+        length = tl.load(CU + b + 1) - start
+        batch = 0
     else:
-        out = torch.segment_reduce(flat, "max", lengths=lengths, axis=0, initial=0.0)
-    return out.view(-1, h, d)
+        start = 0
+        length = n_dense
+        batch = b
+    return batch, start, length
 
 
-def per_sequence(x4: torch.Tensor, layout: SeqLayout, reduce: str) -> torch.Tensor:
-    """Mean or max over each sequence's tokens: ``[B, H, N, D]`` (or packed ``[1, H, T, D]``) -> ``[S, H, D]``."""
-    if not layout.is_varlen:
-        return x4.mean(2) if reduce == "mean" else x4.amax(2)
-    lengths = (layout.cu_seqlens[1:] - layout.cu_seqlens[:-1]).long()
-    return _segments(x4, lengths, reduce)
+@triton.jit
+def _token_stats_kernel(
+    X, CU, BLK_CU, OUT,
+    s_xb, s_xh, s_xt, s_xd, s_oh, s_ob,
+    n_dense, num_heads, head_dim, block_tokens,
+    IS_VARLEN: tl.constexpr, ABS_MAX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Mean (or max |x|) over each run of ``block_tokens`` tokens of every sequence -> ``OUT[h, blk, :]``."""
+    pid_blk = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    bx, t0, seqlen = _seq_bounds(CU, b, n_dense, IS_VARLEN)
+    blk0 = tl.load(BLK_CU + b)
+    if pid_blk >= tl.load(BLK_CU + b + 1) - blk0:
+        return
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    start = pid_blk * block_tokens
+    end = tl.minimum(start + block_tokens, seqlen)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    base = X + bx * s_xb + h * s_xh + offs_d[None, :] * s_xd
+    for t in range(start, end, BLOCK_T):
+        rows = t + offs_t
+        x = tl.load(base + (t0 + rows)[:, None] * s_xt, mask=(rows < end)[:, None] & d_ok[None, :],
+                    other=0.0).to(tl.float32)
+        if ABS_MAX:
+            acc = tl.maximum(acc, tl.max(tl.abs(x), 0))
+        else:
+            acc += tl.sum(x, 0)
+    if not ABS_MAX:
+        acc = acc / tl.maximum(end - start, 1).to(tl.float32)
+    tl.store(OUT + h * s_oh + (blk0 + pid_blk) * s_ob + offs_d, acc, mask=d_ok)
 
 
-def per_token(stat: torch.Tensor, x4: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
-    """Broadcast a per-sequence ``[S, H, D]`` statistic back onto the tokens of ``x4``."""
-    if not layout.is_varlen:
-        return stat.unsqueeze(2)
-    ids = layout.seq_ids(x4.shape[2], x4.device)
-    return stat[ids].transpose(0, 1).unsqueeze(0)
+@triton.jit
+def _quantize_kernel(
+    X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, DELTA, CU,
+    s_xb, s_xh, s_xt, s_xd,
+    s_subh, s_subb, s_csh, s_csb,
+    s_ob, s_oh, s_ot, s_od,
+    s_8b, s_8h, s_8t,
+    s_tb, s_th, s_td,
+    s_sb, s_sh,
+    n_dense, num_heads, head_dim, sub_block,
+    IS_VARLEN: tl.constexpr, HAS_SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, WITH_DELTA: tl.constexpr,
+    WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    bx, t0, seqlen = _seq_bounds(CU, b, n_dense, IS_VARLEN)
+    start = pid_t * BLOCK_T
+    if start >= seqlen:
+        return
+    rows = start + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    t_ok = rows < seqlen
+    d_ok = offs_d < head_dim
+    ok = t_ok[:, None] & d_ok[None, :]
+    x = tl.load(X + bx * s_xb + h * s_xh + (t0 + rows)[:, None] * s_xt + offs_d[None, :] * s_xd,
+                mask=ok, other=0.0).to(tl.float32)
+    if HAS_SUB:   # K mean of the sequence, or the Q-smoothing mean of each row's block
+        blk = tl.load(SUB_CU + b) + rows // sub_block
+        x -= tl.load(SUB + h * s_subh + blk[:, None] * s_subb + offs_d[None, :], mask=ok, other=0.0)
+    if PER_CHANNEL:
+        c_scale = tl.load(CSCALE + h * s_csh + b * s_csb + offs_d, mask=d_ok, other=0.0)
+        y = x * tl.where(c_scale > 0, 1.0 / c_scale, 0.0)[None, :]
+    else:
+        amax = tl.max(tl.abs(x), 1)
+        y = x * tl.where(amax > 0, 127.0 / amax, 0.0)[:, None]
+        tl.store(SCALE + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / 127.0), mask=t_ok)
+    x8 = round_to_int8(y)
+    if WRITE_NATURAL:
+        tl.store(X8 + bx * s_8b + h * s_8h + (t0 + rows)[:, None] * s_8t + offs_d[None, :], x8, mask=ok)
+    if WRITE_T:
+        tl.store(X8T + bx * s_tb + h * s_th + offs_d[None, :] * s_td + (t0 + rows)[:, None], x8, mask=ok)
+    if WITH_DELTA:  # dO's pass also gives the backward's delta = rowsum(dO * O)
+        o = tl.load(O + bx * s_ob + h * s_oh + (t0 + rows)[:, None] * s_ot + offs_d[None, :] * s_od,
+                    mask=ok, other=0.0).to(tl.float32)
+        tl.store(DELTA + bx * s_sb + h * s_sh + t0 + rows, tl.sum(x * o, 1), mask=t_ok)
 
 
-def q_block_means(qf: torch.Tensor, layout: SeqLayout):
-    """Mean of Q over blocks of ``Q_SMOOTH_BLOCK`` tokens, blocks restarting at every sequence.
+def _blocks_cu(layout: SeqLayout, block_tokens: int, device) -> torch.Tensor:
+    """First block of every sequence when each is cut into runs of ``block_tokens`` (int32 [S + 1])."""
+    if layout.is_varlen:
+        lengths = (layout.cu_seqlens[1:] - layout.cu_seqlens[:-1]).long()
+        cu = torch.zeros(layout.num_seqs + 1, dtype=torch.int32, device=device)
+        cu[1:] = torch.cumsum(-(-lengths // block_tokens), 0)
+        return cu
+    per_seq = -(-layout.max_len // block_tokens)
+    return torch.arange(layout.num_seqs + 1, dtype=torch.int32, device=device) * per_seq
 
-    Returns (per-token mean ``like qf``, block means ``[H, total_blocks, D]``, ``cu_blocks`` int32 [S + 1]).
-    """
-    bsz, h, n, d = qf.shape
-    if not layout.is_varlen:
-        nblk = -(-n // Q_SMOOTH_BLOCK)
-        pad = nblk * Q_SMOOTH_BLOCK - n
-        padded = torch.nn.functional.pad(qf, (0, 0, 0, pad)).view(bsz, h, nblk, Q_SMOOTH_BLOCK, d)
-        counts = torch.full((nblk,), float(Q_SMOOTH_BLOCK), device=qf.device)
-        counts[-1] = Q_SMOOTH_BLOCK - pad
-        means = padded.sum(3) / counts[:, None]                                   # [B, H, nblk, D]
-        per_tok = means.repeat_interleave(Q_SMOOTH_BLOCK, dim=2)[:, :, :n]
-        blocks = means.transpose(0, 1).reshape(h, bsz * nblk, d)
-        cu_blocks = torch.arange(bsz + 1, device=qf.device, dtype=torch.int32) * nblk
-        return per_tok, blocks.contiguous(), cu_blocks
-    lengths = (layout.cu_seqlens[1:] - layout.cu_seqlens[:-1]).long()
-    nblk = -(-lengths // Q_SMOOTH_BLOCK)
-    cu_blocks = torch.zeros(layout.num_seqs + 1, dtype=torch.int32, device=qf.device)
-    cu_blocks[1:] = torch.cumsum(nblk, 0)
-    # length of every block, in order: full blocks, then each sequence's remainder
-    starts = torch.repeat_interleave(lengths, nblk)
-    within = torch.arange(int(nblk.sum()), device=qf.device) - torch.repeat_interleave(cu_blocks[:-1].long(), nblk)
-    block_len = (starts - within * Q_SMOOTH_BLOCK).clamp(max=Q_SMOOTH_BLOCK)
-    means = _segments(qf, block_len, "mean")                                      # [nblocks, H, D]
-    per_tok = means.repeat_interleave(block_len, dim=0, output_size=n).transpose(0, 1).unsqueeze(0)
-    return per_tok, means.transpose(0, 1).contiguous(), cu_blocks
+
+def token_stats(x4: torch.Tensor, layout: SeqLayout, abs_max: bool, block_tokens=None):
+    """Mean (or max |x|) over each sequence (or each run of ``block_tokens`` within it).
+
+    Returns (``[H, blocks, D]`` fp32, ``cu_blocks`` int32 [S + 1])."""
+    h, d = x4.shape[1], x4.shape[3]
+    whole = block_tokens is None
+    block_tokens = max(layout.max_len, 1) if whole else block_tokens
+    cu_blocks = (torch.arange(layout.num_seqs + 1, dtype=torch.int32, device=x4.device) if whole
+                 else _blocks_cu(layout, block_tokens, x4.device))
+    # a varlen batch's block count is only known on the device; an upper bound sizes the buffer
+    total = layout.num_seqs if whole else (int(cu_blocks[-1]) if layout.is_varlen else
+                                            layout.num_seqs * -(-layout.max_len // block_tokens))
+    out = torch.zeros(h, max(total, 1), d, device=x4.device, dtype=torch.float32)
+    grid = (1 if whole else triton.cdiv(max(layout.max_len, 1), block_tokens), layout.num_seqs * h)
+    _token_stats_kernel[grid](
+        x4, layout.cu_seqlens if layout.is_varlen else cu_blocks, cu_blocks, out,
+        *strides4(x4), out.stride(0), out.stride(1),
+        x4.shape[2], h, d, block_tokens,
+        IS_VARLEN=layout.is_varlen, ABS_MAX=abs_max, BLOCK_T=32, BLOCK_D=_block_d(d),
+    )
+    return out, cu_blocks
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _padded_tokens(n: int) -> int:
+    return -(-max(n, 1) // TOKEN_ALIGN) * TOKEN_ALIGN
+
+
+def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
+             channel_scale=None, natural=True, transposed=False, out_for_delta=None):
+    """One pass over ``x4`` ``[B, H, N, D]`` -> dict with ``x8`` (natural ``[B, H, N, D]``), ``x8t``
+    (``[B, H, D, N_pad]``), ``scale`` (per token ``[B, H, N]``, unless ``channel_scale`` given) and
+    ``delta`` (``rowsum(x * out_for_delta)``) as asked."""
+    bsz, h, n, d = x4.shape
+    dev = x4.device
+    x8 = torch.empty(bsz, h, n, d, dtype=torch.int8, device=dev) if natural else None
+    x8t = torch.zeros(bsz, h, d, _padded_tokens(n), dtype=torch.int8, device=dev) if transposed else None
+    scale = None if channel_scale is not None else torch.empty(bsz, h, n, dtype=torch.float32, device=dev)
+    delta = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if out_for_delta is not None else None
+    any_out = next(t for t in (x8, x8t) if t is not None)
+    block_t = 64
+    grid = (triton.cdiv(max(layout.max_len, 1), block_t), layout.num_seqs * h)
+    _quantize_kernel[grid](
+        x4, sub if sub is not None else x4, sub_cu if sub_cu is not None else any_out,
+        channel_scale if channel_scale is not None else x4,
+        out_for_delta if out_for_delta is not None else x4,
+        x8 if x8 is not None else any_out, x8t if x8t is not None else any_out,
+        scale if scale is not None else x4, delta if delta is not None else x4,
+        layout.cu_seqlens if layout.is_varlen else any_out,
+        *strides4(x4), *strides3(sub)[:2], *strides3(channel_scale)[:2], *strides4(out_for_delta),
+        *strides4(x8)[:3], *strides4(x8t)[:3], *strides3(scale if scale is not None else delta)[:2],
+        n, h, d, sub_block or 1,
+        IS_VARLEN=layout.is_varlen, HAS_SUB=sub is not None, PER_CHANNEL=channel_scale is not None,
+        WITH_DELTA=delta is not None, WRITE_NATURAL=natural, WRITE_T=transposed,
+        BLOCK_T=block_t, BLOCK_D=_block_d(d),
+    )
+    return dict(x8=x8, x8t=x8t, scale=scale, delta=delta)
 
 
 def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float,
-                k_smoothing: bool, q_smoothing: bool):
-    """INT8 Q and K for ``S = Q K^T``.
+                k_smoothing: bool, q_smoothing: bool, transposed: bool = False):
+    """INT8 Q and K for ``S = Q K^T`` (and, with ``transposed``, their token-major copies for the backward).
 
     Returns a dict: ``q8, q_scale`` (softmax scale and log2(e) folded in, so the kernels use exp2),
-    ``q_scale_raw``, ``k8, k_scale``, and for Q-smoothing ``q_mean`` (``[H, blocks, D]``, scaled like
-    ``q_scale``) and ``q_mean_cu`` (first block of each sequence).
-    """
-    kf = k4.float()
+    ``q_scale_raw``, ``k8, k_scale``, ``q8t, k8t``, and for Q-smoothing ``q_mean`` (``[H, blocks, D]``,
+    scaled like ``q_scale``) and ``q_mean_cu`` (first block of each sequence)."""
+    k_sub = k_cu = None
     if k_smoothing:   # softmax is unchanged: every score of a row moves by the same q . mean(k)
-        kf = kf - per_token(per_sequence(kf, layout_k, "mean"), kf, layout_k)
-    k8, k_scale = quantize_per_token(kf)
-
-    qf = q4.float()
-    q_mean = q_mean_cu = None
+        k_sub, k_cu = token_stats(k4, layout_k, abs_max=False)
+    k = quantize(k4, layout_k, sub=k_sub, sub_cu=k_cu, sub_block=1 << 30, transposed=transposed)
+    q_mean = q_cu = None
     if q_smoothing:   # S = (q - q_mean) K^T + q_mean K^T; the second term is added back in fp32
-        per_tok, q_mean, q_mean_cu = q_block_means(qf, layout_q)
-        qf = qf - per_tok
-        q_mean = q_mean * (softmax_scale * LOG2E)
-    q8, q_scale_raw = quantize_per_token(qf)
-    return dict(q8=q8, q_scale=q_scale_raw * (softmax_scale * LOG2E), q_scale_raw=q_scale_raw,
-                k8=k8, k_scale=k_scale, q_mean=q_mean, q_mean_cu=q_mean_cu)
+        q_mean, q_cu = token_stats(q4, layout_q, abs_max=False, block_tokens=Q_SMOOTH_BLOCK)
+    q = quantize(q4, layout_q, sub=q_mean, sub_cu=q_cu, sub_block=Q_SMOOTH_BLOCK,
+                 transposed=transposed and not q_smoothing)
+    return dict(q8=q["x8"], q_scale=q["scale"] * (softmax_scale * LOG2E), q_scale_raw=q["scale"],
+                q8t=q["x8t"], k8=k["x8"], k_scale=k["scale"], k8t=k["x8t"],
+                q_mean=None if q_mean is None else q_mean * (softmax_scale * LOG2E), q_mean_cu=q_cu)
 
 
 def quantize_v(v4: torch.Tensor, layout: SeqLayout):
-    """Per-channel INT8 V in token-major layout: (``v8t [B, H, D, N_pad]``, ``v_scale [S, H, D]``)."""
-    vf = v4.float()
-    v_scale = per_sequence(vf.abs(), layout, "max") / 127.0
-    v8 = torch.round(vf / per_token(v_scale.clamp_min(1e-30), vf, layout)).to(torch.int8)
-    return token_major_copy(v8), v_scale.contiguous()
-
-
-def is_power_of_two(x: int) -> bool:
-    return x > 0 and (x & (x - 1)) == 0
-
-
-def next_power_of_two(x: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(x, 1))))
-
-
-def maybe(x: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """Kernels need a real pointer even for an unused argument."""
-    return x if x is not None else like
+    """Per-channel INT8 V in token-major layout: (``v8t [B, H, D, N_pad]``, ``v_scale`` viewed ``[S, H, D]``)."""
+    v_max, _ = token_stats(v4, layout, abs_max=True)
+    v_scale = v_max * (1.0 / 127.0)                      # [H, S, D]
+    v8t = quantize(v4, layout, channel_scale=v_scale, natural=False, transposed=True)["x8t"]
+    return v8t, v_scale.transpose(0, 1)

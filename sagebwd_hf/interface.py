@@ -16,8 +16,7 @@ from . import naive
 from .kernels.backward import launch_backward
 from .kernels.forward import launch_forward
 from .kernels.layout import SeqLayout, as_bhnd
-from .kernels.quantize import (next_power_of_two, per_sequence, per_token, quantize_per_token, quantize_qk,
-                               quantize_v, token_major_copy)
+from .kernels.quantize import quantize, quantize_qk, quantize_v
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -46,7 +45,7 @@ def _warn_once(key: str, message: str):
 
 def tile_configs(head_dim: int, device: torch.device):
     """{"fwd", "dkdv", "dq"} -> (BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages)."""
-    block_d = max(32, next_power_of_two(head_dim))
+    block_d = max(32, 1 << (head_dim - 1).bit_length())
     if device.type != "cuda":
         fwd = dkdv = dq = (64, 64, 4, 1)
     elif block_d <= 64:
@@ -114,17 +113,16 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
     do4, o4 = as_bhnd(dout, varlen), as_bhnd(out, varlen)
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
     lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
-    # the forward's bytes again: same inputs, same deterministic quantization
-    quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing)
-    if q_smoothing:
-        q8r, q_scale_raw = quantize_per_token(q4)
+    # the forward's bytes again (same inputs, same deterministic quantization), plus token-major copies
+    quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, transposed=True)
+    if q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
+        raw = quantize(q4, lay_q, natural=False, transposed=True)
+        q8rt, q_scale_raw = raw["x8t"], raw["scale"]
     else:
-        q8r, q_scale_raw = quant["q8"], quant["q_scale_raw"]
-    do8, do_scale = quantize_per_token(do4)
-    delta = (do4.float() * o4.float()).sum(-1).contiguous()
-    launch_backward(quant, token_major_copy(q8r), q_scale_raw, token_major_copy(quant["k8"]), v4, do4,
-                    token_major_copy(do8), do_scale, lse, delta,
-                    as_bhnd(dq, varlen), as_bhnd(dk, varlen), as_bhnd(dv, varlen), lay_q, lay_k,
+        q8rt, q_scale_raw = quant["q8t"], quant["q_scale_raw"]
+    do_q = quantize(do4, lay_q, natural=False, transposed=True, out_for_delta=o4)
+    launch_backward(quant, q8rt, q_scale_raw, quant["k8t"], v4, do4, do_q["x8t"], do_q["scale"], lse,
+                    do_q["delta"], as_bhnd(dq, varlen), as_bhnd(dk, varlen), as_bhnd(dv, varlen), lay_q, lay_k,
                     q4.shape[1], k4.shape[1], q4.shape[3], window, scale, cfg["dkdv"], cfg["dq"])
     return dq, dk, dv
 
@@ -212,12 +210,18 @@ def _true_lse(lse2, q, k, cu_q, cu_k, scale, k_smoothing):
     lse = naive.lse_to_natural(lse2)
     if not k_smoothing:
         return lse
-    varlen = cu_q is not None
-    q4, k4 = as_bhnd(q, varlen), as_bhnd(k, varlen)
-    lay_q = SeqLayout(cu_q.numel() - 1, 0, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
-    lay_k = SeqLayout(cu_k.numel() - 1, 0, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
-    k_mean = per_sequence(k4.float(), lay_k, "mean").repeat_interleave(q4.shape[1] // k4.shape[1], dim=1)
-    shift = (q4.float() * per_token(k_mean, q4, lay_q)).sum(-1) * scale
+    if cu_k is None:
+        k_mean = k.float().mean(2, keepdim=True)                                   # [B, Hkv, 1, D]
+        q_tok = q.float()
+    else:
+        seq_k = SeqLayout(cu_k.numel() - 1, 0, cu_k).seq_ids(k.shape[0], k.device)
+        seq_q = SeqLayout(cu_q.numel() - 1, 0, cu_q).seq_ids(q.shape[0], q.device)
+        sums = torch.zeros(cu_k.numel() - 1, *k.shape[1:], device=k.device).index_add_(0, seq_k, k.float())
+        counts = (cu_k[1:] - cu_k[:-1]).clamp_min(1).float()[:, None, None]
+        k_mean = (sums / counts)[seq_q].permute(1, 0, 2).unsqueeze(0)            # [1, Hkv, Tq, D]
+        q_tok = as_bhnd(q, True).float()
+    k_mean = k_mean.repeat_interleave(q_tok.shape[1] // k_mean.shape[1], dim=1)
+    shift = (q_tok * k_mean).sum(-1) * scale
     return lse + shift
 
 

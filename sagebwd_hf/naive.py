@@ -65,20 +65,16 @@ def attention_exact(q, k, v, softmax_scale=None, window_size=(-1, -1), dtype=tor
 def quantize_per_token(x: torch.Tensor):
     """Symmetric INT8 with one scale per row of the last dim (stored as integer-valued fp32)."""
     xf = x.float()
-    scale = xf.abs().amax(-1) / 127.0
-    return torch.round(xf / scale.clamp_min(1e-30).unsqueeze(-1)), scale
-
-
-def _round_half_away(x: torch.Tensor) -> torch.Tensor:
-    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(xf * inv), amax.squeeze(-1) / 127.0
 
 
 def _row_quantize(x: torch.Tensor, dim: int, signed: bool):
     """Quantize ``x`` with one scale per slice along ``dim`` (the reduced-over tile axis)."""
     x_max = (x.abs() if signed else x).amax(dim, keepdim=True)
     inv = torch.where(x_max > 0, 127.0 / x_max, torch.zeros_like(x_max))
-    x8 = _round_half_away(x * inv) if signed else torch.floor(x * inv + 0.5)
-    return x8, x_max * (1.0 / 127.0)
+    return torch.round(x * inv), x_max * (1.0 / 127.0)     # round half to even, as the kernels do
 
 
 def _q_block_means(qf: torch.Tensor) -> torch.Tensor:
@@ -118,8 +114,9 @@ def sagebwd_forward_naive(q, k, v, softmax_scale, window_size=(-1, -1), k_smooth
     """Returns (out in q's dtype, base-2 log-sum-exp fp32 with +inf for rows that see no key)."""
     s, _, _, _, _, _ = _scores(q, k, softmax_scale, window_size, k_smoothing, q_smoothing)
     vf = v.float()
-    v_scale = vf.abs().amax(2, keepdim=True) / 127.0                       # per channel
-    v8 = _repeat_kv(torch.round(vf / v_scale.clamp_min(1e-30)), q.shape[1])
+    v_scale = vf.abs().amax(2, keepdim=True) * (1.0 / 127.0)               # per channel
+    v8 = _repeat_kv(torch.round(vf * torch.where(v_scale > 0, 1.0 / v_scale, torch.zeros_like(v_scale))),
+                    q.shape[1])
     v_scale = _repeat_kv(v_scale, q.shape[1])
 
     b, h, n_q, n_k = s.shape
@@ -136,7 +133,7 @@ def sagebwd_forward_naive(q, k, v, softmax_scale, window_size=(-1, -1), k_smooth
         l = l * alpha + p.sum(-1)
         p_max = torch.exp2(tile_max - m_ref)        # P is quantized per row of the tile
         p_inv = torch.where(p_max > 0, 127.0 / p_max, torch.zeros_like(p_max))
-        p8 = torch.floor(p * p_inv[..., None] + 0.5)
+        p8 = torch.round(p * p_inv[..., None])
         acc = acc * alpha[..., None] + (p8 @ v8[:, :, start:start + block_n]) * (p_max / 127.0)[..., None]
         m = m_new
     out = acc * torch.where(l > 0, 1.0 / l, torch.zeros_like(l))[..., None] * v_scale

@@ -1,0 +1,94 @@
+"""Where SageBwd's time goes, and which tile shapes are fastest: times each stage of the op alone
+(quantization passes, forward kernel, the two backward kernels) for a few tile configurations.
+
+    python benchmarks/breakdown.py --head-dim 128 --seqlen 4096 [--causal]
+"""
+import argparse
+import itertools
+
+import torch
+import triton
+
+from sagebwd_hf.interface import tile_configs
+from sagebwd_hf.kernels.backward import launch_backward
+from sagebwd_hf.kernels.forward import launch_forward
+from sagebwd_hf.kernels.layout import SeqLayout
+from sagebwd_hf.kernels.quantize import quantize, quantize_qk, quantize_v
+
+
+def ms(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="also time other tile configurations")
+    args = p.parse_args()
+    d, n = args.head_dim, args.seqlen
+    b, h = args.tokens // n, args.width // d
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    q, k, v, do = mk(b, h, n, d), mk(b, h, n, d), mk(b, h, n, d), mk(b, h, n, d)
+    lay = SeqLayout(b, n, None)
+    scale = d ** -0.5
+    window = (-1, 0) if args.causal else (-1, -1)
+    flops = 4 * b * h * n * n * d * (0.5 if args.causal else 1.0)
+    cfg = tile_configs(d, q.device)
+    out = q.new_empty(b, n, h, d).transpose(1, 2)
+    lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)
+
+    print(f"# {torch.cuda.get_device_name()} B={b} H={h} N={n} D={d} causal={args.causal}; default tiles {cfg}")
+    t_qk = ms(lambda: quantize_qk(q, k, lay, lay, scale, True, False))
+    t_v = ms(lambda: quantize_v(v, lay))
+    quant = quantize_qk(q, k, lay, lay, scale, True, False)
+    v8t, v_scale = quantize_v(v, lay)
+
+    def fwd(c):
+        launch_forward(quant, v8t, v_scale, out, lse, lay, lay, h, 1, d, window, c)
+    t_f = ms(lambda: fwd(cfg["fwd"]))
+    print(f"fwd prep: quantize_qk {t_qk:.3f} ms, quantize_v {t_v:.3f} ms | fwd kernel {t_f:.3f} ms "
+          f"({flops / t_f * 1e-9:.0f} TFLOP/s kernel-only)")
+
+    fwd(cfg["fwd"])
+    t_qkt = ms(lambda: quantize_qk(q, k, lay, lay, scale, True, False, transposed=True))
+    t_do = ms(lambda: quantize(do, lay, natural=False, transposed=True, out_for_delta=out))
+    bq = quantize_qk(q, k, lay, lay, scale, True, False, transposed=True)
+    dq4 = quantize(do, lay, natural=False, transposed=True, out_for_delta=out)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def bwd(c_kv, c_q, kernels=("dkdv", "dq")):
+        launch_backward(bq, bq["q8t"], bq["q_scale_raw"], bq["k8t"], v, do, dq4["x8t"], dq4["scale"], lse,
+                        dq4["delta"], dq, dk, dv, lay, lay, h, h, d, window, scale, c_kv, c_q, kernels)
+    t_kv = ms(lambda: bwd(cfg["dkdv"], cfg["dq"], ("dkdv",)))
+    t_q = ms(lambda: bwd(cfg["dkdv"], cfg["dq"], ("dq",)))
+    print(f"bwd prep: quantize_qk+T {t_qkt:.3f} ms, dO {t_do:.3f} ms | dkdv kernel {t_kv:.3f} ms, dq kernel "
+          f"{t_q:.3f} ms ({2.5 * flops / (t_kv + t_q) * 1e-9:.0f} TFLOP/s kernels-only)")
+    if not args.sweep:
+        return
+
+    bd = cfg["fwd"][2]
+    print("forward tiles (BM, BN, warps, stages): ms")
+    for bm, bn, w, s in itertools.product([64, 128], [64, 128], [4, 8], [2, 3, 4]):
+        try:
+            t = ms(lambda: fwd((bm, bn, bd, w, s)))
+            print(f"  fwd {bm:>3} {bn:>3} w{w} s{s}: {t:.3f} ms  {flops / t * 1e-9:.0f} TFLOP/s")
+        except Exception as e:  # out of shared memory / registers
+            print(f"  fwd {bm} {bn} w{w} s{s}: {type(e).__name__}")
+    print("backward tiles (BM, BN, warps, stages): ms")
+    for bm, bn, w, s in itertools.product([32, 64, 128], [64, 128], [4, 8], [1, 2, 3]):
+        for name in ("dkdv", "dq"):
+            c = (bm, bn, bd, w, s)
+            try:
+                t = ms(lambda: bwd(c, c, (name,)))
+                print(f"  {name:<4} {bm:>3} {bn:>3} w{w} s{s}: {t:.3f} ms")
+            except Exception as e:
+                print(f"  {name:<4} {bm:>3} {bn:>3} w{w} s{s}: {type(e).__name__}")
+
+
+if __name__ == "__main__":
+    main()

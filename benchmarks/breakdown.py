@@ -49,8 +49,10 @@ def main():
     v8t, v_scale = quantize_v(v, lay)
 
     def fwd(c):
-        launch_forward(quant, v8t, v_scale, out, lse, lay, lay, h, 1, d, window, c)
+        return launch_forward(quant, v8t, v_scale, out, lse, lay, lay, h, 1, d, window, c)
     t_f = ms(lambda: fwd(cfg["fwd"]))
+    regs = lambda k: f"{getattr(k, 'n_regs', '?')} regs, {getattr(k, 'n_spills', '?')} spills"  # noqa: E731
+    print(f"fwd kernel: {regs(fwd(cfg['fwd']))}")
     print(f"fwd prep: quantize_qk {t_qk:.3f} ms, quantize_v {t_v:.3f} ms | fwd kernel {t_f:.3f} ms "
           f"({flops / t_f * 1e-9:.0f} TFLOP/s kernel-only)")
 
@@ -62,9 +64,10 @@ def main():
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def bwd(c_kv, c_q, kernels=("dkdv", "dq")):
-        launch_backward(bq, bq["q8t"], bq["q_scale_raw"], bq["k8t"], v, do, dq4["x8t"], dq4["scale"], lse,
+        return launch_backward(bq, bq["q8t"], bq["q_scale_raw"], bq["k8t"], v, do, dq4["x8t"], dq4["scale"], lse,
                         dq4["delta"], dq, dk, dv, lay, lay, h, h, d, window, scale, c_kv, c_q, kernels)
     t_kv = ms(lambda: bwd(cfg["dkdv"], cfg["dq"], ("dkdv",)))
+    print("bwd kernels: " + ", ".join(f"{k}: {regs(v)}" for k, v in bwd(cfg["dkdv"], cfg["dq"]).items()))
     t_q = ms(lambda: bwd(cfg["dkdv"], cfg["dq"], ("dq",)))
     print(f"bwd prep: quantize_qk+T {t_qkt:.3f} ms, dO {t_do:.3f} ms | dkdv kernel {t_kv:.3f} ms, dq kernel "
           f"{t_q:.3f} ms ({2.5 * flops / (t_kv + t_q) * 1e-9:.0f} TFLOP/s kernels-only)")

@@ -326,13 +326,15 @@ def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse,
     q_mean_arg = maybe(q_mean, q_scale)
     q_mean_cu_arg = maybe(q_mean_cu, q8)
 
+    compiled = {}
     if "dkdv" in kernels:
-        _launch_dkdv(q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta,
+        compiled["dkdv"] = _launch_dkdv(q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta,
                      q_mean_arg, q_mean_cu_arg, dk4, dv4, cu_q, cu_k, q_mean, layout_k, num_kv_heads, group,
                      head_dim, window, softmax_scale, dkdv_config, common)
     if "dq" in kernels:
-        _launch_dq(q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, q_mean_arg, q_mean_cu_arg, dq4, cu_q,
+        compiled["dq"] = _launch_dq(q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, q_mean_arg, q_mean_cu_arg, dq4, cu_q,
                    cu_k, q_mean, layout_q, num_heads, group, head_dim, window, softmax_scale, dq_config, common)
+    return compiled
 
 
 def _launch_dkdv(q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta,
@@ -341,7 +343,7 @@ def _launch_dkdv(q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_
     block_m, block_n, block_d, num_warps, num_stages = config
     assert Q_SMOOTH_BLOCK % block_m == 0
     grid = (triton.cdiv(layout_k.max_len, block_n), layout_k.num_seqs * num_kv_heads)
-    _attn_bwd_dkdv_kernel[grid](
+    return _attn_bwd_dkdv_kernel[grid](
         q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta,
         q_mean_arg, q_mean_cu_arg, dk4, dv4, cu_q, cu_k,
         *strides4(q8)[:3], *strides3(q_scale)[:2], *strides4(q8rt)[:3],
@@ -360,7 +362,7 @@ def _launch_dq(q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, q_mean_arg, q
     block_m, block_n, block_d, num_warps, num_stages = config
     assert Q_SMOOTH_BLOCK % block_m == 0
     grid = (triton.cdiv(layout_q.max_len, block_m), layout_q.num_seqs * num_heads)
-    _attn_bwd_dq_kernel[grid](
+    return _attn_bwd_dq_kernel[grid](
         q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, q_mean_arg, q_mean_cu_arg, dq4, cu_q, cu_k,
         *strides4(q8)[:3], *strides3(q_scale)[:2],
         *strides4(k8)[:3], *strides4(k8t)[:3], *strides3(k_scale)[:2],

@@ -48,10 +48,8 @@ def tile_configs(head_dim: int, device: torch.device):
     block_d = max(32, 1 << (head_dim - 1).bit_length())
     if device.type != "cuda":
         fwd = dkdv = dq = (64, 64, 4, 1)
-    elif block_d <= 64:
-        fwd, dkdv, dq = (128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)
-    elif block_d <= 128:
-        fwd, dkdv, dq = (128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 2)
+    elif block_d <= 128:   # fastest of a sweep on an H200 at D=128, N=4096 (benchmarks/breakdown.py)
+        fwd, dkdv, dq = (64, 128, 4, 3), (128, 128, 8, 2), (128, 128, 8, 2)
     else:
         fwd, dkdv, dq = (64, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 1)
     pack = lambda c: (c[0], c[1], block_d, c[2], c[3])  # noqa: E731

@@ -16,6 +16,15 @@ from sagebwd_hf.kernels.layout import SeqLayout
 from sagebwd_hf.kernels.quantize import quantize, quantize_qk, quantize_v
 
 
+def _resources(kernel) -> str:
+    """Registers, spills, and which matrix instructions the PTX holds (wgmma = Hopper's fast path)."""
+    ptx = getattr(kernel, "asm", {}).get("ptx", "")
+    counts = {name: ptx.count(token) for name, token in
+              (("wgmma", "wgmma.mma_async"), ("mma.sync", "mma.sync"), ("local ld/st", ".local."))}
+    return (f"{getattr(kernel, 'n_regs', '?')} regs, {getattr(kernel, 'n_spills', '?')} spills, "
+            + ", ".join(f"{k} {v}" for k, v in counts.items()))
+
+
 def ms(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
@@ -51,7 +60,7 @@ def main():
     def fwd(c):
         return launch_forward(quant, v8t, v_scale, out, lse, lay, lay, h, 1, d, window, c)
     t_f = ms(lambda: fwd(cfg["fwd"]))
-    regs = lambda k: f"{getattr(k, 'n_regs', '?')} regs, {getattr(k, 'n_spills', '?')} spills"  # noqa: E731
+    regs = _resources
     print(f"fwd kernel: {regs(fwd(cfg['fwd']))}")
     print(f"fwd prep: quantize_qk {t_qk:.3f} ms, quantize_v {t_v:.3f} ms | fwd kernel {t_f:.3f} ms "
           f"({flops / t_f * 1e-9:.0f} TFLOP/s kernel-only)")

@@ -9,6 +9,7 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")):
     __path__.append(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
 
 from .interface import sagebwd_attn_func, sagebwd_attn_varlen_func  # noqa: E402
+from .transformers_integration import attention_stats, reset_attention_stats  # noqa: E402,F401  (registers "sagebwd")
 
 __all__ = ["sagebwd_attn_func", "sagebwd_attn_varlen_func"]
 __version__ = "0.1.0"

@@ -2,8 +2,8 @@
 
 One program per (query tile, sequence, query head); an online softmax in base 2 walks the key tiles.
 ``S = Q8 K8^T`` is exact in int32 and dequantized with the per-token scales. ``P`` is quantized per row
-of each key tile, with the row's largest value in the tile (``exp2(tile_max - m)``) mapped to 127, so rows
-whose tile holds only small probabilities keep their resolution. ``P8 V8`` is again exact in int32 and
+of each key tile, with the row's largest value in the tile mapped to 127, so rows whose tile holds only
+small probabilities keep their resolution. ``P8 V8`` is again exact in int32 and
 scaled once per tile; V's per-channel scale is applied at the very end.
 
 Key tiles always start at multiples of BLOCK_N (the P scales depend on the tiling, and the PyTorch
@@ -92,15 +92,16 @@ def _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base, st
     m_new = tl.maximum(m_i, tile_max)
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing visible yet
     alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(s - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-
-    p_max = tl.exp2(tile_max - m_ref)                       # largest p of each row in this tile
-    p8 = round_to_int8(p * tl.where(p_max > 0, 127.0 / p_max, 0.0)[:, None])
+    # One exp2 per score gives P already scaled for INT8: e = 127 * p / max_tile(p) = 127 * exp2(s - tile_max)
+    # (the row's largest p in the tile maps to 127). p itself is e * p_scale.
+    e_ref = tl.where(tile_max == float("-inf"), 0.0, tile_max - 6.988684686772166)   # log2(127)
+    e = tl.exp2(s - e_ref[:, None])
+    p_scale = tl.exp2(tile_max - m_ref) * (1.0 / 127.0)
+    l_i = l_i * alpha + tl.sum(e, 1) * p_scale
     v8 = tl.load(V8T_base + offs_d[None, :] * s_vtd + (k0 + cols)[:, None],
                  mask=n_ok[:, None] & d_ok[None, :], other=0)
-    pv = int32_to_float(tl.dot(p8, v8, out_dtype=tl.int32))
-    acc = acc * alpha[:, None] + pv * (p_max * (1.0 / 127.0))[:, None]
+    pv = int32_to_float(tl.dot(round_to_int8(e), v8, out_dtype=tl.int32))
+    acc = acc * alpha[:, None] + pv * p_scale[:, None]
     return acc, m_new, l_i
 
 

@@ -129,12 +129,13 @@ def sagebwd_forward_naive(q, k, v, softmax_scale, window_size=(-1, -1), k_smooth
         m_new = torch.maximum(m, tile_max)
         m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         alpha = torch.exp2(m - m_ref)
-        p = torch.exp2(s_tile - m_ref[..., None])
-        l = l * alpha + p.sum(-1)
-        p_max = torch.exp2(tile_max - m_ref)        # P is quantized per row of the tile
-        p_inv = torch.where(p_max > 0, 127.0 / p_max, torch.zeros_like(p_max))
-        p8 = torch.round(p * p_inv[..., None])
-        acc = acc * alpha[..., None] + (p8 @ v8[:, :, start:start + block_n]) * (p_max / 127.0)[..., None]
+        # P is quantized per row of the tile: its largest value in the tile maps to 127,
+        # e = 127 * p / max_tile(p) = 127 * exp2(s - tile_max), and p = e * p_scale
+        e_ref = torch.where(torch.isinf(tile_max), torch.zeros_like(tile_max), tile_max - math.log2(127.0))
+        e = torch.exp2(s_tile - e_ref[..., None])
+        p_scale = torch.exp2(tile_max - m_ref) * (1.0 / 127.0)
+        l = l * alpha + e.sum(-1) * p_scale
+        acc = acc * alpha[..., None] + (torch.round(e) @ v8[:, :, start:start + block_n]) * p_scale[..., None]
         m = m_new
     out = acc * torch.where(l > 0, 1.0 / l, torch.zeros_like(l))[..., None] * v_scale
     lse = torch.where(l > 0, m + torch.log2(l), torch.full_like(l, float("inf")))

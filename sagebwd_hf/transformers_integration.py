@@ -1,0 +1,508 @@
+"""SageBwd as a Hugging Face Transformers attention backend: ``attn_implementation="sagebwd"``.
+
+``import sagebwd_hf`` registers two functions under the name ``"sagebwd"``:
+
+* ``sagebwd_mask`` in ``AttentionMaskInterface``: what every layer gets as ``attention_mask``. As
+  ``flash_attention_mask`` it returns ``None`` or the 2D padding mask, never a dense 4D mask per layer; unlike
+  it, a mask pattern the kernel cannot express (or/and overlays, block-wise or chunked attention) is not
+  dropped but handed on as the dense ``sdpa_mask``, so that those layers run SDPA.
+* ``sagebwd_attention_forward`` in ``AttentionInterface``: picks the kernel path the way
+  ``_flash_attention_forward`` does (padding mask -> unpad + varlen; else ``cu_seq_lens_q/k`` -> varlen; else
+  restarting ``position_ids`` -> varlen; else one dense call), and runs SDPA, with a one-time warning and a
+  counter, for what the kernel cannot do. What SDPA cannot do either raises.
+
+Transformers' conventions kept here: causality from the ``is_causal`` kwarg, else ``module.is_causal``;
+``sliding_window=W`` means a query sees W keys including itself, i.e. FlashAttention's
+``window_size=(W-1, 0)`` (``(W-1, W-1)`` for bidirectional layers, as ``flash_attention_forward``);
+causal masks align bottom-right when the query is shorter than the keys (decode with a KV cache).
+"""
+import collections
+import warnings
+import weakref
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers import masking_utils
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+from .interface import MAX_HEAD_DIM, sagebwd_attn_func, sagebwd_attn_varlen_func
+
+NAME = "sagebwd"
+_HALF = (torch.float16, torch.bfloat16)
+
+# ---------------------------------------------------------------------------------------------------
+# What ran: counters and one-time warnings
+# ---------------------------------------------------------------------------------------------------
+
+# Plain Counters mutated from Python: under torch.compile, dynamo replays these updates on every call of
+# the compiled graph, so the counts stay per call there too.
+_kernel_calls = collections.Counter()    # path -> attention calls run by the SageBwd kernels
+_fallback_calls = collections.Counter()  # reason -> attention calls run by SDPA instead
+_warned = set()
+
+FALLBACK_REASONS = {
+    "dropout": "attention dropout > 0 in training (the kernel has no dropout)",
+    "head_dim": f"a head dim the kernel does not take (q/k/v must share one, a multiple of 8 up to {MAX_HEAD_DIM})",
+    "dtype": "q/k/v in a dtype other than float16, bfloat16 or float32",
+    "mask_4d": "a 4D attention mask: one passed by the user, or a mask pattern the kernel cannot express "
+               "(or_mask_function/and_mask_function overlays, block-wise or chunked attention)",
+    "position_bias": "an additive position_bias (T5-style relative attention)",
+    "shape": "a causal query longer than its keys, or an empty tensor",
+}
+
+
+def attention_stats() -> dict:
+    """How many attention calls ran where since the last reset.
+
+    Returns ``{"sagebwd": n, "paths": {path: n}, "fallback": {reason: n}}``: ``sagebwd`` counts calls run by
+    the SageBwd kernels (``paths`` splits them: ``dense``, ``padding``, ``packed``, ``cu_seq_lens``, and under
+    torch.compile the in-graph checks ``padding_or_sdpa`` / ``dense_or_packed``), ``fallback`` the calls that
+    ran through SDPA, keyed by reason (see ``FALLBACK_REASONS``).
+    """
+    return {"sagebwd": sum(_kernel_calls.values()), "paths": dict(_kernel_calls),
+            "fallback": dict(_fallback_calls)}
+
+
+def reset_attention_stats() -> None:
+    _kernel_calls.clear()
+    _fallback_calls.clear()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+# Dynamo cannot trace warnings.warn (a graph break); this lets it call _warn_once after the graph instead.
+torch._dynamo.config.reorderable_logging_functions.add(_warn_once)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The mask function
+# ---------------------------------------------------------------------------------------------------
+# flash_attention_mask ignores ``mask_function``: whatever pattern a model asked for, the layers only see the
+# padding. Here patterns beyond causal / bidirectional / sliding window / packed sequences are detected and
+# handed on as the dense SDPA mask, so that those layers run SDPA instead of silently losing the pattern.
+
+def _code_of(factory, *args):
+    try:
+        return factory(*args).__code__
+    except Exception:   # a Transformers version without this building block
+        return None
+
+
+_AND_CODE = _code_of(masking_utils.and_masks, masking_utils.causal_mask_function)
+_OR_CODE = _code_of(masking_utils.or_masks, masking_utils.causal_mask_function)
+_REMAP_CODE = _code_of(getattr(masking_utils, "remap_positions_for_packed_sequence", None),
+                       masking_utils.causal_mask_function, None)
+# Building blocks the kernel expresses: the window and the sequence boundaries reach the attention function
+# as the ``sliding_window`` kwarg and through position_ids / cu_seq_lens, as for FlashAttention.
+_KNOWN_FUNCTIONS = (masking_utils.causal_mask_function, masking_utils.bidirectional_mask_function)
+_KNOWN_CODES = tuple(c for c in (
+    _code_of(masking_utils.sliding_window_overlay, 1),
+    _code_of(getattr(masking_utils, "sliding_window_bidirectional_overlay", None), 1),
+    _code_of(masking_utils.packed_sequence_mask_function, None)) if c is not None)
+
+
+def _expressible(mask_function) -> bool:
+    """Eager: walk the and_masks tree of ``mask_function`` (through the closures masking_utils builds) and
+    accept only known building blocks. A Transformers version whose blocks look different lands on the safe
+    side (SDPA). This is the one place that reads masking_utils' internals."""
+    stack = [mask_function]
+    try:
+        while stack:
+            fn = stack.pop()
+            if fn in _KNOWN_FUNCTIONS:
+                continue
+            code = getattr(fn, "__code__", None)
+            if code is _AND_CODE:
+                stack.extend(fn.__closure__[code.co_freevars.index("mask_functions")].cell_contents)
+            elif code is _REMAP_CODE:   # packed sequences (5.2x): positions counted per sequence
+                stack.append(fn.__closure__[code.co_freevars.index("mask_function")].cell_contents)
+            elif code is None or code not in _KNOWN_CODES:
+                return False
+        return True
+    except (AttributeError, ValueError, IndexError, TypeError):
+        return False
+
+
+def _expressible_compiled(mask_function, kwargs) -> bool:
+    """Under torch.compile, dynamo cannot read closures: decide from what the mask creators pass instead.
+    ``use_vmap`` is set exactly when a model adds or_mask_function/and_mask_function; block-wise overlays make
+    an or_masks at the top; chunked layers pass their chunk size as ``local_size``."""
+    if kwargs.get("use_vmap", False) or getattr(mask_function, "__code__", None) is _OR_CODE:
+        return False
+    config, local_size = kwargs.get("config"), kwargs.get("local_size")
+    chunk = getattr(config, "attention_chunk_size", None)
+    return not (local_size is not None and chunk is not None and local_size == chunk
+                and local_size != getattr(config, "sliding_window", None))
+
+
+def sagebwd_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 mask_function=masking_utils.causal_mask_function, attention_mask: Optional[torch.Tensor] = None,
+                 **kwargs):
+    """``AttentionMaskInterface`` entry for ``"sagebwd"``, as ``flash_attention_mask``. Returns ``None`` (no
+    padding: causality, windows and packing come from the layer's kwargs), a 2D bool padding mask
+    ``[batch, kv_len]`` (True = real token) that the attention turns into varlen, or, for a pattern the
+    kernel cannot express, the dense 4D ``sdpa_mask`` (the attention then runs SDPA)."""
+    compiling = torch.compiler.is_compiling()
+    if not (_expressible_compiled(mask_function, kwargs) if compiling else _expressible(mask_function)):
+        kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)  # keep the pattern
+        return masking_utils.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                                       q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                                       attention_mask=attention_mask, **kwargs)
+    if attention_mask is None:
+        return None
+    # The last kv_length entries (sliding caches); an all-ones mask is dropped. Under torch.compile reading
+    # the mask would break the graph: the attention function checks it in-graph instead.
+    attention_mask = attention_mask[:, -kv_length:].bool()
+    if not compiling and attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+# ---------------------------------------------------------------------------------------------------
+# The attention function
+# ---------------------------------------------------------------------------------------------------
+
+def _window(sliding_window: Optional[int], causal: bool):
+    if sliding_window is None:
+        return (-1, -1)
+    if not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    return (sliding_window - 1, 0) if causal else (sliding_window - 1, sliding_window - 1)
+
+
+def _compute_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype:
+    """As flash_attention's get_target_dtype: float32 q/k/v (PEFT upcasts, autocast) run in the model's
+    compute dtype. A model that is float32 throughout runs the attention in bfloat16."""
+    if query.dtype in _HALF:
+        return query.dtype
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) in _HALF:
+        return torch.get_autocast_dtype(device_type)
+    for layer in module.modules():
+        if isinstance(layer, torch.nn.Linear):
+            if layer.weight.dtype in _HALF:
+                return layer.weight.dtype
+            break
+    _warn_once("fp32", "sagebwd: float32 attention inputs in a float32 model are computed in bfloat16 (INT8 "
+                       "attention has no float32 path); outputs and gradients are returned in float32.")
+    return torch.bfloat16
+
+
+def _fallback_reason(query, key, value, attention_mask, dropout, kwargs) -> Optional[str]:
+    if dropout and dropout > 0:
+        return "dropout"
+    head_dim = query.shape[-1]
+    if (key.shape[-1] != head_dim or value.shape[-1] != head_dim or head_dim % 8 != 0
+            or not 8 <= head_dim <= MAX_HEAD_DIM):
+        return "head_dim"
+    if any(x.dtype not in _HALF + (torch.float32,) for x in (query, key, value)):
+        return "dtype"
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return "mask_4d"
+    if kwargs.get("position_bias") is not None:
+        return "position_bias"
+    if query.numel() == 0 or key.numel() == 0:
+        return "shape"
+    return None
+
+
+def _dense_mask(batch, q_len, kv_len, causal, window, padding, segments, device):
+    """The bool ``[B, 1, q, kv]`` mask meaning what the kernel path would compute (for SDPA fallbacks)."""
+    q_pos = torch.arange(q_len, device=device) + (kv_len - q_len)   # bottom-right aligned
+    dist = q_pos[:, None] - torch.arange(kv_len, device=device)[None, :]
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    left, right = window
+    if causal:
+        mask = mask & (dist >= 0)
+    if left >= 0:
+        mask = mask & (dist <= left)
+    if right >= 0:
+        mask = mask & (dist >= -right)
+    mask = mask[None, None].expand(batch, 1, q_len, kv_len)
+    if padding is not None:
+        if padding.shape[1] < kv_len:   # static cache: slots after the mask are unwritten
+            padding = F.pad(padding, (0, kv_len - padding.shape[1]), value=False)
+        mask = mask & padding[:, None, None, :]
+    if segments is not None:
+        mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
+    return mask
+
+
+def _sdpa(module, query, key, value, mask, dropout, scaling, kwargs):
+    kwargs = {k: v for k, v in kwargs.items() if k != "is_causal"}
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                  is_causal=False, **kwargs)[0]
+
+
+def _sequence_ids(batch, q_len, kv_len, kwargs, check):
+    """Per-token sequence ids ``[B, N]`` of a packed batch, from cu_seq_lens_q/k or restarting position_ids
+    (a new sequence wherever they do not step by one, as masking_utils.find_packed_sequence_indices), or
+    None. ``check`` reads the ids on the host and returns None when nothing restarts (eager only)."""
+    if q_len != kv_len or q_len < 2:
+        return None
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None and kwargs.get("max_length_q") is not None:
+        if batch * q_len != int(cu_q[-1]) or not torch.equal(cu_q, cu_k):
+            raise ValueError("sagebwd: cu_seq_lens_q/k must be equal and cover the flattened batch in self-attention")
+        index = torch.arange(batch * q_len, device=cu_q.device)
+        return torch.searchsorted(cu_q[1:].to(index.dtype), index, right=True).view(batch, q_len)
+    position_ids = kwargs.get("position_ids")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] != q_len:
+        return None
+
+    def from_positions(position_ids):
+        position_ids = position_ids.expand(batch, -1)
+        diff = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+        ids = (diff != 1).cumsum(-1)
+        return ids if not check or bool((ids[:, -1] != 0).any()) else None
+
+    return _per_tensor("position_ids", position_ids, from_positions) if check else from_positions(position_ids)
+
+
+def _sdpa_fallback(reason, module, query, key, value, attention_mask, dropout, scaling, causal, window,
+                   kwargs):
+    _fallback_calls[reason] += 1
+    _warn_once("fallback:" + reason, f"sagebwd: {FALLBACK_REASONS[reason]}: this attention call runs "
+                                     f"through SDPA instead (counted in sagebwd_hf.attention_stats()).")
+    batch, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    if attention_mask is not None and attention_mask.dim() == 4:
+        mask = attention_mask
+    else:   # the same pattern the kernel path would have computed, packed sequences included
+        segments = None if attention_mask is not None else _sequence_ids(
+            batch, q_len, kv_len, kwargs, check=not torch.compiler.is_compiling())
+        mask = _dense_mask(batch, q_len, kv_len, causal, window, attention_mask, segments, query.device)
+    return _sdpa(module, query, key, value, mask, dropout, scaling, kwargs)
+
+
+# Values derived from a mask or position_ids tensor that every layer of one forward gets again. Eager only:
+# one device sync per forward instead of one per layer.
+_memo = {}
+
+
+def _per_tensor(name, tensor, fn):
+    if torch.compiler.is_compiling():
+        return fn(tensor)
+    hit = _memo.get(name)
+    if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
+        return hit[2]
+    value = fn(tensor)
+    _memo[name] = (weakref.ref(tensor), tensor._version, value)
+    return value
+
+
+# --- kernel paths: every one takes and returns [B, N, H, D] contiguous tensors -----------------------
+
+def _bnhd(x):
+    return x.transpose(1, 2).contiguous()
+
+
+def _dense(q, k, v, causal, scale, window):
+    """No padding, no packing: one call on the padded layout."""
+    out = sagebwd_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                            softmax_scale=scale, window_size=window)
+    return out.transpose(1, 2)     # the op writes [B, N, H, D]: this is contiguous
+
+
+def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window):
+    """The batch flattened into one packed run of tokens, cut by cu_seqlens."""
+    flat = lambda x: x.reshape(-1, x.shape[-2], x.shape[-1])  # noqa: E731
+    out = sagebwd_attn_varlen_func(flat(q), flat(k), flat(v), cu_q, cu_k, max_q, max_k, causal=causal,
+                                   softmax_scale=scale, window_size=window)
+    return out.view(q.shape)
+
+
+# Padding. Eager: as FlashAttention, gather the real tokens (unpad), run varlen, scatter them back into
+# zeros. Under torch.compile that gather has data-dependent shapes, so a row whose padding sits at one end
+# (left or right padding: its mask changes value at most once) is instead taken as two sequences of the
+# packed batch, its first run of tokens and the rest; the kernel computes both and the padding rows of the
+# output are zeroed. cu_seqlens then has 2B+1 entries computed on the device: no host read, static shapes.
+# Real tokens get the same numbers either way (K smoothing and V scales are per sequence).
+
+def _query_rows(mask, q_len, causal):
+    """Which queries are real tokens ``[B, q_len]``, as flash's _upad_input: all of them for a one-token
+    query (decode) or cross-attention, else the last ``q_len`` entries of the key mask."""
+    if q_len == mask.shape[1]:
+        return mask
+    if q_len == 1 or not causal or q_len > mask.shape[1]:
+        return torch.ones(mask.shape[0], q_len, dtype=torch.bool, device=mask.device)
+    return mask[:, -q_len:]
+
+
+def _unpad_plan(mask):
+    lengths = mask.sum(1, dtype=torch.int32)
+    cu = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    return torch.nonzero(mask.flatten()).flatten(), cu, int(lengths.max())
+
+
+def _padding_unpad(q, k, v, mask, causal, scale, window):
+    batch, q_len, heads, dim = q.shape
+    length = mask.shape[1]
+    idx_k, cu_k, max_k = _per_tensor("unpad", mask, _unpad_plan)
+    idx_q, cu_q, max_q = (idx_k, cu_k, max_k) if q_len == length else _unpad_plan(_query_rows(mask, q_len, causal))
+    take = lambda x, idx: x.reshape(-1, x.shape[-2], dim)[idx]  # noqa: E731
+    # k[:, :length]: with a static cache the slots after the mask are unwritten
+    out = sagebwd_attn_varlen_func(take(q, idx_q), take(k[:, :length], idx_k), take(v[:, :length], idx_k),
+                                   cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=scale,
+                                   window_size=window)
+    full = out.new_zeros(batch * q_len, heads, dim).index_copy(0, idx_q, out)
+    return full.view(batch, q_len, heads, dim)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose gradient is contiguous: torch.cond needs both branches' gradients laid out alike."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _one_sided(mask):
+    return (mask[:, 1:] != mask[:, :-1]).sum(1).le(1).all()
+
+
+def _two_run_cu(first_run, batch, length):
+    starts = torch.arange(batch, device=first_run.device) * length
+    cu = torch.stack([starts, starts + first_run], 1).flatten()
+    return F.pad(cu, (0, 1), value=batch * length).to(torch.int32)
+
+
+def _padding_two_runs(q, k, v, mask, causal, scale, window):
+    batch, q_len = q.shape[:2]
+    length = mask.shape[1]
+    k, v = k[:, :length], v[:, :length]
+    run = (mask == mask[:, :1]).int().cumprod(1).sum(1)          # length of each row's first run
+    if q_len == length:
+        q_run = run
+    elif q_len == 1 or not causal:            # every query goes with the real keys
+        q_run = torch.where(mask[:, 0], q_len, 0)
+    else:                                     # the queries are the row's last q_len tokens
+        q_run = (run - (length - q_len)).clamp(0, q_len)
+    out = _varlen(q, k, v, _two_run_cu(q_run, batch, q_len), _two_run_cu(run, batch, length), q_len, length,
+                  causal, scale, window)
+    return out * _query_rows(mask, q_len, causal)[:, :, None, None].to(out.dtype)
+
+
+# Packed sequences (sequence ids from position_ids or cu_seq_lens). Eager: exact cu_seqlens. Under
+# torch.compile whether a batch is packed is only known on the device: decide in-graph with torch.cond; a
+# packed batch then runs varlen with one cu_seqlens slot per token (empty sequences after the real ones),
+# static shapes at the price of a larger launch grid. Pass cu_seq_lens_q/k to avoid that.
+
+def _sequence_starts(ids):
+    return F.pad(ids[:, 1:] != ids[:, :-1], (1, 0), value=True).flatten()   # every row starts one
+
+
+def _packed_plan(ids):
+    starts = _sequence_starts(ids)
+    cu = F.pad(torch.nonzero(starts).flatten(), (0, 1), value=starts.numel()).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def _packed_static(q, k, v, ids, causal, scale, window):
+    total, length = ids.numel(), ids.shape[1]
+    index = torch.where(_sequence_starts(ids), torch.arange(total, device=ids.device), total)
+    cu = F.pad(index.sort().values, (0, 1), value=total).to(torch.int32)
+    return _varlen(q, k, v, cu, cu, length, length, causal, scale, window)
+
+
+def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                              value: torch.Tensor, attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                              scaling: Optional[float] = None, is_causal: Optional[bool] = None,
+                              sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                              s_aux: Optional[torch.Tensor] = None, **kwargs):
+    """``AttentionInterface`` entry for ``"sagebwd"``: query ``[B, Hq, S, D]``, key/value ``[B, Hkv, Skv, D]``
+    (KV heads not repeated). Returns ``(out [B, S, Hq, D], None)``."""
+    # What neither the kernel nor SDPA computes: a fallback would be silently wrong, so refuse.
+    if softcap is not None:
+        raise ValueError(f"sagebwd does not support attention logit softcapping (softcap={softcap}), and SDPA "
+                         "cannot stand in for it: use attn_implementation='eager' for this model.")
+    if s_aux is not None:
+        raise ValueError("sagebwd does not support attention sinks (s_aux), and SDPA cannot stand in for them: "
+                         "use attn_implementation='eager' for this model.")
+    if kwargs.get("output_attentions", False):
+        raise ValueError("output_attentions=True needs the attention weights, which sagebwd never forms: use "
+                         "attn_implementation='eager' for that call.")
+    if kwargs.get("cache") is not None:
+        raise NotImplementedError("sagebwd does not support continuous batching (a paged KV cache).")
+    if attention_mask is not None and attention_mask.dim() not in (2, 4):
+        raise ValueError(f"sagebwd: attention_mask must be None, a 2D padding mask from the 'sagebwd' mask "
+                         f"function or a 4D mask; got shape {tuple(attention_mask.shape)}")
+
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window = _window(sliding_window, causal)
+    batch, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    mask = attention_mask.bool() if attention_mask is not None and attention_mask.dim() == 2 else attention_mask
+    reason = _fallback_reason(query, key, value, mask, dropout, kwargs)
+    if reason is None and causal and q_len > kv_len:
+        reason = "shape"
+    if reason is not None:
+        out = _sdpa_fallback(reason, module, query, key, value, mask, dropout, scaling, causal, window, kwargs)
+        return out, None
+
+    out_dtype = query.dtype
+    dtype = _compute_dtype(query, module)
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    # [B, N, H, D] contiguous: the layout the kernels write and the one packed tokens need. Transformers'
+    # projections already produce it for k/v (and q without RoPE); otherwise this is one copy.
+    q, k, v = (_bnhd(x.to(dtype)) for x in (query, key, value))
+    compiling = torch.compiler.is_compiling()
+
+    if mask is not None:                                        # 1. padding (precedes packing, as flash)
+        if not compiling:
+            _kernel_calls["padding"] += 1
+            out = _padding_unpad(q, k, v, mask, causal, scale, window)
+        else:
+            # A mask with holes cannot be cut into static shapes: that case runs SDPA in the same graph.
+            _kernel_calls["padding_or_sdpa"] += 1
+
+            def holes(q, k, v, m):
+                q, k, v = (_ContiguousGrad.apply(x) for x in (q, k, v))   # both branches' grads alike
+                dense = _dense_mask(batch, q_len, kv_len, causal, window, m, None, q.device)
+                return _sdpa(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dense, 0.0,
+                             scale, {})    # already [B, N, H, D]
+
+            def one_sided(q, k, v, m):
+                return _padding_two_runs(q, k, v, m, causal, scale, window)
+
+            out = torch.cond(_one_sided(mask), one_sided, holes, (q, k, v, mask))
+    elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                                                 "max_length_k")):   # 2. packed, lengths given
+        _kernel_calls["cu_seq_lens"] += 1
+        out = _varlen(q, k, v, kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
+                      int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), causal, scale, window)
+    else:                                                       # 3. packed by position_ids, else dense
+        ids = _sequence_ids(batch, q_len, kv_len, kwargs, check=not compiling)
+        if ids is None:
+            _kernel_calls["dense"] += 1
+            out = _dense(q, k, v, causal, scale, window)
+        elif not compiling:
+            _kernel_calls["packed"] += 1
+            cu, longest = _per_tensor("packed", ids, _packed_plan)
+            out = _varlen(q, k, v, cu, cu, longest, longest, causal, scale, window)
+        else:
+            _kernel_calls["dense_or_packed"] += 1
+            out = torch.cond((ids[:, 1:] != ids[:, :-1]).any(),
+                             lambda q, k, v, ids: _packed_static(q, k, v, ids, causal, scale, window),
+                             lambda q, k, v, ids: _dense(q, k, v, causal, scale, window), (q, k, v, ids))
+    return out.to(out_dtype), None
+
+
+def register() -> None:
+    """Register ``"sagebwd"`` with Transformers (done by ``import sagebwd_hf``)."""
+    AttentionInterface.register(NAME, sagebwd_attention_forward)
+    AttentionMaskInterface.register(NAME, sagebwd_mask)
+
+
+register()

@@ -10,12 +10,15 @@ from sagebwd_hf import sagebwd_attn_func, sagebwd_attn_varlen_func
 from sagebwd_hf.testing import compare, exact_reference, make_qkv, run_with_grads
 
 # The oracle runs the same algorithm with the same tiles: only fp32 rounding order and exp2
-# implementations differ, which can flip a rare INT8 rounding of P or dS. Under the interpreter, fp32 ->
-# bf16 stores truncate instead of rounding to nearest, which costs up to one bf16 ulp (2^-8) per element
-# of O; the backward's Delta = rowsum(dO * O) carries that bias into dS = P (dP - Delta), a difference of
-# close numbers, so dQ/dK move by up to ~1e-2 there.
-ORACLE_REL = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
-ORACLE_REL_GPU = {torch.float16: 2e-3, torch.bfloat16: 6e-3}
+# implementations differ (the GPU's exp2 is the hardware approximation), which flips a rare INT8 rounding
+# of P or dS by one step. Each flip is a discrete error: in a short causal row that sees few keys, one
+# flip moves the row by ~1/127, so small tensors show up to ~3e-3 (seen on an H200). Under the
+# interpreter, fp32 -> bf16 stores truncate instead of rounding to nearest: up to one bf16 ulp (2^-8) of
+# O, which the backward's Delta = rowsum(dO * O) carries into dS = P (dP - Delta), a difference of close
+# numbers, so dQ/dK move by up to ~1e-2 there. These bounds still sit well below the ~1.5e-2 error
+# against exact attention, and far below what a wrong mask, scale or index produces (> 1e-1).
+ORACLE_REL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
+ORACLE_REL_GPU = {torch.float16: 5e-3, torch.bfloat16: 6e-3}
 # Against exact attention on Gaussian inputs (the measured error is ~1.5e-2; these catch real bugs).
 EXACT_MIN_COS = {"O": 0.999, "dQ": 0.998, "dK": 0.998, "dV": 0.999}
 EXACT_MAX_REL = {"O": 0.04, "dQ": 0.06, "dK": 0.06, "dV": 0.04}

@@ -156,6 +156,11 @@ def sagebwd_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
                                        q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
                                        attention_mask=attention_mask, **kwargs)
     if attention_mask is None:
+        # A static cache hands every layer all its slots, written or not (q_offset is then a tensor): mark the
+        # unwritten ones, or the kernel's bottom-right causal alignment would put the queries at the end.
+        if isinstance(q_offset, torch.Tensor) or q_offset + q_length < kv_offset + kv_length:
+            slots = torch.arange(kv_length, device=kwargs.get("device", "cpu")) + kv_offset
+            return (slots < q_offset + q_length)[None].expand(batch_size, -1)
         return None
     # The last kv_length entries (sliding caches); an all-ones mask is dropped. Under torch.compile reading
     # the mask would break the graph: the attention function checks it in-graph instead.
@@ -304,6 +309,12 @@ def _bnhd(x):
     return x.transpose(1, 2).contiguous()
 
 
+def _canonical(x):
+    """A contiguous tensor with the textbook strides also on size-1 dims (torch.cond compares branch
+    outputs' strides, and .contiguous() leaves a size-1 dim's stride as it was). A view, no copy."""
+    return x.reshape(-1).view(x.shape)
+
+
 def _dense(q, k, v, causal, scale, window):
     """No padding, no packing: one call on the padded layout."""
     out = sagebwd_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
@@ -327,13 +338,14 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window):
 # Real tokens get the same numbers either way (K smoothing and V scales are per sequence).
 
 def _query_rows(mask, q_len, causal):
-    """Which queries are real tokens ``[B, q_len]``, as flash's _upad_input: all of them for a one-token
-    query (decode) or cross-attention, else the last ``q_len`` entries of the key mask."""
+    """Which queries are real tokens ``[B, q_len]``. The queries are the ``q_len`` tokens that end at the row's
+    last real key (flash's _upad_input takes the mask's last ``q_len`` entries, the same for left padding;
+    this also covers a static cache's unwritten tail); all of them for one-token decode or cross-attention."""
     if q_len == mask.shape[1]:
         return mask
     if q_len == 1 or not causal or q_len > mask.shape[1]:
         return torch.ones(mask.shape[0], q_len, dtype=torch.bool, device=mask.device)
-    return mask[:, -q_len:]
+    return torch.where(mask[:, -1:], mask[:, -q_len:], mask.any(1, keepdim=True))
 
 
 def _unpad_plan(mask):
@@ -387,8 +399,8 @@ def _padding_two_runs(q, k, v, mask, causal, scale, window):
         q_run = run
     elif q_len == 1 or not causal:            # every query goes with the real keys
         q_run = torch.where(mask[:, 0], q_len, 0)
-    else:                                     # the queries are the row's last q_len tokens
-        q_run = (run - (length - q_len)).clamp(0, q_len)
+    else:   # the queries end at the row's last real key: the row's end, or the end of a real first run
+        q_run = torch.where(mask[:, -1], (run - (length - q_len)).clamp(0, q_len), q_len)
     out = _varlen(q, k, v, _two_run_cu(q_run, batch, q_len), _two_run_cu(run, batch, length), q_len, length,
                   causal, scale, window)
     return out * _query_rows(mask, q_len, causal)[:, :, None, None].to(out.dtype)
@@ -470,11 +482,11 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
             def holes(q, k, v, m):
                 q, k, v = (_ContiguousGrad.apply(x) for x in (q, k, v))   # both branches' grads alike
                 dense = _dense_mask(batch, q_len, kv_len, causal, window, m, None, q.device)
-                return _sdpa(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dense, 0.0,
-                             scale, {})    # already [B, N, H, D]
+                return _canonical(_sdpa(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                        dense, 0.0, scale, {}))    # already [B, N, H, D]
 
             def one_sided(q, k, v, m):
-                return _padding_two_runs(q, k, v, m, causal, scale, window)
+                return _canonical(_padding_two_runs(q, k, v, m, causal, scale, window))
 
             out = torch.cond(_one_sided(mask), one_sided, holes, (q, k, v, mask))
     elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
@@ -494,8 +506,9 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         else:
             _kernel_calls["dense_or_packed"] += 1
             out = torch.cond((ids[:, 1:] != ids[:, :-1]).any(),
-                             lambda q, k, v, ids: _packed_static(q, k, v, ids, causal, scale, window),
-                             lambda q, k, v, ids: _dense(q, k, v, causal, scale, window), (q, k, v, ids))
+                             lambda q, k, v, ids: _canonical(_packed_static(q, k, v, ids, causal, scale, window)),
+                             lambda q, k, v, ids: _canonical(_dense(q, k, v, causal, scale, window)),
+                             (q, k, v, ids))
     return out.to(out_dtype), None
 
 

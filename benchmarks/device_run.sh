@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU check needs, in one device call: versions, the GPU test suite, the accuracy table and
-# the speed table. Full logs go under $OUT; short tables are printed last.
+# the speed table. Full logs go under $OUT; short tables are printed last. The GPU tests are compile-bound:
+# pytest-xdist runs them in 8 processes.
 #   bash benchmarks/device_run.sh [tests] [accuracy] [speed]      (default: all three)
 set -uo pipefail
 OUT=${OUT:-/tmp/sagebwd_out}
@@ -14,7 +15,7 @@ stages=${*:-tests accuracy speed}
 status=0
 for stage in $stages; do
   case $stage in
-    tests)    python3 -m pytest tests -m gpu -q -rf -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25 || status=1 ;;
+    tests)    python3 -m pytest tests -m gpu -q -rf -p no:cacheprovider -n 8 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25 || status=1 ;;
     accuracy) python3 benchmarks/accuracy.py --check --csv "$OUT/accuracy.csv" 2>&1 | tee "$OUT/accuracy.log" || status=1 ;;
     speed)    python3 benchmarks/speed.py --csv "$OUT/speed.csv" 2>&1 | tee "$OUT/speed.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;

@@ -58,6 +58,21 @@ def _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
+def _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, lo, hi, b, offs_m, offs_n, offs_d, d_ok,
+                Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, QM_h, QMEAN_CU,
+                q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd, s_dot, s_dod, s_dtd, s_qmb,
+                BLOCK_M: tl.constexpr, QSB: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr,
+                MASK_RIGHT: tl.constexpr, Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        q_mean = _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB, Q_SMOOTH)
+        dk, dv = _dkdv_tile(dk, dv, k8, k8f, k_scale, v, tl.multiple_of(start_m, BLOCK_M), offs_m, offs_n,
+                            offs_d, d_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h,
+                            q_mean, q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd,
+                            s_dot, s_dod, s_dtd, MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_ok,
                Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, q_mean_h,
                q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd, s_dot, s_dod, s_dtd,
@@ -165,24 +180,19 @@ def _attn_bwd_dkdv_kernel(
         LSE_h = LSE + bq * s_qsb + h * s_qsh
         DELTA_h = DELTA + bq * s_qsb + h * s_qsh
         QM_h = QMEAN + h * s_qmh
-        for start_m in range(lo, full_lo, BLOCK_M):
-            q_mean = _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB, Q_SMOOTH)
-            dk, dv = _dkdv_tile(dk, dv, k8, k8f, k_scale, v, tl.multiple_of(start_m, BLOCK_M), offs_m, offs_n,
-                                offs_d, d_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h,
-                                q_mean, q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd,
-                                s_dot, s_dod, s_dtd, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
-        for start_m in range(full_lo, full_hi, BLOCK_M):
-            q_mean = _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB, Q_SMOOTH)
-            dk, dv = _dkdv_tile(dk, dv, k8, k8f, k_scale, v, tl.multiple_of(start_m, BLOCK_M), offs_m, offs_n,
-                                offs_d, d_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h,
-                                q_mean, q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd,
-                                s_dot, s_dod, s_dtd, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
-        for start_m in range(full_hi, hi, BLOCK_M):
-            q_mean = _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB, Q_SMOOTH)
-            dk, dv = _dkdv_tile(dk, dv, k8, k8f, k_scale, v, tl.multiple_of(start_m, BLOCK_M), offs_m, offs_n,
-                                offs_d, d_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h,
-                                q_mean, q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd,
-                                s_dot, s_dod, s_dtd, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
+        # masked edge, unmasked middle, masked edge
+        dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, lo, full_lo, b, offs_m, offs_n, offs_d, d_ok,
+                             Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, QM_h, QMEAN_CU,
+                             q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd, s_dot, s_dod,
+                             s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
+        dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, full_lo, full_hi, b, offs_m, offs_n, offs_d, d_ok,
+                             Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, QM_h, QMEAN_CU,
+                             q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd, s_dot, s_dod,
+                             s_dtd, s_qmb, BLOCK_M, QSB, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
+        dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, full_hi, hi, b, offs_m, offs_n, offs_d, d_ok,
+                             Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, QM_h, QMEAN_CU,
+                             q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd, s_dot, s_dod,
+                             s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
 
     tl.store(DK + bk * s_dkb + hk * s_dkh + (k0 + offs_n)[:, None] * s_dkt + offs_d[None, :] * s_dkd,
              (dk * softmax_scale).to(DK.dtype.element_ty), mask=nd_ok)
@@ -199,6 +209,19 @@ def _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB: tl.constexpr, 
     else:
         q_mean = tl.zeros([offs_d.shape[0]], tl.float32)
     return q_mean
+
+
+@triton.jit
+def _dq_tiles(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base, lo, hi,
+              offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
+              s_k8t, s_ktd, s_vt, s_vd, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr,
+              MASK_RIGHT: tl.constexpr, Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        dq = _dq_tile(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base,
+                      tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k,
+                      window_left, window_right, s_k8t, s_ktd, s_vt, s_vd,
+                      MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
+    return dq
 
 
 @triton.jit
@@ -289,21 +312,16 @@ def _attn_bwd_dq_kernel(
 
     lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                           BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, False)
-    for start_n in range(lo, full_lo, BLOCK_N):
-        dq = _dq_tile(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base,
-                      tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k,
-                      window_left, window_right, s_k8t, s_ktd, s_vt, s_vd,
-                      True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
-    for start_n in range(full_lo, full_hi, BLOCK_N):
-        dq = _dq_tile(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base,
-                      tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k,
-                      window_left, window_right, s_k8t, s_ktd, s_vt, s_vd,
-                      False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
-    for start_n in range(full_hi, hi, BLOCK_N):
-        dq = _dq_tile(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base,
-                      tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k,
-                      window_left, window_right, s_k8t, s_ktd, s_vt, s_vd,
-                      True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
+    # masked edge, unmasked middle, masked edge
+    dq = _dq_tiles(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base, lo, full_lo,
+                   offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
+                   s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
+    dq = _dq_tiles(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base, full_lo, full_hi,
+                   offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
+                   s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
+    dq = _dq_tiles(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base, full_hi, hi,
+                   offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
+                   s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
 
     tl.store(DQ + bq * s_dqb + h * s_dqh + (q0 + offs_m)[:, None] * s_dqt + offs_d[None, :] * s_dqd,
              (dq * softmax_scale).to(DQ.dtype.element_ty), mask=md_ok)
@@ -328,12 +346,14 @@ def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse,
 
     compiled = {}
     if "dkdv" in kernels:
-        compiled["dkdv"] = _launch_dkdv(q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta,
-                     q_mean_arg, q_mean_cu_arg, dk4, dv4, cu_q, cu_k, q_mean, layout_k, num_kv_heads, group,
-                     head_dim, window, softmax_scale, dkdv_config, common)
+        compiled["dkdv"] = _launch_dkdv(
+            q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta, q_mean_arg,
+            q_mean_cu_arg, dk4, dv4, cu_q, cu_k, q_mean, layout_k, num_kv_heads, group, head_dim, window,
+            softmax_scale, dkdv_config, common)
     if "dq" in kernels:
-        compiled["dq"] = _launch_dq(q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, q_mean_arg, q_mean_cu_arg, dq4, cu_q,
-                   cu_k, q_mean, layout_q, num_heads, group, head_dim, window, softmax_scale, dq_config, common)
+        compiled["dq"] = _launch_dq(
+            q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, q_mean_arg, q_mean_cu_arg, dq4, cu_q, cu_k,
+            q_mean, layout_q, num_heads, group, head_dim, window, softmax_scale, dq_config, common)
     return compiled
 
 

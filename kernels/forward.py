@@ -71,6 +71,19 @@ def _score_mask(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
+def _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base, lo, hi,
+               offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+               Q_SMOOTH: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base,
+                                  tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0,
+                                  seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
+                                  MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base, start_n,
               offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
               MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -157,21 +170,16 @@ def _attn_fwd_kernel(
 
     lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                           BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
-    for start_n in range(lo, full_lo, BLOCK_N):
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base,
-                                  tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0,
-                                  seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
-                                  True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH)
-    for start_n in range(full_lo, full_hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base,
-                                  tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0,
-                                  seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
-                                  False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH)
-    for start_n in range(full_hi, hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base,
-                                  tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0,
-                                  seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
-                                  True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH)
+    # masked left edge, unmasked middle, masked right edge
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base, lo, full_lo,
+                               offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
+                               s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base, full_lo, full_hi,
+                               offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
+                               s_k8t, s_vtd, BLOCK_N, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base, full_hi, hi,
+                               offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
+                               s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH)
 
     v_scale = tl.load(VS + b * s_vsb + hk * s_vsh + offs_d, mask=d_ok, other=0.0)
     has_keys = l_i > 0
@@ -186,7 +194,8 @@ def _attn_fwd_kernel(
 
 def launch_forward(quant, v8t, v_scale, out4, lse, layout_q: SeqLayout, layout_k: SeqLayout,
                    num_heads, group, head_dim, window, config):
-    """Run the forward kernel. ``out4`` ``[B, Hq, N, D]`` (any strides) and ``lse`` ``[B, Hq, N]`` fp32 are written."""
+    """Run the forward kernel; ``out4`` ``[B, Hq, N, D]`` (any strides) and ``lse`` ``[B, Hq, N]`` fp32 are
+    written."""
     block_m, block_n, block_d, num_warps, num_stages = config
     assert Q_SMOOTH_BLOCK % block_m == 0
     q8, k8 = quant["q8"], quant["k8"]

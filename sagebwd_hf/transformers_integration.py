@@ -58,9 +58,10 @@ def attention_stats() -> dict:
     """How many attention calls ran where since the last reset.
 
     Returns ``{"sagebwd": n, "paths": {path: n}, "fallback": {reason: n}}``: ``sagebwd`` counts calls run by
-    the SageBwd kernels (``paths`` splits them: ``dense``, ``padding``, ``packed``, ``cu_seq_lens``, and under
-    torch.compile the in-graph checks ``padding_or_sdpa`` / ``dense_or_packed``), ``fallback`` the calls that
-    ran through SDPA, keyed by reason (see ``FALLBACK_REASONS``).
+    the SageBwd kernels (``paths`` splits them: ``dense``, ``padding``, ``packed``, ``cu_seq_lens``; under
+    torch.compile the choice is made in-graph: ``dense_or_packed``, and ``padding_or_sdpa``, which is SDPA
+    for a padding mask with holes), ``fallback`` the calls that ran through SDPA, keyed by reason (see
+    ``FALLBACK_REASONS``).
     """
     return {"sagebwd": sum(_kernel_calls.values()), "paths": dict(_kernel_calls),
             "fallback": dict(_fallback_calls)}
@@ -219,10 +220,18 @@ def _fallback_reason(query, key, value, attention_mask, dropout, kwargs) -> Opti
 
 
 def _dense_mask(batch, q_len, kv_len, causal, window, padding, segments, device):
-    """The bool ``[B, 1, q, kv]`` mask meaning what the kernel path would compute (for SDPA fallbacks)."""
-    q_pos = torch.arange(q_len, device=device) + (kv_len - q_len)   # bottom-right aligned
-    dist = q_pos[:, None] - torch.arange(kv_len, device=device)[None, :]
-    mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    """The bool ``[B, 1, q, kv]`` mask meaning what the kernel path computes (for SDPA fallbacks)."""
+    keys = torch.arange(kv_len, device=device)
+    if padding is not None and padding.shape[1] < kv_len:   # static cache: slots after the mask are unwritten
+        padding = F.pad(padding, (0, kv_len - padding.shape[1]), value=False)
+    if padding is not None and q_len != kv_len:
+        # with a cache the queries end at each row's last real key (see _query_rows)
+        end = (padding * (keys + 1)).amax(1, keepdim=True)                     # [B, 1]
+    else:
+        end = torch.full((1, 1), kv_len, device=device)                       # bottom-right aligned
+    q_pos = end - q_len + torch.arange(q_len, device=device)                   # [B or 1, q]
+    dist = q_pos[:, :, None] - keys                                            # [B or 1, q, kv]
+    mask = torch.ones_like(dist, dtype=torch.bool)
     left, right = window
     if causal:
         mask = mask & (dist >= 0)
@@ -230,10 +239,8 @@ def _dense_mask(batch, q_len, kv_len, causal, window, padding, segments, device)
         mask = mask & (dist <= left)
     if right >= 0:
         mask = mask & (dist >= -right)
-    mask = mask[None, None].expand(batch, 1, q_len, kv_len)
+    mask = mask[:, None].expand(batch, 1, q_len, kv_len)
     if padding is not None:
-        if padding.shape[1] < kv_len:   # static cache: slots after the mask are unwritten
-            padding = F.pad(padding, (0, kv_len - padding.shape[1]), value=False)
         mask = mask & padding[:, None, None, :]
     if segments is not None:
         mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
@@ -268,7 +275,9 @@ def _sequence_ids(batch, q_len, kv_len, kwargs, check):
         ids = (diff != 1).cumsum(-1)
         return ids if not check or bool((ids[:, -1] != 0).any()) else None
 
-    return _per_tensor("position_ids", position_ids, from_positions) if check else from_positions(position_ids)
+    if not check:
+        return from_positions(position_ids)
+    return _per_tensor(f"position_ids:{batch}", position_ids, from_positions)
 
 
 def _sdpa_fallback(reason, module, query, key, value, attention_mask, dropout, scaling, causal, window,
@@ -293,7 +302,7 @@ _memo = {}
 
 
 def _per_tensor(name, tensor, fn):
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or tensor.is_inference():   # inference tensors have no version counter
         return fn(tensor)
     hit = _memo.get(name)
     if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:

@@ -324,19 +324,19 @@ def _canonical(x):
     return x.reshape(-1).view(x.shape)
 
 
-def _dense(q, k, v, causal, scale, window):
+# ``op``: the keyword arguments of every kernel call of one attention call (causal, softmax_scale,
+# window_size), a plain dict so that torch.cond branches can close over it.
+
+def _dense(q, k, v, op):
     """No padding, no packing: one call on the padded layout."""
-    out = sagebwd_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
-                            softmax_scale=scale, window_size=window)
+    out = sagebwd_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **op)
     return out.transpose(1, 2)     # the op writes [B, N, H, D]: this is contiguous
 
 
-def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window):
+def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, op):
     """The batch flattened into one packed run of tokens, cut by cu_seqlens."""
     flat = lambda x: x.reshape(-1, x.shape[-2], x.shape[-1])  # noqa: E731
-    out = sagebwd_attn_varlen_func(flat(q), flat(k), flat(v), cu_q, cu_k, max_q, max_k, causal=causal,
-                                   softmax_scale=scale, window_size=window)
-    return out.view(q.shape)
+    return sagebwd_attn_varlen_func(flat(q), flat(k), flat(v), cu_q, cu_k, max_q, max_k, **op).view(q.shape)
 
 
 # Padding. Eager: as FlashAttention, gather the real tokens (unpad), run varlen, scatter them back into
@@ -363,16 +363,16 @@ def _unpad_plan(mask):
     return torch.nonzero(mask.flatten()).flatten(), cu, int(lengths.max())
 
 
-def _padding_unpad(q, k, v, mask, causal, scale, window):
+def _padding_unpad(q, k, v, mask, op):
     batch, q_len, heads, dim = q.shape
     length = mask.shape[1]
     idx_k, cu_k, max_k = _per_tensor("unpad", mask, _unpad_plan)
-    idx_q, cu_q, max_q = (idx_k, cu_k, max_k) if q_len == length else _unpad_plan(_query_rows(mask, q_len, causal))
+    idx_q, cu_q, max_q = ((idx_k, cu_k, max_k) if q_len == length
+                          else _unpad_plan(_query_rows(mask, q_len, op["causal"])))
     take = lambda x, idx: x.reshape(-1, x.shape[-2], dim)[idx]  # noqa: E731
     # k[:, :length]: with a static cache the slots after the mask are unwritten
     out = sagebwd_attn_varlen_func(take(q, idx_q), take(k[:, :length], idx_k), take(v[:, :length], idx_k),
-                                   cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=scale,
-                                   window_size=window)
+                                   cu_q, cu_k, max_q, max_k, **op)
     full = out.new_zeros(batch * q_len, heads, dim).index_copy(0, idx_q, out)
     return full.view(batch, q_len, heads, dim)
 
@@ -399,8 +399,9 @@ def _two_run_cu(first_run, batch, length):
     return F.pad(cu, (0, 1), value=batch * length).to(torch.int32)
 
 
-def _padding_two_runs(q, k, v, mask, causal, scale, window):
+def _padding_two_runs(q, k, v, mask, op):
     batch, q_len = q.shape[:2]
+    causal = op["causal"]
     length = mask.shape[1]
     k, v = k[:, :length], v[:, :length]
     run = (mask == mask[:, :1]).int().cumprod(1).sum(1)          # length of each row's first run
@@ -410,8 +411,7 @@ def _padding_two_runs(q, k, v, mask, causal, scale, window):
         q_run = torch.where(mask[:, 0], q_len, 0)
     else:   # the queries end at the row's last real key: the row's end, or the end of a real first run
         q_run = torch.where(mask[:, -1], (run - (length - q_len)).clamp(0, q_len), q_len)
-    out = _varlen(q, k, v, _two_run_cu(q_run, batch, q_len), _two_run_cu(run, batch, length), q_len, length,
-                  causal, scale, window)
+    out = _varlen(q, k, v, _two_run_cu(q_run, batch, q_len), _two_run_cu(run, batch, length), q_len, length, op)
     return out * _query_rows(mask, q_len, causal)[:, :, None, None].to(out.dtype)
 
 
@@ -430,11 +430,11 @@ def _packed_plan(ids):
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
-def _packed_static(q, k, v, ids, causal, scale, window):
+def _packed_static(q, k, v, ids, op):
     total, length = ids.numel(), ids.shape[1]
     index = torch.where(_sequence_starts(ids), torch.arange(total, device=ids.device), total)
     cu = F.pad(index.sort().values, (0, 1), value=total).to(torch.int32)
-    return _varlen(q, k, v, cu, cu, length, length, causal, scale, window)
+    return _varlen(q, k, v, cu, cu, length, length, op)
 
 
 def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -475,6 +475,7 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     out_dtype = query.dtype
     dtype = _compute_dtype(query, module)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    op = dict(causal=causal, softmax_scale=scale, window_size=window)
     # [B, N, H, D] contiguous: the layout the kernels write and the one packed tokens need. Transformers'
     # projections already produce it for k/v (and q without RoPE); otherwise this is one copy.
     q, k, v = (_bnhd(x.to(dtype)) for x in (query, key, value))
@@ -483,7 +484,7 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     if mask is not None:                                        # 1. padding (precedes packing, as flash)
         if not compiling:
             _kernel_calls["padding"] += 1
-            out = _padding_unpad(q, k, v, mask, causal, scale, window)
+            out = _padding_unpad(q, k, v, mask, op)
         else:
             # A mask with holes cannot be cut into static shapes: that case runs SDPA in the same graph.
             _kernel_calls["padding_or_sdpa"] += 1
@@ -495,28 +496,28 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                                         dense, 0.0, scale, {}))    # already [B, N, H, D]
 
             def one_sided(q, k, v, m):
-                return _canonical(_padding_two_runs(q, k, v, m, causal, scale, window))
+                return _canonical(_padding_two_runs(q, k, v, m, op))
 
             out = torch.cond(_one_sided(mask), one_sided, holes, (q, k, v, mask))
     elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
                                                  "max_length_k")):   # 2. packed, lengths given
         _kernel_calls["cu_seq_lens"] += 1
         out = _varlen(q, k, v, kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
-                      int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), causal, scale, window)
+                      int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), op)
     else:                                                       # 3. packed by position_ids, else dense
         ids = _sequence_ids(batch, q_len, kv_len, kwargs, check=not compiling)
         if ids is None:
             _kernel_calls["dense"] += 1
-            out = _dense(q, k, v, causal, scale, window)
+            out = _dense(q, k, v, op)
         elif not compiling:
             _kernel_calls["packed"] += 1
             cu, longest = _per_tensor("packed", ids, _packed_plan)
-            out = _varlen(q, k, v, cu, cu, longest, longest, causal, scale, window)
+            out = _varlen(q, k, v, cu, cu, longest, longest, op)
         else:
             _kernel_calls["dense_or_packed"] += 1
             out = torch.cond((ids[:, 1:] != ids[:, :-1]).any(),
-                             lambda q, k, v, ids: _canonical(_packed_static(q, k, v, ids, causal, scale, window)),
-                             lambda q, k, v, ids: _canonical(_dense(q, k, v, causal, scale, window)),
+                             lambda q, k, v, ids: _canonical(_packed_static(q, k, v, ids, op)),
+                             lambda q, k, v, ids: _canonical(_dense(q, k, v, op)),
                              (q, k, v, ids))
     return out.to(out_dtype), None
 

@@ -79,7 +79,8 @@ def _warn_once(key: str, message: str) -> None:
 
 
 # Dynamo cannot trace warnings.warn (a graph break); this lets it call _warn_once after the graph instead.
-torch._dynamo.config.reorderable_logging_functions.add(_warn_once)
+if hasattr(torch._dynamo.config, "reorderable_logging_functions"):
+    torch._dynamo.config.reorderable_logging_functions.add(_warn_once)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -367,8 +368,14 @@ def _padding_unpad(q, k, v, mask, op):
     batch, q_len, heads, dim = q.shape
     length = mask.shape[1]
     idx_k, cu_k, max_k = _per_tensor("unpad", mask, _unpad_plan)
-    idx_q, cu_q, max_q = ((idx_k, cu_k, max_k) if q_len == length
-                          else _unpad_plan(_query_rows(mask, q_len, op["causal"])))
+    if q_len == length:
+        idx_q, cu_q, max_q = idx_k, cu_k, max_k
+    elif q_len == 1:    # decode: one real query per row, nothing to read back
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+        idx_q, max_q = cu_q[:-1].long(), 1
+    else:
+        idx_q, cu_q, max_q = _per_tensor(f"unpad_q:{q_len}:{op['causal']}", mask,
+                                         lambda m: _unpad_plan(_query_rows(m, q_len, op["causal"])))
     take = lambda x, idx: x.reshape(-1, x.shape[-2], dim)[idx]  # noqa: E731
     # k[:, :length]: with a static cache the slots after the mask are unwritten
     out = sagebwd_attn_varlen_func(take(q, idx_q), take(k[:, :length], idx_k), take(v[:, :length], idx_k),

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from transformers import AttentionInterface, AutoConfig, AutoModel, AutoModelForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
@@ -363,26 +364,29 @@ def test_greedy_generate_with_cache(family):
     assert cos(scores, ref) >= COS_MIN and rel_l2(scores, ref) <= REL_L2_MAX
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_static_cache(family):
-    """A StaticCache hands the attention all its slots, written or not: without a 2D mask (what generate()
-    passes for an unpadded batch) and with a left-padded one, prefill and a decode step match SDPA."""
-    model = tiny_model(family).eval()
-    ids = batch(n=10)["input_ids"]
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_chunked_prefill_and_decode_with_cache(cache):
+    """Gemma3 (a sliding and a full layer): prefill in two chunks, then one decode step, through a dynamic or
+    static cache, with and without a left-padding mask. A static cache hands the attention all its slots,
+    written or not, and generate() passes no mask for an unpadded batch. Matches SDPA."""
+    model = tiny_model("gemma3").eval()
+    ids = batch(n=14)["input_ids"]
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     for attention_mask in (None, mask):
         logits = {}
         for impl in ("sdpa", "sagebwd"):
             model.set_attn_implementation(impl)
-            cache = transformers.StaticCache(config=model.config, max_cache_len=16)
-            kw = {} if attention_mask is None else dict(attention_mask=attention_mask)
+            kv = (transformers.StaticCache(config=model.config, max_cache_len=20) if cache == "static"
+                  else transformers.DynamicCache(config=model.config))
+            steps = []
             with torch.no_grad():
-                prefill = model(input_ids=ids, past_key_values=cache, **kw).logits
-                if attention_mask is not None:
-                    kw["attention_mask"] = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], 1)
-                step = model(input_ids=ids[:, :1], past_key_values=cache, **kw).logits
-            logits[impl] = torch.cat([prefill, step], 1)[:, 3:]      # row 1's padding left out
+                for chunk in (slice(0, 8), slice(8, 14), slice(0, 1)):
+                    end = kv.get_seq_length() + chunk.stop - chunk.start
+                    kw = {} if attention_mask is None else dict(
+                        attention_mask=F.pad(attention_mask, (0, 1), value=1)[:, :end])
+                    steps.append(model(input_ids=ids[:, chunk], past_key_values=kv, **kw).logits)
+            logits[impl] = torch.cat(steps, 1)[:, 3:]      # row 1's padding left out
         assert rel_l2(logits["sagebwd"], logits["sdpa"]) <= REL_L2_MAX
 
 

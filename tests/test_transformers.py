@@ -1,9 +1,11 @@
 """attn_implementation="sagebwd": Transformers models run SageBwd, with SDPA's semantics up to INT8 error.
 
 Tiny models built from configs (random init, nothing downloaded) are compared with the same weights under
-"sdpa". CPU runs the Triton kernels under the interpreter (conftest), so models stay tiny. Bounds are
-cosine similarity / relative L2 error against SDPA; they were set with a margin over what INT8 attention
-gives here (and fail when a mask, window or scale is dropped: see test_bounds_detect_a_dropped_window).
+"sdpa". CPU runs the Triton kernels under the interpreter (conftest), so models stay tiny; CPU models are
+float32, whose attention SageBwd computes in bfloat16 (SDPA in float32). Bounds are cosine similarity /
+relative L2 error against SDPA, set with a margin over what INT8 attention gives here, and tight enough to
+fail when a window or a padding mask is lost (test_bounds_detect_a_dropped_window_or_mask).
+GPU tests (python -m pytest -m gpu) repeat the comparisons on CUDA in bfloat16.
 """
 import warnings
 
@@ -36,7 +38,8 @@ FAMILIES = {
                    layer_types=["sliding_attention", "full_attention"]),
     "llama_mqa": dict(model_type="llama", num_key_value_heads=1),
 }
-# Measured here: logits cos >= 0.99996, rel L2 <= 0.009; gradients cos >= 0.99993, rel L2 <= 0.012.
+# Measured (CPU, all families, with/without padding): logits cos >= 0.99996, rel L2 <= 0.009;
+# gradients cos >= 0.99993, rel L2 <= 0.012.
 COS_MIN, REL_L2_MAX = 0.9995, 0.03            # logits
 GRAD_COS_MIN, GRAD_REL_L2_MAX = 0.999, 0.04   # all parameter gradients, concatenated
 
@@ -182,28 +185,53 @@ def test_bounds_detect_a_dropped_window_or_mask():
     assert rel_l2(without_mask, with_mask) > 3 * REL_L2_MAX
 
 
-def test_bidirectional_encoder_matches_sdpa():
-    """BERT: is_causal False, 2D padding mask -> varlen without causality."""
+def _attention_outputs(model, impl, inputs, real):
+    """Outputs of every attention module (the ones Transformers gives ``is_causal``), and the gradients of
+    their squared sum. A random-init encoder's hidden states barely depend on its attention, so the encoder
+    tests compare the attention itself."""
+    model.set_attn_implementation(impl)
+    model.zero_grad(set_to_none=True)
+    outputs = []
+    hooks = [m.register_forward_hook(lambda m, args, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+             for m in model.modules() if hasattr(m, "is_causal")]
+    try:
+        model(**inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    sum(o[real].pow(2).sum() for o in outputs).backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return torch.cat([o.detach()[real] for o in outputs]), grads
+
+
+@pytest.mark.parametrize("encoder", ["bert", "modernbert"])
+def test_bidirectional_encoder_matches_sdpa(encoder):
+    """is_causal False, a 2D padding mask -> varlen without causality; ModernBERT adds bidirectional
+    sliding-window layers (its mask |i - j| <= W/2 as window_size=(W/2, W/2))."""
     torch.manual_seed(0)
-    config = AutoConfig.for_model("bert", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, intermediate_size=128, max_position_embeddings=64,
-                                  attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=128, max_position_embeddings=64, pad_token_id=0)
+    if encoder == "bert":
+        config = AutoConfig.for_model("bert", attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0, **common)
+    else:
+        config = AutoConfig.for_model("modernbert", local_attention=8, global_attn_every_n_layers=2,
+                                      attention_dropout=0.0, mlp_dropout=0.0, embedding_dropout=0.0,
+                                      sep_token_id=1, cls_token_id=2, bos_token_id=2, eos_token_id=1, **common)
     model = AutoModel.from_config(config, attn_implementation="sagebwd").float()
-    inputs = batch(padding="right")
-    real = inputs["attention_mask"].bool()
-    inputs = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
-    results = {}
-    for impl in ("sdpa", "sagebwd"):
-        model.set_attn_implementation(impl)
-        model.zero_grad(set_to_none=True)
-        hidden = model(**inputs).last_hidden_state
-        hidden[real].pow(2).mean().backward()
-        results[impl] = hidden.detach()[real], torch.cat([p.grad.flatten() for p in model.parameters()
-                                                          if p.grad is not None])
-    (h0, g0), (h1, g1) = results["sdpa"], results["sagebwd"]
-    assert cos(h1, h0) >= COS_MIN and rel_l2(h1, h0) <= REL_L2_MAX
-    assert cos(g1, g0) >= GRAD_COS_MIN and rel_l2(g1, g0) <= GRAD_REL_L2_MAX
     assert all(not m.is_causal for m in model.modules() if hasattr(m, "is_causal"))
+    inputs = batch(padding="right")
+    inputs = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+    real = inputs["attention_mask"].bool()
+    out0, grads0 = _attention_outputs(model, "sdpa", inputs, real)
+    sagebwd_hf.reset_attention_stats()
+    out1, grads1 = _attention_outputs(model, "sagebwd", inputs, real)
+    assert sagebwd_hf.attention_stats()["paths"] == {"padding": 2}
+    assert cos(out1, out0) >= COS_MIN and rel_l2(out1, out0) <= REL_L2_MAX
+    assert cos(grads1, grads0) >= GRAD_COS_MIN and rel_l2(grads1, grads0) <= GRAD_REL_L2_MAX
+    # the comparison notices a lost padding mask
+    inputs["attention_mask"] = torch.ones_like(inputs["attention_mask"])
+    unmasked, _ = _attention_outputs(model, "sdpa", inputs, real)
+    assert rel_l2(unmasked, out0) > 3 * REL_L2_MAX
 
 
 def test_scaling_is_honoured():

@@ -13,3 +13,7 @@ from .transformers_integration import attention_stats, reset_attention_stats  # 
 
 __all__ = ["sagebwd_attn_func", "sagebwd_attn_varlen_func"]
 __version__ = "0.1.0"
+from .config import (SageBwdOptions, clear_options, configure, get_global_options, get_options,  # noqa: E402,F401
+                     options_for, reset_global_options, set_global_options)
+__all__ += ["SageBwdOptions", "configure", "get_options", "options_for", "set_global_options",
+            "get_global_options", "reset_global_options", "clear_options"]

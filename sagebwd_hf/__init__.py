@@ -17,3 +17,7 @@ from .config import (SageBwdOptions, clear_options, configure, get_global_option
                      options_for, reset_global_options, set_global_options)
 __all__ += ["SageBwdOptions", "configure", "get_options", "options_for", "set_global_options",
             "get_global_options", "reset_global_options", "clear_options"]
+from .qk_norm import (QK_NORM_TOKENS_THRESHOLD, Finding, add_qk_norm, check_training_setup,  # noqa: E402,F401
+                      has_qk_norm, load_with_qk_norm, qk_norm_parameters)
+__all__ += ["add_qk_norm", "has_qk_norm", "qk_norm_parameters", "load_with_qk_norm", "check_training_setup",
+            "Finding", "QK_NORM_TOKENS_THRESHOLD"]

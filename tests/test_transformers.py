@@ -200,38 +200,48 @@ def _attention_outputs(model, impl, inputs, real):
         for hook in hooks:
             hook.remove()
     sum(o[real].pow(2).sum() for o in outputs).backward()
-    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    return torch.cat([o.detach()[real] for o in outputs]), grads
+    grads = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
+    return torch.cat([o.detach()[real].float() for o in outputs]), grads
 
 
-@pytest.mark.parametrize("encoder", ["bert", "modernbert"])
-def test_bidirectional_encoder_matches_sdpa(encoder):
-    """is_causal False, a 2D padding mask -> varlen without causality; ModernBERT adds bidirectional
-    sliding-window layers (its mask |i - j| <= W/2 as window_size=(W/2, W/2))."""
+def _check_encoder(encoder, device="cpu", dtype=torch.float32, n=24, pad=7,
+                   bounds=(COS_MIN, REL_L2_MAX, GRAD_COS_MIN, GRAD_REL_L2_MAX)):
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=128, max_position_embeddings=64, pad_token_id=0)
+    common = dict(vocab_size=VOCAB, hidden_size=64 if device == "cpu" else 256, num_hidden_layers=2,
+                  num_attention_heads=4, intermediate_size=128, max_position_embeddings=1024, pad_token_id=0)
     if encoder == "bert":
         config = AutoConfig.for_model("bert", attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0, **common)
     else:
-        config = AutoConfig.for_model("modernbert", local_attention=8, global_attn_every_n_layers=2,
-                                      attention_dropout=0.0, mlp_dropout=0.0, embedding_dropout=0.0,
-                                      sep_token_id=1, cls_token_id=2, bos_token_id=2, eos_token_id=1, **common)
-    model = AutoModel.from_config(config, attn_implementation="sagebwd").float()
+        config = AutoConfig.for_model("modernbert", local_attention=8 if device == "cpu" else 128,
+                                      global_attn_every_n_layers=2, attention_dropout=0.0, mlp_dropout=0.0,
+                                      embedding_dropout=0.0, sep_token_id=1, cls_token_id=2, bos_token_id=2,
+                                      eos_token_id=1, **common)
+    model = AutoModel.from_config(config, attn_implementation="sagebwd").to(device, dtype)
     assert all(not m.is_causal for m in model.modules() if hasattr(m, "is_causal"))
-    inputs = batch(padding="right")
+    inputs = batch(n=n, padding="right", pad=pad, device=device)
     inputs = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
     real = inputs["attention_mask"].bool()
     out0, grads0 = _attention_outputs(model, "sdpa", inputs, real)
     sagebwd_hf.reset_attention_stats()
     out1, grads1 = _attention_outputs(model, "sagebwd", inputs, real)
     assert sagebwd_hf.attention_stats()["paths"] == {"padding": 2}
-    assert cos(out1, out0) >= COS_MIN and rel_l2(out1, out0) <= REL_L2_MAX
-    assert cos(grads1, grads0) >= GRAD_COS_MIN and rel_l2(grads1, grads0) <= GRAD_REL_L2_MAX
-    # the comparison notices a lost padding mask
+    cos_min, rel_max, grad_cos_min, grad_rel_max = bounds
+    assert cos(out1, out0) >= cos_min and rel_l2(out1, out0) <= rel_max
+    assert cos(grads1, grads0) >= grad_cos_min and rel_l2(grads1, grads0) <= grad_rel_max
+    # the comparison notices a lost padding mask (on the padded row)
+    row0 = real.clone()
+    row0[1:] = False
+    masked, _ = _attention_outputs(model, "sdpa", inputs, row0)
     inputs["attention_mask"] = torch.ones_like(inputs["attention_mask"])
-    unmasked, _ = _attention_outputs(model, "sdpa", inputs, real)
-    assert rel_l2(unmasked, out0) > 3 * REL_L2_MAX
+    unmasked, _ = _attention_outputs(model, "sdpa", inputs, row0)
+    assert rel_l2(unmasked, masked) > 2 * rel_max
+
+
+@pytest.mark.parametrize("encoder", ["bert", "modernbert"])
+def test_bidirectional_encoder_matches_sdpa(encoder):
+    """is_causal False, a 2D padding mask -> varlen without causality; ModernBERT adds bidirectional
+    sliding-window layers (its mask |i - j| <= W/2 as window_size=(W/2, W/2))."""
+    _check_encoder(encoder)
 
 
 def test_scaling_is_honoured():
@@ -709,3 +719,9 @@ def test_gpu_llama_1b_shape_training_tracks_sdpa():
     assert max(abs(a - b) / b for a, b in zip(losses["sagebwd"], losses["sdpa"])) < 0.01, losses
     assert cos(first_grads["sagebwd"], first_grads["sdpa"]) >= 0.99
     assert rel_l2(first_grads["sagebwd"], first_grads["sdpa"]) <= 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("encoder", ["bert", "modernbert"])
+def test_gpu_bidirectional_encoder_matches_sdpa(encoder):
+    _check_encoder(encoder, "cuda", torch.bfloat16, n=512, pad=256, bounds=GPU_BOUNDS)

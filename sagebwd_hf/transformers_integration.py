@@ -28,6 +28,7 @@ from transformers import masking_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
+from .config import options_for
 from .interface import MAX_HEAD_DIM, sagebwd_attn_func, sagebwd_attn_varlen_func
 
 NAME = "sagebwd"
@@ -326,7 +327,7 @@ def _canonical(x):
 
 
 # ``op``: the keyword arguments of every kernel call of one attention call (causal, softmax_scale,
-# window_size), a plain dict so that torch.cond branches can close over it.
+# window_size and the layer's options), a plain dict so that torch.cond branches can close over it.
 
 def _dense(q, k, v, op):
     """No padding, no packing: one call on the padded layout."""
@@ -482,7 +483,8 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     out_dtype = query.dtype
     dtype = _compute_dtype(query, module)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    op = dict(causal=causal, softmax_scale=scale, window_size=window)
+    # plus this layer's k_smoothing / q_smoothing (sagebwd_hf.configure: global, per model, per layer)
+    op = dict(causal=causal, softmax_scale=scale, window_size=window, **options_for(module).op_kwargs())
     # [B, N, H, D] contiguous: the layout the kernels write and the one packed tokens need. Transformers'
     # projections already produce it for k/v (and q without RoPE); otherwise this is one copy.
     q, k, v = (_bnhd(x.to(dtype)) for x in (query, key, value))

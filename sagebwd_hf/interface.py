@@ -64,14 +64,20 @@ def _use_triton(x: torch.Tensor) -> bool:
 # The op
 # ---------------------------------------------------------------------------------------------------
 
+def _new_like(x: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """Outputs and gradients get one layout whatever the inputs' strides (a torch.compile'd graph may hand
+    the op differently strided inputs than it traced with): packed ``[T, H, D]`` contiguous, padded
+    ``[B, H, N, D]`` laid out as ``[B, N, H, D]``, so that Transformers' ``transpose(1, 2)`` is free."""
+    if varlen:
+        return x.new_empty(x.shape)
+    return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
+
+
 def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, backend):
     """q/k/v padded ``[B, H, N, D]`` or packed ``[T, H, D]`` (then cu_* given). Returns (out, lse2)."""
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device)
-    if varlen:
-        out = torch.empty_like(q)
-    else:  # written as [B, N, H, D] so that Transformers' transpose(1, 2) afterwards is free
-        out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
+    out = _new_like(q, varlen)
     if backend == "naive":
         out_naive, lse = _per_sequence(
             lambda qs, ks, vs: naive.sagebwd_forward_naive(qs, ks, vs, scale, window, k_smoothing,
@@ -94,7 +100,7 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
               q_smoothing, backend):
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device)
-    dq, dk, dv = _poisoned(torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    dq, dk, dv = _poisoned(_new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen))
     if backend == "naive":
         if varlen:
             lse_t = lse[0].transpose(0, 1)      # [T, H] so it splits like the tokens
@@ -161,10 +167,9 @@ def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Option
 
 @_attn_fwd_op.register_fake
 def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing, q_smoothing, backend):
-    if cu_q is not None:
-        return torch.empty_like(q), q.new_empty(1, q.shape[1], q.shape[0], dtype=torch.float32)
-    b, h, n, d = q.shape
-    return q.new_empty(b, n, h, d).transpose(1, 2), q.new_empty(b, h, n, dtype=torch.float32)
+    varlen = cu_q is not None
+    lse_shape = (1, q.shape[1], q.shape[0]) if varlen else q.shape[:3]
+    return _new_like(q, varlen), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("sagebwd::attn_bwd", mutates_args=())
@@ -179,7 +184,8 @@ def _attn_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 @_attn_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing,
       q_smoothing, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    varlen = cu_q is not None
+    return _new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen)
 
 
 def _setup_context(ctx, inputs, output):

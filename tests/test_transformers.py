@@ -93,6 +93,13 @@ def run(model, impl, inputs, real=None):
     return (logits[real] if real is not None else logits), grads, float(out.loss.detach())
 
 
+def logits_of(model, impl, inputs):
+    """Forward only (invariance checks do not need gradients)."""
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False).logits.float()
+
+
 def assert_close_to_sdpa(model, inputs, real=None, bounds=(COS_MIN, REL_L2_MAX, GRAD_COS_MIN, GRAD_REL_L2_MAX)):
     sdpa_logits, sdpa_grads, _ = run(model, "sdpa", inputs, real)
     sagebwd_hf.reset_attention_stats()
@@ -289,25 +296,24 @@ INVARIANCE_ATOL = 1e-4
 
 @pytest.mark.parametrize("padding", ["left", "right"])
 def test_padding_invariance(padding):
-    """Row 0 alone and padded inside a batch: same logits on its real tokens (and same gradients, left)."""
+    """Row 0 alone and padded inside a batch: same logits on its real tokens, same gradients."""
     model = tiny_model("qwen2")
+    model.set_attn_implementation("sagebwd")
     padded = batch(padding=padding)
     real = padded["attention_mask"][0].bool()
     alone = {k: v[:1, real] for k, v in padded.items() if k != "attention_mask"}
     if padding == "left":   # a left-padded row's positions start after its padding in generate(), not here
         padded["position_ids"] = (padded["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    padded_logits, _, _ = run(model, "sagebwd", padded)
-    alone_logits, _, _ = run(model, "sagebwd", alone)
-    torch.testing.assert_close(padded_logits[0, real], alone_logits[0], atol=INVARIANCE_ATOL, rtol=0)
-    if padding == "right":
-        return
-    # gradients of row 0's real logits reach the same parameters by the same amounts
-    grads = []
+    results = []
     for inputs, rows in ((padded, (0, real)), (alone, (0, slice(None)))):
         model.zero_grad(set_to_none=True)
-        model(**{k: v for k, v in inputs.items() if k != "labels"}).logits[rows].pow(2).mean().backward()
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
-    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-3)
+        logits = model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False).logits[rows]
+        logits.pow(2).mean().backward()     # gradients of row 0's real logits
+        results.append((logits.detach(), torch.cat([p.grad.flatten() for p in model.parameters()
+                                                    if p.grad is not None])))
+    (padded_logits, padded_grads), (alone_logits, alone_grads) = results
+    torch.testing.assert_close(padded_logits, alone_logits, atol=INVARIANCE_ATOL, rtol=0)
+    torch.testing.assert_close(padded_grads, alone_grads, atol=1e-5, rtol=1e-3)
 
 
 def _packed_inputs(lengths, flash_kwargs, seed=3):
@@ -320,20 +326,19 @@ def _packed_inputs(lengths, flash_kwargs, seed=3):
 @pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
 def test_packing_invariance(flash_kwargs):
     """A padding-free batch (DataCollatorWithFlattening) gives each sequence the logits it gets alone: no
-    attention across sequence boundaries; and SDPA agrees."""
+    attention across sequence boundaries; and SDPA (which splits at the position_ids) agrees."""
     model = tiny_model("llama")
     seqs, packed = _packed_inputs([9, 14, 5], flash_kwargs)
     sagebwd_hf.reset_attention_stats()
-    packed_logits, _, _ = run(model, "sagebwd", packed)
+    packed_logits = logits_of(model, "sagebwd", packed)
     assert sagebwd_hf.attention_stats()["paths"] == {"cu_seq_lens" if flash_kwargs else "packed": 2}
     start = 0
-    for seq in seqs:
-        alone = dict(input_ids=seq[None], labels=seq[None])
-        alone_logits, _, _ = run(model, "sagebwd", alone)
+    for seq in seqs if not flash_kwargs else ():   # the position_ids case already shows this
+        alone_logits = logits_of(model, "sagebwd", dict(input_ids=seq[None]))
         torch.testing.assert_close(packed_logits[0, start:start + len(seq)], alone_logits[0],
                                    atol=INVARIANCE_ATOL, rtol=0)
         start += len(seq)
-    sdpa_logits, _, _ = run(model, "sdpa", packed)
+    sdpa_logits = logits_of(model, "sdpa", packed)
     assert cos(packed_logits, sdpa_logits) >= COS_MIN and rel_l2(packed_logits, sdpa_logits) <= REL_L2_MAX
 
 
@@ -370,14 +375,14 @@ def _confident_model(family, steps=40):
 def test_greedy_generate_with_cache(family):
     """Left-padded batch, prefill then one-token decode steps through the cache. The decode logits match
     SDPA's (teacher-forced, no cache) within the logits bounds, and the greedy tokens agree with SDPA's
-    generate() on at least 90% of the first 8 tokens (measured: 100%)."""
+    generate() on at least 90% of the first 6 tokens (measured: 100%)."""
     model = _confident_model(family)
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, VOCAB, (4, 12), generator=g)
+    ids = torch.randint(0, VOCAB, (3, 12), generator=g)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
-    mask[3, :2] = 0
-    new = 8
+    mask[2, :2] = 0
+    new = 6
     out = {}
     for impl in ("sdpa", "sagebwd"):
         model.set_attn_implementation(impl)
@@ -386,15 +391,11 @@ def test_greedy_generate_with_cache(family):
                                    pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     stats = sagebwd_hf.attention_stats()
     assert stats["sagebwd"] == new * model.config.num_hidden_layers and stats["fallback"] == {}, stats
-    with torch.inference_mode():                 # inference tensors (no version counters) work too
-        again = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                               pad_token_id=0)
-    assert torch.equal(again, out["sagebwd"].sequences)
     tokens = {impl: o.sequences[:, ids.shape[1]:] for impl, o in out.items()}
     assert (tokens["sagebwd"] == tokens["sdpa"]).float().mean() >= 0.9
     # the sagebwd run's decode logits against SDPA on the same tokens without a cache
     model.set_attn_implementation("sdpa")
-    full_mask = torch.cat([mask, torch.ones(4, new, dtype=mask.dtype)], 1)
+    full_mask = torch.cat([mask, torch.ones(3, new, dtype=mask.dtype)], 1)
     with torch.no_grad():
         ref = model(input_ids=out["sagebwd"].sequences, attention_mask=full_mask, use_cache=False).logits
     scores = torch.stack(out["sagebwd"].scores, 1)
@@ -404,21 +405,22 @@ def test_greedy_generate_with_cache(family):
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_chunked_prefill_and_decode_with_cache(cache):
-    """Gemma3 (a sliding and a full layer): prefill in two chunks, then one decode step, through a dynamic or
-    static cache, with and without a left-padding mask. A static cache hands the attention all its slots,
-    written or not, and generate() passes no mask for an unpadded batch. Matches SDPA."""
+    """Gemma3 (a sliding and a full layer): prefill in two chunks, then one decode step, through a dynamic
+    cache with a left-padding mask, or a static cache with and without one. A static cache hands the
+    attention all its slots, written or not, and generate() passes no mask for an unpadded batch. Matches
+    SDPA."""
     model = tiny_model("gemma3").eval()
     ids = batch(n=14)["input_ids"]
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
-    for attention_mask in (None, mask):
+    for attention_mask in ((None, mask) if cache == "static" else (mask,)):
         logits = {}
         for impl in ("sdpa", "sagebwd"):
             model.set_attn_implementation(impl)
             kv = (transformers.StaticCache(config=model.config, max_cache_len=20) if cache == "static"
                   else transformers.DynamicCache(config=model.config))
             steps = []
-            with torch.no_grad():
+            with torch.inference_mode():      # inference tensors carry no version counter: also fine
                 for chunk in (slice(0, 8), slice(8, 14), slice(0, 1)):
                     end = kv.get_seq_length() + chunk.stop - chunk.start
                     kw = {} if attention_mask is None else dict(
@@ -447,8 +449,10 @@ def _train(model, impl, inputs, steps, lr=3e-3):
 
 def test_training_loss_falls_and_tracks_sdpa():
     inputs = batch(padding="right")
-    sage = _train(tiny_model("qwen3"), "sagebwd", inputs, steps=4)
-    sdpa = _train(tiny_model("qwen3"), "sdpa", inputs, steps=4)
+    sage = _train(tiny_model("qwen3", num_hidden_layers=1, layer_types=["sliding_attention"]), "sagebwd",
+                  inputs, steps=3)
+    sdpa = _train(tiny_model("qwen3", num_hidden_layers=1, layer_types=["sliding_attention"]), "sdpa",
+                  inputs, steps=3)
     assert sage[-1] < 0.9 * sage[0]
     assert all(b < a for a, b in zip(sage, sage[1:])), sage
     assert max(abs(a - b) / b for a, b in zip(sage, sdpa)) < 0.01, (sage, sdpa)
@@ -459,7 +463,7 @@ def test_gradient_checkpointing():
     inputs = batch(padding="left")
     grads = []
     for checkpointing in (False, True):
-        model = tiny_model("llama")
+        model = tiny_model("llama", num_hidden_layers=1)
         model.train()
         if checkpointing:
             # activation_checkpointing_enable in 5.23 (gradient_checkpointing_enable is its deprecated alias)
@@ -467,7 +471,7 @@ def test_gradient_checkpointing():
         sagebwd_hf.reset_attention_stats()
         _, g, _ = run(model, "sagebwd", inputs)
         grads.append(g)
-        assert sagebwd_hf.attention_stats()["sagebwd"] == (4 if checkpointing else 2)
+        assert sagebwd_hf.attention_stats()["sagebwd"] == (2 if checkpointing else 1)
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
 
 
@@ -534,7 +538,7 @@ def test_fallback_attention_dropout(fresh_warnings):
         run(model, "sagebwd", batch())
     assert sagebwd_hf.attention_stats()["fallback"] == {"dropout": 2}
     model.eval()                                 # no dropout at inference: the kernel runs
-    run(model, "sagebwd", batch())
+    logits_of(model, "sagebwd", batch())
     assert sagebwd_hf.attention_stats()["paths"] == {"dense": 2}
 
 
@@ -588,7 +592,7 @@ def test_softcap_model_raises():
 @pytest.mark.parametrize("kind", ["padded", "packed"])
 def test_compile_fullgraph(kind):
     """Padding (a mask from the tokenizer) and packing by position_ids are decided in-graph."""
-    model = tiny_model("mistral")
+    model = tiny_model("mistral", num_hidden_layers=1)
     model.set_attn_implementation("sagebwd")
     if kind == "padded":
         inputs = batch(padding="left")
@@ -607,7 +611,7 @@ def test_compile_fullgraph(kind):
         results.append((out.logits.detach()[real], torch.cat([p.grad.flatten() for p in model.parameters()]),
                         sagebwd_hf.attention_stats()))
     (logits_c, grads_c, stats_c), (logits_e, grads_e, stats_e) = results
-    assert stats_c["sagebwd"] == stats_e["sagebwd"] == 2 and stats_c["fallback"] == {}
+    assert stats_c["sagebwd"] == stats_e["sagebwd"] == 1 and stats_c["fallback"] == {}
     torch.testing.assert_close(logits_c, logits_e, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grads_c, grads_e, atol=1e-5, rtol=1e-4)
 

@@ -375,14 +375,14 @@ def _confident_model(family, steps=40):
 def test_greedy_generate_with_cache(family):
     """Left-padded batch, prefill then one-token decode steps through the cache. The decode logits match
     SDPA's (teacher-forced, no cache) within the logits bounds, and the greedy tokens agree with SDPA's
-    generate() on at least 90% of the first 6 tokens (measured: 100%)."""
+    generate() on at least 90% of the first 4 tokens (measured: 100%)."""
     model = _confident_model(family)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, VOCAB, (3, 12), generator=g)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
     mask[2, :2] = 0
-    new = 6
+    new = 4
     out = {}
     for impl in ("sdpa", "sagebwd"):
         model.set_attn_implementation(impl)

@@ -21,3 +21,4 @@ from .qk_norm import (QK_NORM_TOKENS_THRESHOLD, Finding, add_qk_norm, check_trai
                       has_qk_norm, load_with_qk_norm, qk_norm_parameters)
 __all__ += ["add_qk_norm", "has_qk_norm", "qk_norm_parameters", "load_with_qk_norm", "check_training_setup",
             "Finding", "QK_NORM_TOKENS_THRESHOLD"]
+__all__ += ["attention_stats", "reset_attention_stats"]

@@ -81,7 +81,9 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_sm
     if backend == "naive":
         out_naive, lse = _per_sequence(
             lambda qs, ks, vs: naive.sagebwd_forward_naive(qs, ks, vs, scale, window, k_smoothing,
-                                                           q_smoothing, block_n=cfg["fwd"][1]),
+                                                           q_smoothing, block_n=cfg["fwd"][1])
+            if qs.shape[2] and ks.shape[2] else   # an empty sequence: zeros, lse +inf (no key seen)
+            (torch.zeros_like(qs), torch.full(qs.shape[:3], float("inf"), device=qs.device)),
             q, k, v, cu_q, cu_k)
         return out.copy_(out_naive), lse
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
@@ -107,7 +109,9 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
             grads = _per_sequence(
                 lambda qs, ks, vs, os_, ls, dos: naive.sagebwd_backward_naive(
                     qs, ks, vs, os_, ls[:, :, :, 0], dos, scale, window, k_smoothing, q_smoothing,
-                    cfg["dkdv"][0], cfg["dq"][1]),
+                    cfg["dkdv"][0], cfg["dq"][1])
+                if qs.shape[2] and ks.shape[2] else   # an empty sequence has zero gradients
+                (torch.zeros_like(qs), torch.zeros_like(ks), torch.zeros_like(vs)),
                 q, k, v, cu_q, cu_k, extra_q=(out, lse_t.unsqueeze(-1), dout))
         else:
             grads = naive.sagebwd_backward_naive(q, k, v, out, lse, dout, scale, window, k_smoothing,

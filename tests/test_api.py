@@ -113,3 +113,17 @@ def test_kernels_folder_is_not_a_top_level_module():
     spec = importlib.util.find_spec("kernels")
     if spec is not None and spec.origin not in (None, "namespace"):
         assert not spec.origin.startswith(repo_kernels)
+
+
+def test_cpu_path_varlen_with_empty_sequences():
+    """The PyTorch path takes empty sequences (no queries, or no keys): zeros out, zero gradients."""
+    lens_q, lens_k = [5, 0, 7], [5, 3, 0]
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lens_q), 2, 64, dtype=torch.float16, requires_grad=True)
+    k = torch.randn(sum(lens_k), 2, 64, dtype=torch.float16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    out = sagebwd_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 5, causal=True, backend="naive")
+    out.float().sum().backward()
+    assert torch.isfinite(out).all() and (out[5:] == 0).all() and (out[:5].abs().sum(-1) > 0).all()
+    assert (q.grad[5:] == 0).all() and (k.grad[5:] == 0).all() and torch.isfinite(k.grad).all()

@@ -18,7 +18,6 @@ causal masks align bottom-right when the query is shorter than the keys (decode 
 """
 import collections
 import warnings
-import weakref
 from typing import Optional
 
 import torch
@@ -30,6 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .config import options_for
 from .interface import MAX_HEAD_DIM, sagebwd_attn_func, sagebwd_attn_varlen_func
+from .segments import per_tensor, segmented_attention
 
 NAME = "sagebwd"
 _HALF = (torch.float16, torch.bfloat16)
@@ -60,8 +60,8 @@ def attention_stats() -> dict:
 
     Returns ``{"sagebwd": n, "paths": {path: n}, "fallback": {reason: n}}``: ``sagebwd`` counts calls run by
     the SageBwd kernels (``paths`` splits them: ``dense``, ``padding``, ``packed``, ``cu_seq_lens``; under
-    torch.compile the choice is made in-graph: ``dense_or_packed``, and ``padding_or_sdpa``, which is SDPA
-    for a padding mask with holes), ``fallback`` the calls that ran through SDPA, keyed by reason (see
+    torch.compile a batch with position_ids counts as ``dense_or_packed``, decided when it runs),
+    ``fallback`` the calls that ran through SDPA, keyed by reason (see
     ``FALLBACK_REASONS``).
     """
     return {"sagebwd": sum(_kernel_calls.values()), "paths": dict(_kernel_calls),
@@ -227,7 +227,7 @@ def _dense_mask(batch, q_len, kv_len, causal, window, padding, segments, device)
     if padding is not None and padding.shape[1] < kv_len:   # static cache: slots after the mask are unwritten
         padding = F.pad(padding, (0, kv_len - padding.shape[1]), value=False)
     if padding is not None and q_len != kv_len:
-        # with a cache the queries end at each row's last real key (see _query_rows)
+        # with a cache the queries end at each row's last real key (see segments.query_rows)
         end = (padding * (keys + 1)).amax(1, keepdim=True)                     # [B, 1]
     else:
         end = torch.full((1, 1), kv_len, device=device)                       # bottom-right aligned
@@ -279,7 +279,7 @@ def _sequence_ids(batch, q_len, kv_len, kwargs, check):
 
     if not check:
         return from_positions(position_ids)
-    return _per_tensor(f"position_ids:{batch}", position_ids, from_positions)
+    return per_tensor(f"position_ids:{batch}", position_ids, from_positions)
 
 
 def _sdpa_fallback(reason, module, query, key, value, attention_mask, dropout, scaling, causal, window,
@@ -298,36 +298,9 @@ def _sdpa_fallback(reason, module, query, key, value, attention_mask, dropout, s
     return _sdpa(module, query, key, value, mask, dropout, scaling, kwargs)
 
 
-# Values derived from a mask or position_ids tensor that every layer of one forward gets again. Eager only:
-# one device sync per forward instead of one per layer.
-_memo = {}
-
-
-def _per_tensor(name, tensor, fn):
-    if torch.compiler.is_compiling() or tensor.is_inference():   # inference tensors have no version counter
-        return fn(tensor)
-    hit = _memo.get(name)
-    if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
-        return hit[2]
-    value = fn(tensor)
-    _memo[name] = (weakref.ref(tensor), tensor._version, value)
-    return value
-
-
-# --- kernel paths: every one takes and returns [B, N, H, D] contiguous tensors -----------------------
-
-def _bnhd(x):
-    return x.transpose(1, 2).contiguous()
-
-
-def _canonical(x):
-    """A contiguous tensor with the textbook strides also on size-1 dims (torch.cond compares branch
-    outputs' strides, and .contiguous() leaves a size-1 dim's stride as it was). A view, no copy."""
-    return x.reshape(-1).view(x.shape)
-
-
+# --- kernel paths: every one takes [B, N, H, D] views (any strides) and returns [B, N, H, D] -------------
 # ``op``: the keyword arguments of every kernel call of one attention call (causal, softmax_scale,
-# window_size and the layer's options), a plain dict so that torch.cond branches can close over it.
+# window_size and the layer's options).
 
 def _dense(q, k, v, op):
     """No padding, no packing: one call on the padded layout."""
@@ -336,113 +309,17 @@ def _dense(q, k, v, op):
 
 
 def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, op):
-    """The batch flattened into one packed run of tokens, cut by cu_seqlens."""
+    """The batch flattened into one packed run of tokens, cut by cu_seqlens (reshape copies a strided view)."""
     flat = lambda x: x.reshape(-1, x.shape[-2], x.shape[-1])  # noqa: E731
     return sagebwd_attn_varlen_func(flat(q), flat(k), flat(v), cu_q, cu_k, max_q, max_k, **op).view(q.shape)
 
 
-# Padding. Eager: as FlashAttention, gather the real tokens (unpad), run varlen, scatter them back into
-# zeros. Under torch.compile that gather has data-dependent shapes, so a row whose padding sits at one end
-# (left or right padding: its mask changes value at most once) is instead taken as two sequences of the
-# packed batch, its first run of tokens and the rest; the kernel computes both and the padding rows of the
-# output are zeroed. cu_seqlens then has 2B+1 entries computed on the device: no host read, static shapes.
-# Real tokens get the same numbers either way (K smoothing and V scales are per sequence).
+# Padding masks and packed sequence ids: gather the real tokens into one varlen call and scatter the results
+# back, inside one custom op whose shapes do not depend on the data (sagebwd_hf/segments.py), so that eager
+# and torch.compile'd models run the same path without a graph break.
 
-def _query_rows(mask, q_len, causal):
-    """Which queries are real tokens ``[B, q_len]``. The queries are the ``q_len`` tokens that end at the row's
-    last real key (flash's _upad_input takes the mask's last ``q_len`` entries, the same for left padding;
-    this also covers a static cache's unwritten tail); all of them for one-token decode or cross-attention."""
-    if q_len == mask.shape[1]:
-        return mask
-    if q_len == 1 or not causal or q_len > mask.shape[1]:
-        return torch.ones(mask.shape[0], q_len, dtype=torch.bool, device=mask.device)
-    return torch.where(mask[:, -1:], mask[:, -q_len:], mask.any(1, keepdim=True))
-
-
-def _unpad_plan(mask):
-    lengths = mask.sum(1, dtype=torch.int32)
-    cu = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-    return torch.nonzero(mask.flatten()).flatten(), cu, int(lengths.max())
-
-
-def _padding_unpad(q, k, v, mask, op):
-    batch, q_len, heads, dim = q.shape
-    length = mask.shape[1]
-    idx_k, cu_k, max_k = _per_tensor("unpad", mask, _unpad_plan)
-    if q_len == length:
-        idx_q, cu_q, max_q = idx_k, cu_k, max_k
-    elif q_len == 1:    # decode: one real query per row, nothing to read back
-        cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-        idx_q, max_q = cu_q[:-1].long(), 1
-    else:
-        idx_q, cu_q, max_q = _per_tensor(f"unpad_q:{q_len}:{op['causal']}", mask,
-                                         lambda m: _unpad_plan(_query_rows(m, q_len, op["causal"])))
-    take = lambda x, idx: x.reshape(-1, x.shape[-2], dim)[idx]  # noqa: E731
-    # k[:, :length]: with a static cache the slots after the mask are unwritten
-    out = sagebwd_attn_varlen_func(take(q, idx_q), take(k[:, :length], idx_k), take(v[:, :length], idx_k),
-                                   cu_q, cu_k, max_q, max_k, **op)
-    full = out.new_zeros(batch * q_len, heads, dim).index_copy(0, idx_q, out)
-    return full.view(batch, q_len, heads, dim)
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose gradient is contiguous: torch.cond needs both branches' gradients laid out alike."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
-
-
-def _one_sided(mask):
-    return (mask[:, 1:] != mask[:, :-1]).sum(1).le(1).all()
-
-
-def _two_run_cu(first_run, batch, length):
-    starts = torch.arange(batch, device=first_run.device) * length
-    cu = torch.stack([starts, starts + first_run], 1).flatten()
-    return F.pad(cu, (0, 1), value=batch * length).to(torch.int32)
-
-
-def _padding_two_runs(q, k, v, mask, op):
-    batch, q_len = q.shape[:2]
-    causal = op["causal"]
-    length = mask.shape[1]
-    k, v = k[:, :length], v[:, :length]
-    run = (mask == mask[:, :1]).int().cumprod(1).sum(1)          # length of each row's first run
-    if q_len == length:
-        q_run = run
-    elif q_len == 1 or not causal:            # every query goes with the real keys
-        q_run = torch.where(mask[:, 0], q_len, 0)
-    else:   # the queries end at the row's last real key: the row's end, or the end of a real first run
-        q_run = torch.where(mask[:, -1], (run - (length - q_len)).clamp(0, q_len), q_len)
-    out = _varlen(q, k, v, _two_run_cu(q_run, batch, q_len), _two_run_cu(run, batch, length), q_len, length, op)
-    return out * _query_rows(mask, q_len, causal)[:, :, None, None].to(out.dtype)
-
-
-# Packed sequences (sequence ids from position_ids or cu_seq_lens). Eager: exact cu_seqlens. Under
-# torch.compile whether a batch is packed is only known on the device: decide in-graph with torch.cond; a
-# packed batch then runs varlen with one cu_seqlens slot per token (empty sequences after the real ones),
-# static shapes at the price of a larger launch grid. Pass cu_seq_lens_q/k to avoid that.
-
-def _sequence_starts(ids):
-    return F.pad(ids[:, 1:] != ids[:, :-1], (1, 0), value=True).flatten()   # every row starts one
-
-
-def _packed_plan(ids):
-    starts = _sequence_starts(ids)
-    cu = F.pad(torch.nonzero(starts).flatten(), (0, 1), value=starts.numel()).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max())
-
-
-def _packed_static(q, k, v, ids, op):
-    total, length = ids.numel(), ids.shape[1]
-    index = torch.where(_sequence_starts(ids), torch.arange(total, device=ids.device), total)
-    cu = F.pad(index.sort().values, (0, 1), value=total).to(torch.int32)
-    return _varlen(q, k, v, cu, cu, length, length, op)
+def _segmented(q, k, v, mask, ids, op):
+    return segmented_attention(q, k, v, mask, ids, **op)
 
 
 def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -485,49 +362,29 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     # plus this layer's k_smoothing / q_smoothing (sagebwd_hf.configure: global, per model, per layer)
     op = dict(causal=causal, softmax_scale=scale, window_size=window, **options_for(module).op_kwargs())
-    # [B, N, H, D] contiguous: the layout the kernels write and the one packed tokens need. Transformers'
-    # projections already produce it for k/v (and q without RoPE); otherwise this is one copy.
-    q, k, v = (_bnhd(x.to(dtype)) for x in (query, key, value))
+    # [B, N, H, D]: the layout of Transformers' projections and of the output it expects. Views: the dense
+    # kernels read any strides, and the varlen paths copy only the tokens they gather.
+    q, k, v = (x.to(dtype).transpose(1, 2) for x in (query, key, value))
     compiling = torch.compiler.is_compiling()
 
     if mask is not None:                                        # 1. padding (precedes packing, as flash)
-        if not compiling:
-            _kernel_calls["padding"] += 1
-            out = _padding_unpad(q, k, v, mask, op)
-        else:
-            # A mask with holes cannot be cut into static shapes: that case runs SDPA in the same graph.
-            _kernel_calls["padding_or_sdpa"] += 1
-
-            def holes(q, k, v, m):
-                q, k, v = (_ContiguousGrad.apply(x) for x in (q, k, v))   # both branches' grads alike
-                dense = _dense_mask(batch, q_len, kv_len, causal, window, m, None, q.device)
-                return _canonical(_sdpa(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                        dense, 0.0, scale, {}))    # already [B, N, H, D]
-
-            def one_sided(q, k, v, m):
-                return _canonical(_padding_two_runs(q, k, v, m, op))
-
-            out = torch.cond(_one_sided(mask), one_sided, holes, (q, k, v, mask))
+        _kernel_calls["padding"] += 1
+        out = _segmented(q, k, v, mask, None, op)
     elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
                                                  "max_length_k")):   # 2. packed, lengths given
         _kernel_calls["cu_seq_lens"] += 1
         out = _varlen(q, k, v, kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
                       int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), op)
     else:                                                       # 3. packed by position_ids, else dense
+        # Eager reads the ids once per forward and runs a batch without restarts as one dense call; under
+        # torch.compile that read would break the graph, so the op decides when it runs.
         ids = _sequence_ids(batch, q_len, kv_len, kwargs, check=not compiling)
         if ids is None:
             _kernel_calls["dense"] += 1
             out = _dense(q, k, v, op)
-        elif not compiling:
-            _kernel_calls["packed"] += 1
-            cu, longest = _per_tensor("packed", ids, _packed_plan)
-            out = _varlen(q, k, v, cu, cu, longest, longest, op)
         else:
-            _kernel_calls["dense_or_packed"] += 1
-            out = torch.cond((ids[:, 1:] != ids[:, :-1]).any(),
-                             lambda q, k, v, ids: _canonical(_packed_static(q, k, v, ids, op)),
-                             lambda q, k, v, ids: _canonical(_dense(q, k, v, op)),
-                             (q, k, v, ids))
+            _kernel_calls["dense_or_packed" if compiling else "packed"] += 1
+            out = _segmented(q, k, v, None, ids, op)
     return out.to(out_dtype), None
 
 

@@ -1,0 +1,185 @@
+"""Padded batches whose rows hold padding or several packed sequences, run as varlen.
+
+Transformers hands a backend ``[B, N, H, D]`` tensors plus a 2D padding mask or per-token sequence ids.
+As FlashAttention does, the real tokens are gathered into one packed run, cut by ``cu_seqlens``, and the
+results scattered back. Finding ``cu_seqlens`` reads the mask on the host and the gathered length depends
+on the data, which torch.compile cannot trace with static shapes. So the whole gather -> varlen -> scatter
+sits inside one custom op pair (``sagebwd::segmented_fwd/bwd``): its outputs have the shapes of its inputs,
+the compiler sees an opaque call, and eager and compiled models run the same code.
+"""
+import weakref
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .interface import _backend, _backward, _check_options, _forward
+
+# Values derived from a mask or sequence-id tensor that every layer of one forward gets again: one host
+# read per forward instead of one per layer (and per backward).
+_memo = {}
+
+
+def per_tensor(name, tensor, fn):
+    """``fn(tensor)``, cached while ``tensor`` is alive and unmodified."""
+    if torch.compiler.is_compiling() or tensor.is_inference():   # inference tensors have no version counter
+        return fn(tensor)
+    hit = _memo.get(name)
+    if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
+        return hit[2]
+    value = fn(tensor)
+    _memo[name] = (weakref.ref(tensor), tensor._version, value)
+    return value
+
+
+class Plan(NamedTuple):
+    """Where the packed run's tokens sit in the flattened ``[B * N]`` tensors (None: all of them, in
+    order; ``cu_q`` None: no row needs cutting, run the padded batch as it is)."""
+    idx_q: Optional[torch.Tensor]
+    idx_k: Optional[torch.Tensor]
+    cu_q: Optional[torch.Tensor]
+    cu_k: Optional[torch.Tensor]
+    max_q: int
+    max_k: int
+
+
+def query_rows(mask, q_len, causal):
+    """Which queries are real tokens ``[B, q_len]``. The queries are the ``q_len`` tokens that end at the row's
+    last real key (flash's _upad_input takes the mask's last ``q_len`` entries, the same for left padding;
+    this also covers a static cache's unwritten tail); all of them for one-token decode or cross-attention."""
+    if q_len == mask.shape[1]:
+        return mask
+    if q_len == 1 or not causal or q_len > mask.shape[1]:
+        return torch.ones(mask.shape[0], q_len, dtype=torch.bool, device=mask.device)
+    return torch.where(mask[:, -1:], mask[:, -q_len:], mask.any(1, keepdim=True))
+
+
+def _unpad(mask):
+    lengths = mask.sum(1, dtype=torch.int32)
+    cu = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    return torch.nonzero(mask.flatten()).flatten(), cu, int(lengths.max())
+
+
+def _padding_plan(mask, q_len, kv_len, causal):
+    # keys past the mask's end (a static cache's unwritten slots) are not real
+    keys = F.pad(mask, (0, kv_len - mask.shape[1]), value=False) if mask.shape[1] < kv_len else mask
+    idx_k, cu_k, max_k = per_tensor(f"unpad:{kv_len}", mask, lambda m: _unpad(keys))
+    if q_len == kv_len and keys is mask:
+        return Plan(idx_k, idx_k, cu_k, cu_k, max_k, max_k)
+    idx_q, cu_q, max_q = per_tensor(f"unpad_q:{q_len}:{causal}", mask,
+                                    lambda m: _unpad(query_rows(m, q_len, causal)))
+    return Plan(idx_q, idx_k, cu_q, cu_k, max_q, max_k)
+
+
+def _packed_plan(ids):
+    """Sequence ids ``[B, N]`` (a new sequence wherever the id changes, and at every row start)."""
+    starts = F.pad(ids[:, 1:] != ids[:, :-1], (1, 0), value=True).flatten()
+    if int(starts.sum()) == ids.shape[0]:       # one sequence per row: the padded batch as it is
+        return Plan(None, None, None, None, ids.shape[1], ids.shape[1])
+    cu = F.pad(torch.nonzero(starts).flatten(), (0, 1), value=starts.numel()).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return Plan(None, None, cu, cu, longest, longest)
+
+
+def _plan(q, k, mask, ids, causal) -> Plan:
+    if mask is not None:
+        return _padding_plan(mask, q.shape[1], k.shape[1], causal)
+    return per_tensor("packed", ids, _packed_plan)
+
+
+def _gather(x, idx):
+    flat = x.reshape(-1, x.shape[-2], x.shape[-1])
+    return flat if idx is None else flat[idx]
+
+
+def _scatter(packed, idx, like):
+    if idx is None:
+        return packed.view(like.shape)
+    full = packed.new_zeros(like.numel() // (like.shape[-2] * like.shape[-1]), *like.shape[-2:])
+    return full.index_copy_(0, idx, packed).view(like.shape)
+
+
+def _to_tokens(lse):
+    """Padded lse ``[B, H, N]`` -> the token-major ``[1, H, B * N]`` this op returns."""
+    return lse.transpose(0, 1).reshape(1, lse.shape[1], -1)
+
+
+@torch.library.custom_op("sagebwd::segmented_fwd", mutates_args=())
+def _segmented_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                   ids: Optional[torch.Tensor], causal: bool, scale: float, window_left: int, window_right: int,
+                   k_smoothing: bool, q_smoothing: bool, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """q ``[B, Nq, H, D]``, k/v ``[B, Nk, Hkv, D]`` (any strides). Returns out ``[B, Nq, H, D]`` (zeros for
+    padding queries) and the kernels' base-2 lse ``[1, H, B * Nq]``."""
+    plan = _plan(q, k, mask, ids, causal)
+    window = (window_left, window_right)
+    if plan.cu_q is None:
+        out, lse = _forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, plan.max_q,
+                            plan.max_k, scale, window, k_smoothing, q_smoothing, backend)
+        return out.transpose(1, 2).contiguous(), _to_tokens(lse)
+    out, lse_packed = _forward(_gather(q, plan.idx_q), _gather(k, plan.idx_k), _gather(v, plan.idx_k),
+                               plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale, window, k_smoothing,
+                               q_smoothing, backend)
+    if plan.idx_q is None:
+        return out.view(q.shape), lse_packed
+    lse = lse_packed.new_full((1, q.shape[2], q.shape[0] * q.shape[1]), float("inf"))
+    lse[:, :, plan.idx_q] = lse_packed
+    return _scatter(out, plan.idx_q, q), lse
+
+
+@_segmented_fwd.register_fake
+def _(q, k, v, mask, ids, causal, scale, window_left, window_right, k_smoothing, q_smoothing, backend):
+    return q.new_empty(q.shape), q.new_empty((1, q.shape[2], q.shape[0] * q.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("sagebwd::segmented_bwd", mutates_args=())
+def _segmented_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, mask: Optional[torch.Tensor], ids: Optional[torch.Tensor], causal: bool,
+                   scale: float, window_left: int, window_right: int, k_smoothing: bool, q_smoothing: bool,
+                   backend: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = _plan(q, k, mask, ids, causal)
+    window = (window_left, window_right)
+    if plan.cu_q is None:
+        t = lambda x: x.transpose(1, 2)  # noqa: E731
+        lse_bhn = lse.view(q.shape[2], q.shape[0], q.shape[1]).transpose(0, 1).contiguous()
+        grads = _backward(t(dout), t(q), t(k), t(v), t(out), lse_bhn, None, None, plan.max_q, plan.max_k,
+                          scale, window, k_smoothing, q_smoothing, backend)
+        return tuple(t(g).contiguous() for g in grads)
+    lse_packed = lse if plan.idx_q is None else lse[:, :, plan.idx_q].contiguous()
+    dq, dk, dv = _backward(_gather(dout, plan.idx_q), _gather(q, plan.idx_q), _gather(k, plan.idx_k),
+                           _gather(v, plan.idx_k), _gather(out, plan.idx_q), lse_packed, plan.cu_q, plan.cu_k,
+                           plan.max_q, plan.max_k, scale, window, k_smoothing, q_smoothing, backend)
+    return _scatter(dq, plan.idx_q, q), _scatter(dk, plan.idx_k, k), _scatter(dv, plan.idx_k, v)
+
+
+@_segmented_bwd.register_fake
+def _(dout, q, k, v, out, lse, mask, ids, causal, scale, window_left, window_right, k_smoothing, q_smoothing,
+      backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, ids, *args = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], mask, ids)
+    ctx.args = args
+    ctx.mark_non_differentiable(output[1])
+
+
+def _segmented_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, mask, ids = ctx.saved_tensors
+    dq, dk, dv = _segmented_bwd(dout, q, k, v, out, lse, mask, ids, *ctx.args)
+    return (dq, dk, dv) + (None,) * 9
+
+
+_segmented_fwd.register_autograd(_segmented_backward, setup_context=_setup_context)
+
+
+def segmented_attention(q, k, v, mask=None, ids=None, *, causal, softmax_scale, window_size=(-1, -1),
+                        k_smoothing=True, q_smoothing=False):
+    """Attention over ``[B, N, H, D]`` rows cut by a padding ``mask`` ``[B, Nk]`` (bool, True = real token)
+    or by sequence ``ids`` ``[B, N]`` (self-attention; a new sequence wherever the id changes). Padding
+    queries get zeros. Inputs must already be float16/bfloat16; validation is the caller's."""
+    if (mask is None) == (ids is None):
+        raise ValueError("segmented_attention needs exactly one of mask and ids")
+    window, scale = _check_options(window_size, softmax_scale, q.shape[-1], causal)   # causal: right = 0
+    return _segmented_fwd(q, k, v, mask, ids, bool(causal), scale, *window, bool(k_smoothing), bool(q_smoothing),
+                          _backend(q, None))[0]

@@ -37,6 +37,8 @@ def main():
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--sweep", action="store_true", help="also time other tile configurations")
+    p.add_argument("--split-sweep", action="store_true",
+                   help="time dV and dK as two launches (split_dkdv) over tile configurations")
     args = p.parse_args()
     d, n = args.head_dim, args.seqlen
     b, h = args.tokens // n, args.width // d
@@ -72,14 +74,38 @@ def main():
     dq4 = quantize(do, lay, natural=False, transposed=True, out_for_delta=out)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    def bwd(c_kv, c_q, kernels=("dkdv", "dq")):
+    def bwd(c_kv, c_q, kernels=("dkdv", "dq"), split=cfg["split_dkdv"]):
         return launch_backward(bq, bq["q8t"], bq["q_scale_raw"], bq["k8t"], v, do, dq4["x8t"], dq4["scale"], lse,
-                        dq4["delta"], dq, dk, dv, lay, lay, h, h, d, window, scale, c_kv, c_q, kernels)
+                               dq4["delta"], dq, dk, dv, lay, lay, h, h, d, window, scale, c_kv, c_q, kernels,
+                               split_dkdv=split)
     t_kv = ms(lambda: bwd(cfg["dkdv"], cfg["dq"], ("dkdv",)))
     print("bwd kernels: " + ", ".join(f"{k}: {regs(v)}" for k, v in bwd(cfg["dkdv"], cfg["dq"]).items()))
     t_q = ms(lambda: bwd(cfg["dkdv"], cfg["dq"], ("dq",)))
     print(f"bwd prep: quantize_qk+T {t_qkt:.3f} ms, dO {t_do:.3f} ms | dkdv kernel {t_kv:.3f} ms, dq kernel "
           f"{t_q:.3f} ms ({2.5 * flops / (t_kv + t_q) * 1e-9:.0f} TFLOP/s kernels-only)")
+    bd = cfg["fwd"][2]
+    if args.split_sweep:
+        # dV alone and dK alone, each over tiles; the best pair must share BLOCK_M (it sets P's/dS's scales)
+        t_fused = ms(lambda: bwd(cfg["dkdv"], cfg["dq"], ("dkdv",), split=False))
+        print(f"split dK/dV (BM, BN, warps, stages): ms  [fused at default tiles: {t_fused:.3f} ms]")
+        best = {}
+        for bm, bn, w, st in itertools.product([64, 128], [64, 128], [4, 8], [1, 2]):
+            c = (bm, bn, bd, w, st)
+            for name in ("dv", "dk"):
+                try:
+                    kern = bwd(c, cfg["dq"], (name,), split=True)[name]
+                    t = ms(lambda: bwd(c, cfg["dq"], (name,), split=True))
+                    print(f"  {name} {bm:>3} {bn:>3} w{w} s{st}: {t:.3f} ms  ({regs(kern)})")
+                    if t < best.get((name, bm), (float("inf"),))[0]:
+                        best[(name, bm)] = (t, c)
+                except Exception as e:
+                    print(f"  {name} {bm:>3} {bn:>3} w{w} s{st}: {type(e).__name__}")
+        for bm in (64, 128):
+            if ("dv", bm) in best and ("dk", bm) in best:
+                (tv, cv), (tk, ck) = best[("dv", bm)], best[("dk", bm)]
+                t = ms(lambda: bwd((cv, ck), cfg["dq"], ("dkdv",), split=True))
+                print(f"best split at BM={bm}: dV {cv} {tv:.3f} ms + dK {ck} {tk:.3f} ms -> together {t:.3f} ms "
+                      f"(fused {t_fused:.3f} ms, {t_fused / t:.2f}x)")
     if not args.sweep:
         return
 

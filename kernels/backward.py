@@ -5,7 +5,8 @@ deterministic and GQA head groups are summed in registers):
 
 * ``_attn_bwd_dkdv_kernel``: one program per (key tile, sequence, KV head); walks the query tiles of every
   query head in its group. ``S^T = K8 Q8^T`` (INT8), ``dP^T = V dO^T`` (input dtype, fp32 accumulation),
-  ``dV += P^T dO`` and ``dK += dS^T Q`` (INT8).
+  ``dV += P^T dO`` and ``dK += dS^T Q`` (INT8). It can also run as two launches, dV alone and dK alone
+  (``DO_DV``/``DO_DK``): S and P are computed twice, but each launch holds one accumulator, not two.
 * ``_attn_bwd_dq_kernel``: one program per (query tile, sequence, query head); walks the key tiles:
   ``S`` and ``dP`` again, then ``dQ += dS K`` (INT8).
 
@@ -62,13 +63,14 @@ def _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, lo, hi, b, offs_m, offs_n, offs_d, 
                 Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, QM_h, QMEAN_CU,
                 q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd, s_dot, s_dod, s_dtd, s_qmb,
                 BLOCK_M: tl.constexpr, QSB: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr,
-                MASK_RIGHT: tl.constexpr, Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr):
+                MASK_RIGHT: tl.constexpr, Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr,
+                DO_DK: tl.constexpr, DO_DV: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         q_mean = _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB, Q_SMOOTH)
         dk, dv = _dkdv_tile(dk, dv, k8, k8f, k_scale, v, tl.multiple_of(start_m, BLOCK_M), offs_m, offs_n,
                             offs_d, d_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h,
                             q_mean, q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd,
-                            s_dot, s_dod, s_dtd, MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
+                            s_dot, s_dod, s_dtd, MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, DO_DK, DO_DV)
     return dk, dv
 
 
@@ -77,7 +79,7 @@ def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_o
                Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, q_mean_h,
                q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd, s_dot, s_dod, s_dtd,
                MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-               Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr):
+               Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr):
     rows = start_m + offs_m
     m_ok = rows < seqlen_q
     md_ok_t = d_ok[:, None] & m_ok[None, :]
@@ -93,27 +95,28 @@ def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_o
                             window_right, MASK_LEFT, MASK_RIGHT)
         pt = tl.where(valid, pt, 0.0)
 
-    # dV += P^T dO, dO's per-token scale folded into P^T
-    do_scale = tl.load(DOS_h + q0 + rows, mask=m_ok, other=0.0)
-    p8t, p_scale = _quantize_rows(pt * do_scale[None, :], False)
-    do8 = tl.load(DO8T_h + offs_d[None, :] * s_dtd + (q0 + rows)[:, None],
-                  mask=m_ok[:, None] & d_ok[None, :], other=0)
-    dv += int32_to_float(tl.dot(p8t, do8, out_dtype=tl.int32)) * p_scale[:, None]
+    if DO_DV:   # dV += P^T dO, dO's per-token scale folded into P^T
+        do_scale = tl.load(DOS_h + q0 + rows, mask=m_ok, other=0.0)
+        p8t, p_scale = _quantize_rows(pt * do_scale[None, :], False)
+        do8 = tl.load(DO8T_h + offs_d[None, :] * s_dtd + (q0 + rows)[:, None],
+                      mask=m_ok[:, None] & d_ok[None, :], other=0)
+        dv += int32_to_float(tl.dot(p8t, do8, out_dtype=tl.int32)) * p_scale[:, None]
 
-    # dP^T = V dO^T stays in the input dtype (quantizing it would feed error into dS)
-    dot_t = tl.load(DO_h + (q0 + rows)[None, :] * s_dot + offs_d[:, None] * s_dod, mask=md_ok_t, other=0.0)
-    if DOT_FP32:
-        dot_t = dot_t.to(tl.float32)
-    dpt = tl.dot(v, dot_t)
-    delta = tl.load(DELTA_h + q0 + rows, mask=m_ok, other=0.0)
-    dst = pt * (dpt - delta[None, :])
+    if DO_DK:
+        # dP^T = V dO^T stays in the input dtype (quantizing it would feed error into dS)
+        dot_t = tl.load(DO_h + (q0 + rows)[None, :] * s_dot + offs_d[:, None] * s_dod, mask=md_ok_t, other=0.0)
+        if DOT_FP32:
+            dot_t = dot_t.to(tl.float32)
+        dpt = tl.dot(v, dot_t)
+        delta = tl.load(DELTA_h + q0 + rows, mask=m_ok, other=0.0)
+        dst = pt * (dpt - delta[None, :])
 
-    # dK += dS^T Q, Q's per-token scale folded into dS^T
-    qr_scale = tl.load(QSR_h + q0 + rows, mask=m_ok, other=0.0)
-    ds8t, ds_scale = _quantize_rows(dst * qr_scale[None, :], True)
-    q8r = tl.load(Q8RT_h + offs_d[None, :] * s_qtd + (q0 + rows)[:, None],
-                  mask=m_ok[:, None] & d_ok[None, :], other=0)
-    dk += int32_to_float(tl.dot(ds8t, q8r, out_dtype=tl.int32)) * ds_scale[:, None]
+        # dK += dS^T Q, Q's per-token scale folded into dS^T
+        qr_scale = tl.load(QSR_h + q0 + rows, mask=m_ok, other=0.0)
+        ds8t, ds_scale = _quantize_rows(dst * qr_scale[None, :], True)
+        q8r = tl.load(Q8RT_h + offs_d[None, :] * s_qtd + (q0 + rows)[:, None],
+                      mask=m_ok[:, None] & d_ok[None, :], other=0)
+        dk += int32_to_float(tl.dot(ds8t, q8r, out_dtype=tl.int32)) * ds_scale[:, None]
     return dk, dv
 
 
@@ -135,6 +138,7 @@ def _attn_bwd_dkdv_kernel(
     IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DO_DK: tl.constexpr, DO_DV: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -184,20 +188,22 @@ def _attn_bwd_dkdv_kernel(
         dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, lo, full_lo, b, offs_m, offs_n, offs_d, d_ok,
                              Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, QM_h, QMEAN_CU,
                              q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd, s_dot, s_dod,
-                             s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
+                             s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, DO_DK, DO_DV)
         dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, full_lo, full_hi, b, offs_m, offs_n, offs_d, d_ok,
                              Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, QM_h, QMEAN_CU,
                              q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd, s_dot, s_dod,
-                             s_dtd, s_qmb, BLOCK_M, QSB, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
+                             s_dtd, s_qmb, BLOCK_M, QSB, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, DO_DK, DO_DV)
         dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, full_hi, hi, b, offs_m, offs_n, offs_d, d_ok,
                              Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, QM_h, QMEAN_CU,
                              q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd, s_dot, s_dod,
-                             s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
+                             s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, DO_DK, DO_DV)
 
-    tl.store(DK + bk * s_dkb + hk * s_dkh + (k0 + offs_n)[:, None] * s_dkt + offs_d[None, :] * s_dkd,
-             (dk * softmax_scale).to(DK.dtype.element_ty), mask=nd_ok)
-    tl.store(DV + bk * s_dvb + hk * s_dvh + (k0 + offs_n)[:, None] * s_dvt + offs_d[None, :] * s_dvd,
-             dv.to(DV.dtype.element_ty), mask=nd_ok)
+    if DO_DK:
+        tl.store(DK + bk * s_dkb + hk * s_dkh + (k0 + offs_n)[:, None] * s_dkt + offs_d[None, :] * s_dkd,
+                 (dk * softmax_scale).to(DK.dtype.element_ty), mask=nd_ok)
+    if DO_DV:
+        tl.store(DV + bk * s_dvb + hk * s_dvh + (k0 + offs_n)[:, None] * s_dvt + offs_d[None, :] * s_dvd,
+                 dv.to(DV.dtype.element_ty), mask=nd_ok)
 
 
 @triton.jit
@@ -330,9 +336,10 @@ def _attn_bwd_dq_kernel(
 def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse, delta,
                     dq4, dk4, dv4, layout_q: SeqLayout, layout_k: SeqLayout,
                     num_heads, num_kv_heads, head_dim, window, softmax_scale, dkdv_config, dq_config,
-                    kernels=("dkdv", "dq")):
+                    kernels=("dkdv", "dq"), split_dkdv=False):
     """Run the backward kernels; ``dq4, dk4, dv4`` (``[B, H, N, D]`` views, any strides) are written.
-    ``kernels`` picks a subset (benchmarks time them one at a time)."""
+    ``kernels`` picks a subset (benchmarks time them one at a time). ``split_dkdv`` computes dV and dK in two
+    launches of the key-tile kernel (one accumulator each, S and P recomputed): fewer live registers."""
     q8, k8, q_mean, q_mean_cu = quant["q8"], quant["k8"], quant["q_mean"], quant["q_mean_cu"]
     q_scale, k_scale = quant["q_scale"], quant["k_scale"]
     group = num_heads // num_kv_heads
@@ -345,11 +352,22 @@ def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse,
     q_mean_cu_arg = maybe(q_mean_cu, q8)
 
     compiled = {}
-    if "dkdv" in kernels:
-        compiled["dkdv"] = _launch_dkdv(
-            q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta, q_mean_arg,
-            q_mean_cu_arg, dk4, dv4, cu_q, cu_k, q_mean, layout_k, num_kv_heads, group, head_dim, window,
-            softmax_scale, dkdv_config, common)
+    if {"dkdv", "dv", "dk"} & set(kernels):
+        # split: dkdv_config is one tile for both launches, or a (dV tile, dK tile) pair with one BLOCK_M
+        if not split_dkdv:
+            launches = (("dkdv", dkdv_config, dict(DO_DK=True, DO_DV=True)),)
+        else:
+            dv_config, dk_config = dkdv_config if isinstance(dkdv_config[0], tuple) else (dkdv_config,) * 2
+            assert dv_config[0] == dk_config[0], "BLOCK_M sets P's and dS's scales: one for both launches"
+            launches = (("dv", dv_config, dict(DO_DK=False, DO_DV=True)),
+                        ("dk", dk_config, dict(DO_DK=True, DO_DV=False)))
+        for name, config, parts in launches:
+            if "dkdv" not in kernels and name not in kernels:   # benchmarks time "dv" / "dk" alone
+                continue
+            compiled[name] = _launch_dkdv(
+                q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta, q_mean_arg,
+                q_mean_cu_arg, dk4, dv4, cu_q, cu_k, q_mean, layout_k, num_kv_heads, group, head_dim, window,
+                softmax_scale, config, dict(common, **parts))
     if "dq" in kernels:
         compiled["dq"] = _launch_dq(
             q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, q_mean_arg, q_mean_cu_arg, dq4, cu_q, cu_k,
@@ -374,7 +392,6 @@ def _launch_dkdv(q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages,
         **common,
     )
-
 
 
 def _launch_dq(q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, q_mean_arg, q_mean_cu_arg, dq4, cu_q, cu_k,

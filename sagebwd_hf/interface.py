@@ -44,16 +44,28 @@ def _warn_once(key: str, message: str):
 # ---------------------------------------------------------------------------------------------------
 
 def tile_configs(head_dim: int, device: torch.device):
-    """{"fwd", "dkdv", "dq"} -> (BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages)."""
+    """{"fwd", "dq"} -> (BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages); "dkdv" -> one such tile, or a
+    (dV tile, dK tile) pair sharing BLOCK_M when "split_dkdv" (dV and dK as two launches, kernels/backward.py).
+    """
     block_d = max(32, 1 << (head_dim - 1).bit_length())
-    if device.type != "cuda":
-        fwd = dkdv = dq = (64, 64, 4, 1)
-    elif block_d <= 128:   # fastest of a sweep on an H200 at D=128, N=4096 (benchmarks/breakdown.py)
-        fwd, dkdv, dq = (64, 128, 4, 3), (128, 128, 8, 2), (128, 128, 8, 2)
-    else:
-        fwd, dkdv, dq = (64, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 1)
     pack = lambda c: (c[0], c[1], block_d, c[2], c[3])  # noqa: E731
-    return {"fwd": pack(fwd), "dkdv": pack(dkdv), "dq": pack(dq)}
+    if device.type != "cuda":
+        return {"fwd": pack((64, 64, 4, 1)), "dq": pack((64, 64, 4, 1)), "dkdv": pack((64, 64, 4, 1)),
+                "split_dkdv": False}
+    if block_d > 128:
+        return {"fwd": pack((64, 32, 4, 2)), "dq": pack((32, 32, 4, 1)), "dkdv": pack((32, 32, 4, 1)),
+                "split_dkdv": False}
+    # Fastest of sweeps on an H200 at N=4096 (benchmarks/breakdown.py --sweep / --split-sweep,
+    # docs/speed_notes.md). Fused, the dK/dV kernel holds two [BLOCK_N, D] fp32 accumulators and spills
+    # (178 at D=128); split, it runs 1.36x faster at D=128 and 1.03x at D=64 despite computing P twice.
+    dv, dk = ((128, 64, 4, 2), (128, 128, 8, 2)) if block_d == 128 else ((128, 128, 4, 2), (128, 64, 4, 2))
+    return {"fwd": pack((64, 128, 4, 3)), "dq": pack((128, 128, 8, 2)), "dkdv": (pack(dv), pack(dk)),
+            "split_dkdv": True}
+
+
+def dkdv_block_m(cfg) -> int:
+    """The dK/dV kernels' query tile: P and dS get one scale per key per tile of this many queries."""
+    return cfg["dkdv"][0][0] if cfg["split_dkdv"] else cfg["dkdv"][0]
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -109,13 +121,13 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
             grads = _per_sequence(
                 lambda qs, ks, vs, os_, ls, dos: naive.sagebwd_backward_naive(
                     qs, ks, vs, os_, ls[:, :, :, 0], dos, scale, window, k_smoothing, q_smoothing,
-                    cfg["dkdv"][0], cfg["dq"][1])
+                    dkdv_block_m(cfg), cfg["dq"][1])
                 if qs.shape[2] and ks.shape[2] else   # an empty sequence has zero gradients
                 (torch.zeros_like(qs), torch.zeros_like(ks), torch.zeros_like(vs)),
                 q, k, v, cu_q, cu_k, extra_q=(out, lse_t.unsqueeze(-1), dout))
         else:
             grads = naive.sagebwd_backward_naive(q, k, v, out, lse, dout, scale, window, k_smoothing,
-                                                 q_smoothing, cfg["dkdv"][0], cfg["dq"][1])
+                                                 q_smoothing, dkdv_block_m(cfg), cfg["dq"][1])
         return tuple(dst.copy_(src) for dst, src in zip((dq, dk, dv), grads))
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
     do4, o4 = as_bhnd(dout, varlen), as_bhnd(out, varlen)
@@ -131,7 +143,8 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
     do_q = quantize(do4, lay_q, natural=False, transposed=True, out_for_delta=o4)
     launch_backward(quant, q8rt, q_scale_raw, quant["k8t"], v4, do4, do_q["x8t"], do_q["scale"], lse,
                     do_q["delta"], as_bhnd(dq, varlen), as_bhnd(dk, varlen), as_bhnd(dv, varlen), lay_q, lay_k,
-                    q4.shape[1], k4.shape[1], q4.shape[3], window, scale, cfg["dkdv"], cfg["dq"])
+                    q4.shape[1], k4.shape[1], q4.shape[3], window, scale, cfg["dkdv"], cfg["dq"],
+                    split_dkdv=cfg["split_dkdv"])
     return dq, dk, dv
 
 

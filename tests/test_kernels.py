@@ -80,6 +80,30 @@ def test_kernel_matches_reference_and_exact(device, case):
 
 
 @pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize("split", [False, True], ids=["fused_dkdv", "split_dkdv"])
+def test_dkdv_fused_and_split(device, split, monkeypatch):
+    """dV and dK in one launch or in two (the CUDA default for D <= 128, with other tiles per launch): both
+    match the reference. Forced here so that the CPU interpreter covers the path the GPU takes."""
+    from sagebwd_hf import interface
+    base = interface.tile_configs
+
+    def forced(head_dim, dev):
+        cfg = dict(base(head_dim, dev))
+        dv = cfg["dkdv"][0] if cfg["split_dkdv"] else cfg["dkdv"]
+        dk = (dv[0], dv[1] // 2) + tuple(dv[2:])     # another BLOCK_N for dK: only BLOCK_M is shared
+        cfg["dkdv"], cfg["split_dkdv"] = ((dv, dk), True) if split else (dv, False)
+        return cfg
+
+    monkeypatch.setattr(interface, "tile_configs", forced)
+    q, k, v, do = make_qkv(1, 4, 2, 150, 150, 64, torch.float16, device)
+    fn = lambda backend: (lambda x, y, z: sagebwd_attn_func(x, y, z, causal=True, backend=backend))  # noqa: E731
+    kern = run_with_grads(fn("triton"), q, k, v, do)
+    assert all(torch.isfinite(t).all() for t in kern.values())
+    _check_oracle(compare(kern, run_with_grads(fn("naive"), q, k, v, do)), torch.float16, device)
+    _check_exact(compare(kern, exact_reference(q, k, v, do, window_size=(-1, 0))))
+
+
+@pytest.mark.parametrize("device", kernel_devices())
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("q_smoothing", [False, True], ids=["", "qsmooth"])
 def test_dtypes_and_smoothing(device, dtype, q_smoothing):

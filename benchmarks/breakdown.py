@@ -36,7 +36,8 @@ def main():
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--sweep", action="store_true", help="also time other tile configurations")
+    p.add_argument("--sweep", nargs="*", choices=["fwd", "dkdv", "dq"], default=None,
+                   help="also time other tile configurations of these kernels (all three if none named)")
     p.add_argument("--split-sweep", action="store_true",
                    help="time dV and dK as two launches (split_dkdv) over tile configurations")
     args = p.parse_args()
@@ -106,12 +107,15 @@ def main():
                 t = ms(lambda: bwd((cv, ck), cfg["dq"], ("dkdv",), split=True))
                 print(f"best split at BM={bm}: dV {cv} {tv:.3f} ms + dK {ck} {tk:.3f} ms -> together {t:.3f} ms "
                       f"(fused {t_fused:.3f} ms, {t_fused / t:.2f}x)")
-    if not args.sweep:
+    if args.sweep is None:
         return
+    sweep = set(args.sweep or ("fwd", "dkdv", "dq"))
 
     bd = cfg["fwd"][2]
     print("forward tiles (BM, BN, warps, stages): ms")
     for bm, bn, w, s in itertools.product([64, 128], [64, 128], [4, 8], [2, 3]):
+        if "fwd" not in sweep:
+            break
         try:
             t = ms(lambda: fwd((bm, bn, bd, w, s)))
             print(f"  fwd {bm:>3} {bn:>3} w{w} s{s}: {t:.3f} ms  {flops / t * 1e-9:.0f} TFLOP/s")
@@ -119,7 +123,7 @@ def main():
             print(f"  fwd {bm} {bn} w{w} s{s}: {type(e).__name__}")
     print("backward tiles (BM, BN, warps, stages): ms")
     for bm, bn, w, s in itertools.product([32, 64, 128], [64, 128], [4, 8], [1, 2]):
-        for name in ("dkdv", "dq"):
+        for name in sorted(sweep & {"dkdv", "dq"}):
             c = (bm, bn, bd, w, s)
             try:
                 t = ms(lambda: bwd(c, c, (name,)))

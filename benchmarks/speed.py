@@ -1,110 +1,400 @@
-"""Kernel-level speed: SageBwd against torch SDPA (cuDNN and flash backends), same inputs, same run.
+"""Kernel-level speed: SageBwd against torch SDPA (cuDNN and flash backends) and, when installed,
+sageattention 1.0.6's forward, on the same inputs in the same run. Needs a CUDA GPU.
 
-TFLOP/s-equivalent: 4*B*H*N^2*D for the forward, 2.5x that for the backward, halved when causal.
-Shapes keep B*N = 32K tokens and H*D = 2048. Our time is the whole op (quantization, smoothing,
-transposes and kernels). Needs a CUDA GPU.
+TFLOP/s-equivalent: 4*B*H*N^2*D for the forward, 2.5x that for the backward, 3.5x for forward+backward,
+halved when causal (H = query heads). Shapes keep B*N = 32K tokens and H*D = 2048. Our time is the whole
+op per call (quantization, smoothing, transposes and kernels), forward with inputs that require grad.
 
-    python benchmarks/speed.py                       # D in {64, 128}, N in {1K, 4K}, causal and not
-    python benchmarks/speed.py --seqlens 1024 2048 4096 8192 16384 --csv speed.csv
+Timing: CUDA events around each call, median of --reps or more (as many as fit in --budget-ms per mode,
+at most --max-reps), after one untimed call that JIT-compiles and --warmup untimed calls. Backward is
+timed alone: each rep runs an untimed forward first. Peak memory: max_memory_allocated over one
+forward+backward, minus what was allocated before it (q, k, v, dO), so it counts the output, what the
+forward saves, the gradients and the workspaces. "cos" is each method's output against SDPA's (flash,
+else cuDNN): a broken kernel shows up as a low cosine instead of a fast time.
+
+    python benchmarks/speed.py                      # full sweep: D {128,64} x N {1K..16K} x causal/not + 2 GQA
+    python benchmarks/speed.py --quick              # D {128,64} x N {1K,4K} x causal/not
+    python benchmarks/speed.py --shapes 'd128_n4k_*' 'gqa*' --csv speed.csv
+    python benchmarks/speed.py --list-shapes        # shape names (for --shapes), no GPU needed
+
+sageattention: `pip install --no-deps sageattention==1.0.6` (pure Python + Triton; device_run.sh installs a
+carried wheel from .whl/). Its sageattn() subtracts the key mean from k in place: it gets its own copy.
 """
 import argparse
 import csv
+import fnmatch
+import math
+import os
+import statistics
+import sys
+from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
+FULL_SEQLENS = [1024, 2048, 4096, 8192, 16384]
+QUICK_SEQLENS = [1024, 4096]
+# (head_dim, query heads, kv heads, seqlen, causal): H*D = 2048 as the grid, B*N = 32K.
+# The first is Llama-3-like (D=128, 4 queries per KV head); the second is Llama-3.2-1B's attention
+# (32 query heads, 8 KV heads, D=64) at 8K, the e2e benchmark's main point.
+GQA_SHAPES = [(128, 16, 4, 4096, True), (64, 32, 8, 8192, True)]
+METHODS = ["sagebwd", "cudnn", "flash", "sageattn"]
+TRAIN_METHODS = {"sagebwd", "cudnn", "flash", "efficient"}   # sageattn has no backward
+REFS = ("cudnn", "flash")
 
-from sagebwd_hf import sagebwd_attn_func
 
-BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+@dataclass(frozen=True)
+class Shape:
+    head_dim: int
+    seqlen: int
+    causal: bool
+    batch: int
+    heads: int
+    kv_heads: int
+
+    @property
+    def name(self) -> str:
+        n = f"{self.seqlen // 1024}k" if self.seqlen % 1024 == 0 else str(self.seqlen)
+        gqa = f"gqa{self.heads}x{self.kv_heads}_" if self.kv_heads != self.heads else ""
+        return f"{gqa}d{self.head_dim}_n{n}_{'causal' if self.causal else 'full'}"
+
+    @property
+    def flops(self) -> float:
+        """Forward FLOP-equivalent."""
+        return 4.0 * self.batch * self.heads * self.seqlen ** 2 * self.head_dim * (0.5 if self.causal else 1.0)
 
 
-def make_fn(name, causal, group):
+def build_shapes(args) -> list:
+    seqlens = args.seqlens or (QUICK_SEQLENS if args.quick else FULL_SEQLENS)
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    shapes = []
+    for d in args.head_dims:
+        for n in seqlens:
+            for causal in causals:
+                h = args.width // d
+                if h % args.gqa:
+                    sys.exit(f"--gqa {args.gqa} does not divide {h} heads at D={d}")
+                shapes.append(Shape(d, n, causal, max(1, args.tokens // n), h, h // args.gqa))
+    if not (args.quick or args.no_gqa_shapes):
+        for d, h, hk, n, causal in GQA_SHAPES:
+            if causal in causals:
+                shapes.append(Shape(d, n, causal, max(1, args.tokens // n), h, hk))
+    if args.shapes:
+        def keep(name):
+            return any(fnmatch.fnmatch(name, p.lower()) or (not any(c in p for c in "*?[") and p.lower() in name)
+                       for p in args.shapes)
+        shapes = [s for s in shapes if keep(s.name)]
+    return list(dict.fromkeys(shapes))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Methods: each gives fn(q, k, v) -> out [B, H, N, D]
+# ---------------------------------------------------------------------------------------------------
+
+def make_method(name, shape, torch, F, ctx):
+    """Returns (fn, note). SDPA gets GQA through enable_gqa; a backend that refuses it gets K/V repeated
+    (the repeat and its backward then count in its time, as they would in a model)."""
+    causal, group = shape.causal, shape.heads // shape.kv_heads
     if name == "sagebwd":
-        return lambda q, k, v: sagebwd_attn_func(q, k, v, causal=causal)
+        return (lambda q, k, v: ctx["sagebwd_attn_func"](q, k, v, causal=causal)), ""
+    if name == "sageattn":
+        sageattn = ctx["sageattn"]
+        kcopy = {}
 
-    def sdpa(q, k, v):
-        if group > 1:
-            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        with sdpa_kernel(BACKENDS[name]):
+        def sa(q, k, v):   # forward only; sageattn mutates k (k -= mean): a private copy, made once
+            if "k" not in kcopy:
+                kcopy["k"] = k.detach().clone()
+            with torch.no_grad():
+                return sageattn(q.detach(), kcopy["k"], v.detach(), tensor_layout="HND", is_causal=causal)
+        return sa, ""
+    backend = ctx["backends"][name]
+    sdpa_kernel = ctx["sdpa_kernel"]
+
+    def native(q, k, v):
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=group > 1)
+
+    def repeated(q, k, v):
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        with sdpa_kernel([backend]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return sdpa
+    if group == 1:
+        return native, ""
+    return native, repeated
 
 
-def bench(fn, q, k, v, do):
-    """Median ms of forward, backward (from a fresh graph each time), forward+backward; peak GiB."""
-    fwd = triton.testing.do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median")
-    out = fn(q, k, v)
-    bwd = triton.testing.do_bench(lambda: out.backward(do, retain_graph=True), warmup=25, rep=100,
-                                  grad_to_none=[q, k, v], return_mode="median")
-    del out
+def time_ms(torch, call, reps, warmup, pre=None):
+    """Median ms of call(pre()) over reps, CUDA events around the call only."""
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for i in range(warmup + reps):
+        state = pre() if pre is not None else None
+        if i >= warmup:
+            ev[i - warmup][0].record()
+        call(state)
+        if i >= warmup:
+            ev[i - warmup][1].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in ev)
+
+
+def bench(torch, fn, train, q, k, v, do, args):
+    """{fwd_ms, bwd_ms, fwd_bwd_ms, peak_gib, out} for one method on one shape."""
+    leaves = (q, k, v)
+
+    def clear():
+        for x in leaves:
+            x.grad = None
+
+    def fwd(_):
+        fn(q, k, v)
+
+    def fwd_bwd(_):
+        fn(q, k, v).backward(do)
+
+    def fresh_out():
+        clear()
+        return fn(q, k, v)
+
+    def bwd(out):
+        out.backward(do)
+
+    main, main_pre = (fwd_bwd, clear) if train else (fwd, None)
+    time_ms(torch, main, 1, 1, main_pre)                 # compile + first-call work, untimed
+    est = time_ms(torch, main, 1, 0, main_pre)
+    reps = min(args.max_reps, max(args.reps, math.ceil(args.budget_ms / max(est, 1e-3))))
+    res = {"fwd_ms": time_ms(torch, fwd, reps, args.warmup), "reps": reps}
+    if train:
+        res["bwd_ms"] = time_ms(torch, bwd, reps, args.warmup, fresh_out)
+        res["fwd_bwd_ms"] = time_ms(torch, fwd_bwd, reps, args.warmup, clear)
+    clear()
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-
-    def step():
+    if train:
         fn(q, k, v).backward(do)
-    both = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=[q, k, v], return_mode="median")
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return fwd, bwd, both, peak
+    else:
+        fn(q, k, v)
+    torch.cuda.synchronize()
+    res["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    clear()
+    with torch.no_grad():
+        res["out"] = fn(q, k, v).float()
+    return res
 
+
+def spin_up(torch, seconds=1.0):
+    """Clocks up before the first timed call: bf16 matrix products for about `seconds`."""
+    import time
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+
+
+def cosine(a, b) -> float:
+    return float((a * b).sum() / (a.norm() * b.norm()).clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------------
+
+def fmt(x, spec=".0f", width=5):
+    return f"{x:{width}{spec}}" if isinstance(x, (int, float)) and x == x else f"{'-':>{width}}"
+
+
+def ratio(rows, shape_name, method, ref, key):
+    r = rows.get((shape_name, method))
+    b = rows.get((shape_name, ref))
+    if not r or not b or not r.get(key) or not b.get(key):
+        return float("nan")
+    return b[key] / r[key]
+
+
+def print_summary(rows_list, shapes, meta):
+    rows = {(r["shape"], r["method"]): r for r in rows_list}
+    print(f"\n== summary: {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | "
+          f"sageattention {meta['sageattention']} | B*N tokens fixed, bf16; TFLOP/s-equivalent ==")
+    print(f"{'shape':<24} {'sagebwd TFLOP/s':^17} | {'f+b TFLOP/s':^11} | {'sa fwd':>6} | "
+          f"{'sagebwd x cuDNN':^16} | {'sagebwd x flash':^16} | {'peak GiB':^16} | cos")
+    print(f"{'':<24} {'fwd':>5} {'bwd':>5} {'f+b':>5} | {'cudnn':>5} {'flash':>5} | {'':>6} | "
+          f"{'fwd':>4} {'bwd':>5} {'f+b':>5} | {'fwd':>4} {'bwd':>5} {'f+b':>5} | {'sage':>4} {'cudnn':>5} "
+          f"{'flash':>5} |")
+    for s in shapes:
+        sb = rows.get((s.name, "sagebwd"), {})
+        g = lambda m, k: rows.get((s.name, m), {}).get(k, float("nan"))  # noqa: E731
+        rc = [ratio(rows, s.name, "sagebwd", "cudnn", k) for k in ("fwd_ms", "bwd_ms", "fwd_bwd_ms")]
+        rf = [ratio(rows, s.name, "sagebwd", "flash", k) for k in ("fwd_ms", "bwd_ms", "fwd_bwd_ms")]
+        print(f"{s.name:<24} {fmt(sb.get('fwd_tflops'))} {fmt(sb.get('bwd_tflops'))} "
+              f"{fmt(sb.get('fwd_bwd_tflops'))} | {fmt(g('cudnn', 'fwd_bwd_tflops'))} "
+              f"{fmt(g('flash', 'fwd_bwd_tflops'))} | {fmt(g('sageattn', 'fwd_tflops'), width=6)} | "
+              f"{fmt(rc[0], '.2f', 4)} {fmt(rc[1], '.2f')} {fmt(rc[2], '.2f')} | "
+              f"{fmt(rf[0], '.2f', 4)} {fmt(rf[1], '.2f')} {fmt(rf[2], '.2f')} | "
+              f"{fmt(sb.get('peak_gib'), '.2f', 4)} {fmt(g('cudnn', 'peak_gib'), '.2f', 5)} "
+              f"{fmt(g('flash', 'peak_gib'), '.2f', 5)} | {fmt(sb.get('out_cos'), '.4f', 6)}")
+    print_targets(rows, shapes)
+
+
+def print_targets(rows, shapes):
+    """Issue 6's kernel-level targets, each with its worst shape."""
+    def worst(pred, ref, key):
+        vals = [(ratio(rows, s.name, "sagebwd", ref, key), s.name) for s in shapes if pred(s)]
+        vals = [v for v in vals if v[0] == v[0]]
+        return min(vals) if vals else None
+
+    d128 = lambda s: s.head_dim == 128 and s.seqlen >= 4096   # noqa: E731
+    d64 = lambda s: s.head_dim == 64 and s.seqlen >= 4096     # noqa: E731
+    every = lambda s: True                                    # noqa: E731
+    checks = [("D=128 N>=4K fwd+bwd >= 1.20x cuDNN", d128, "cudnn", "fwd_bwd_ms", 1.2),
+              ("D=128 N>=4K fwd     >= 1.15x cuDNN", d128, "cudnn", "fwd_ms", 1.15),
+              ("D=64  N>=4K fwd+bwd >= 1.67x flash", d64, "flash", "fwd_bwd_ms", 1.67),
+              ("D=64  N>=4K fwd+bwd >= 1.00x cuDNN", d64, "cudnn", "fwd_bwd_ms", 1.0),
+              ("all shapes  fwd+bwd >= 1.00x flash", every, "flash", "fwd_bwd_ms", 1.0),
+              ("all shapes  fwd     >= 1.00x flash", every, "flash", "fwd_ms", 1.0),
+              ("all shapes  bwd     >= 1.00x flash", every, "flash", "bwd_ms", 1.0)]
+    print("targets (issue 6; worst shape):")
+    for label, pred, ref, key, bar in checks:
+        w = worst(pred, ref, key)
+        if w is None:
+            print(f"  {label}: not measured")
+        else:
+            print(f"  {label}: {'PASS' if w[0] >= bar else 'FAIL'}  worst {w[0]:.2f}x at {w[1]}")
+    mem = [(rows[(s.name, 'flash')]['peak_gib'] - rows[(s.name, 'sagebwd')]['peak_gib'], s.name)
+           for s in shapes if (s.name, "flash") in rows and (s.name, "sagebwd") in rows]
+    if mem:
+        m = min(mem)
+        print(f"  peak memory <= flash's: {'PASS' if m[0] >= 0 else 'FAIL'}  "
+              f"worst margin {m[0]:+.3f} GiB at {m[1]}")
+
+
+# ---------------------------------------------------------------------------------------------------
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="N in {1K, 4K}, no GQA shapes (the old default)")
+    p.add_argument("--shapes", nargs="+", metavar="GLOB",
+                   help="keep shapes whose name matches a glob (or contains the text), e.g. 'd128_*causal' gqa")
+    p.add_argument("--list-shapes", action="store_true", help="print the selected shape names and exit")
     p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
-    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096])
-    p.add_argument("--tokens", type=int, default=32768, help="B * N")
-    p.add_argument("--width", type=int, default=2048, help="H * D")
-    p.add_argument("--gqa", type=int, default=1, help="query heads per KV head")
+    p.add_argument("--seqlens", type=int, nargs="+", default=None, help="default 1K..16K (--quick: 1K 4K)")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-    p.add_argument("--backends", nargs="+", default=["sagebwd", "cudnn", "flash"])
+    p.add_argument("--tokens", type=int, default=32768, help="B * N")
+    p.add_argument("--width", type=int, default=2048, help="H * D (query heads)")
+    p.add_argument("--gqa", type=int, default=1, help="query heads per KV head for the grid shapes")
+    p.add_argument("--no-gqa-shapes", action="store_true", help="leave out the two extra GQA shapes")
+    p.add_argument("--methods", "--backends", nargs="+", default=METHODS,
+                   help=f"of {METHODS + ['efficient']} (sageattn is skipped when not installed)")
+    p.add_argument("--reps", type=int, default=10, help="fewest timed reps per mode")
+    p.add_argument("--max-reps", type=int, default=50)
+    p.add_argument("--budget-ms", type=float, default=100.0, help="more reps while they fit in this")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls before each timed mode")
     p.add_argument("--csv", default=None)
     args = p.parse_args()
+    shapes = build_shapes(args)
+    if args.list_shapes:
+        print("\n".join(f"{s.name:<26} B={s.batch} H={s.heads} Hkv={s.kv_heads} N={s.seqlen} D={s.head_dim}"
+                        for s in shapes))
+        return
+    if not shapes:
+        sys.exit("no shape matches --shapes")
+    bad = [m for m in args.methods if m not in METHODS + ["efficient"]]
+    if bad:
+        sys.exit(f"unknown method(s) {bad}; choose from {METHODS + ['efficient']}")
 
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
+    import torch
+    if not torch.cuda.is_available():
+        sys.exit("speed.py needs a CUDA GPU (torch.cuda.is_available() is False); run it on the device machine")
+    for var in ("SAGEBWD_POISON", "TRITON_INTERPRET"):   # test settings that would slow or break timing
+        if os.environ.pop(var, None):
+            print(f"# note: unset {var} for timing")
+    import torch.nn.functional as F
+    import triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    ctx = {"sdpa_kernel": sdpa_kernel,
+           "backends": {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                        "efficient": SDPBackend.EFFICIENT_ATTENTION}}
+    methods = list(args.methods)
+    if "sagebwd" in methods:
+        from sagebwd_hf import sagebwd_attn_func
+        ctx["sagebwd_attn_func"] = sagebwd_attn_func
+    sa_version = "-"
+    if "sageattn" in methods:
+        try:
+            from importlib.metadata import version
+            from sageattention import sageattn
+            ctx["sageattn"] = sageattn
+            sa_version = version("sageattention")
+        except Exception as e:  # noqa: BLE001  (not installed, or fails to import)
+            print(f"# sageattn skipped: {type(e).__name__}: {e} (pip install --no-deps sageattention==1.0.6)")
+            methods.remove("sageattn")
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(), "sageattention": sa_version}
+    print("# " + " | ".join(f"{k} {v}" for k, v in meta.items()))
+    print(f"# {len(shapes)} shapes x {methods}; reps >= {args.reps} (<= {args.max_reps}), median, "
+          f"warmup {args.warmup}")
+
+    spin_up(torch)
+
     rows = []
-    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    for d in args.head_dims:
-        for n in args.seqlens:
-            for causal in causals:
-                b, h = max(1, args.tokens // n), args.width // d
-                hk = h // args.gqa
-                gen = torch.Generator(device="cuda").manual_seed(0)
-                mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
-                q, k, v, do = mk(b, h, n, d), mk(b, hk, n, d), mk(b, hk, n, d), mk(b, h, n, d)
+    for s in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        mk = lambda *sz: torch.randn(*sz, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
+        b, h, hk, n, d = s.batch, s.heads, s.kv_heads, s.seqlen, s.head_dim
+        q, k, v, do = mk(b, h, n, d), mk(b, hk, n, d), mk(b, hk, n, d), mk(b, h, n, d)
+        for x in (q, k, v):
+            x.requires_grad_()
+        results = {}
+        for name in methods:
+            fn, fallback = make_method(name, s, torch, F, ctx)
+            note = ""
+            try:
+                try:
+                    res = bench(torch, fn, name in TRAIN_METHODS, q, k, v, do, args)
+                except RuntimeError as e:
+                    if not fallback:
+                        raise
+                    note = f"repeat_kv ({str(e).splitlines()[0][:60]})"
+                    res = bench(torch, fallback, True, q, k, v, do, args)
+            except Exception as e:  # noqa: BLE001  (a backend that refuses the shape, OOM, a compile error)
+                print(f"  {s.name} {name}: skipped, {type(e).__name__}: {str(e).splitlines()[0][:150]}")
                 for x in (q, k, v):
-                    x.requires_grad_()
-                flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
-                for name in args.backends:
-                    try:
-                        fwd, bwd, both, peak = bench(make_fn(name, causal, args.gqa), q, k, v, do)
-                    except RuntimeError as e:   # e.g. a backend that does not take this shape
-                        print(f"  {name} D={d} N={n} causal={causal}: {str(e).splitlines()[0]}")
-                        continue
-                    rows.append(dict(backend=name, head_dim=d, seqlen=n, batch=b, heads=h, kv_heads=hk,
-                                     causal=causal, fwd_ms=fwd, bwd_ms=bwd, fwd_bwd_ms=both,
-                                     fwd_tflops=flops / fwd * 1e-9, bwd_tflops=2.5 * flops / bwd * 1e-9,
-                                     fwd_bwd_tflops=3.5 * flops / both * 1e-9, peak_gib=peak))
-                del q, k, v, do
+                    x.grad = None
                 torch.cuda.empty_cache()
+                continue
+            res["note"] = note
+            results[name] = res
+        ref = next((results[r]["out"] for r in ("flash", "cudnn") if r in results), None)
+        for name, res in results.items():
+            out = res.pop("out")
+            row = dict(meta, shape=s.name, method=name, batch=b, heads=h, kv_heads=hk, seqlen=n, head_dim=d,
+                       causal=s.causal, reps=res["reps"], fwd_ms=res["fwd_ms"], bwd_ms=res.get("bwd_ms"),
+                       fwd_bwd_ms=res.get("fwd_bwd_ms"), fwd_tflops=s.flops / res["fwd_ms"] * 1e-9,
+                       bwd_tflops=2.5 * s.flops / res["bwd_ms"] * 1e-9 if res.get("bwd_ms") else None,
+                       fwd_bwd_tflops=3.5 * s.flops / res["fwd_bwd_ms"] * 1e-9 if res.get("fwd_bwd_ms") else None,
+                       peak_gib=res["peak_gib"], out_cos=cosine(out, ref) if ref is not None else None,
+                       note=res["note"] + ("" if name in TRAIN_METHODS else "forward only"))
+            for r in REFS:
+                for key in ("fwd_ms", "bwd_ms", "fwd_bwd_ms"):
+                    rr = results.get(r, {}).get(key)
+                    row[f"x_{r}_{key[:-3]}"] = rr / row[key] if rr and row[key] else None
+            rows.append(row)
+            print(f"  {s.name:<24} {name:<9} fwd {row['fwd_ms']:8.3f} ms  bwd {fmt(row['bwd_ms'], '.3f', 8)} ms  "
+                  f"f+b {fmt(row['fwd_bwd_ms'], '.3f', 8)} ms  TFLOP/s {fmt(row['fwd_tflops'], width=4)}/"
+                  f"{fmt(row['bwd_tflops'], width=3)}/{fmt(row['fwd_bwd_tflops'], width=3)}  peak {row['peak_gib']:.2f} GiB  cos {fmt(row['out_cos'], '.5f', 7)}  "
+                  f"x{res['reps']} {row['note']}", flush=True)
+            if name == "sagebwd" and row["out_cos"] is not None and row["out_cos"] < 0.99:
+                print(f"  WARNING: {s.name} sagebwd output cosine {row['out_cos']:.4f} against SDPA")
+        del q, k, v, do, results, ref
+        torch.cuda.empty_cache()
 
-    if args.csv:
+    if args.csv and rows:
+        fields = list(dict.fromkeys(k for r in rows for k in r))
         with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()
             w.writerows(rows)
-    print(f"{'backend':<8} {'D':>4} {'N':>6} {'causal':<6} {'fwd':>6} {'bwd':>6} {'f+b':>6} TFLOP/s   "
-          f"{'x cudnn (f/b/f+b)':<20} {'x flash (f/b/f+b)':<20} peak GiB")
-    for r in rows:
-        ratios = []
-        for ref in ("cudnn", "flash"):
-            base = next((x for x in rows if x["backend"] == ref and x["head_dim"] == r["head_dim"]
-                         and x["seqlen"] == r["seqlen"] and x["causal"] == r["causal"]), None)
-            ratios.append("/".join(f"{base[k] / r[k]:.2f}" for k in ("fwd_ms", "bwd_ms", "fwd_bwd_ms"))
-                          if base else "-")
-        print(f"{r['backend']:<8} {r['head_dim']:>4} {r['seqlen']:>6} {str(r['causal']):<6} "
-              f"{r['fwd_tflops']:>6.0f} {r['bwd_tflops']:>6.0f} {r['fwd_bwd_tflops']:>6.0f}           "
-              f"{ratios[0]:<20} {ratios[1]:<20} {r['peak_gib']:.2f}")
+        print(f"# wrote {args.csv}")
+    print_summary(rows, shapes, meta)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,78 @@
 #!/usr/bin/env bash
-# Everything a GPU check needs, in one device call: versions, the GPU test suite, the accuracy table and
-# the speed table. Full logs go under $OUT; short tables are printed last. The GPU tests are compile-bound:
-# pytest-xdist runs them in 8 processes.
-#   bash benchmarks/device_run.sh [tests] [accuracy] [speed]      (default: all three)
+# Everything a GPU check needs, in one device call. Stages, in the order given:
+#   tests     GPU test suite (pytest -m gpu, 8 processes; compile-bound)
+#   accuracy  accuracy table          -> $OUT/accuracy.csv
+#   speed     quick speed table       -> $OUT/speed.csv   (speed.py --quick: 8 shapes)
+#   sweep     full kernel sweep       -> $OUT/sweep.csv   (speed.py: 22 shapes, + sageattention if carried)
+#   e2e       Llama-3.2-1B training tokens/s -> $OUT/e2e.csv
+#   plot      $OUT/bench.png from sweep.csv (else speed.csv) and e2e.csv, if matplotlib imports there
+#   bench     = sweep e2e plot
+#   bash benchmarks/device_run.sh [stage ...]       (default: tests accuracy speed)
+# Extra arguments per script: SPEED_ARGS, SWEEP_ARGS, E2E_ARGS, ACCURACY_ARGS (e.g. E2E_ARGS="--seqlens 8192").
+# Carried wheels: every .whl/*.whl (e.g. sageattention-1.0.6-py3-none-any.whl) is installed with --no-deps
+# into /tmp/site first. Output: $OUT/run.log (everything), the CSVs, bench.png: at most 6 files, under the
+# device tool's 8. Each script's short table is printed again at the very end.
 set -uo pipefail
 OUT=${OUT:-/tmp/sagebwd_out}
 mkdir -p "$OUT"
+LOG="$OUT/run.log"
+TMP=$(mktemp -d)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 stages=${*:-tests accuracy speed}
+stages=${stages//bench/sweep e2e plot}
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
-} 2>&1 | tee "$OUT/env.txt"
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && echo "installed carried wheels: $(cd .whl && ls *.whl | tr '\n' ' ')"
+  fi
+} 2>&1 | tee -a "$LOG"
+[ -d /tmp/site ] && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)" 2>&1 | tee -a "$LOG"
+
 status=0
+declare -A took
+run() {  # run STAGE CMD...: output to run.log and $TMP/STAGE.log; a failure marks the run failed
+  local stage=$1 t0=$SECONDS rc; shift
+  echo "=== stage $stage: $*" | tee -a "$LOG"
+  "$@" 2>&1 | tee "$TMP/$stage.log" | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || status=1
+  took[$stage]="$((SECONDS - t0)) s, exit $rc"
+  echo "=== stage $stage: ${took[$stage]}" | tee -a "$LOG"
+}
 for stage in $stages; do
   case $stage in
-    tests)    python3 -m pytest tests -m gpu -q -rf -p no:cacheprovider -n 8 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25 || status=1 ;;
-    accuracy) python3 benchmarks/accuracy.py --check --csv "$OUT/accuracy.csv" 2>&1 | tee "$OUT/accuracy.log" || status=1 ;;
-    speed)    python3 benchmarks/speed.py --csv "$OUT/speed.csv" 2>&1 | tee "$OUT/speed.log" || status=1 ;;
-    *) echo "unknown stage $stage"; status=1 ;;
+    tests)    run tests python3 -m pytest tests -m gpu -q -rf -p no:cacheprovider -n 8 ;;
+    accuracy) run accuracy python3 benchmarks/accuracy.py --check --csv "$OUT/accuracy.csv" ${ACCURACY_ARGS:-} ;;
+    speed)    run speed python3 benchmarks/speed.py --quick --csv "$OUT/speed.csv" ${SPEED_ARGS:-} ;;
+    sweep)    run sweep python3 benchmarks/speed.py --csv "$OUT/sweep.csv" ${SWEEP_ARGS:-} ;;
+    e2e)      run e2e python3 benchmarks/e2e.py --csv "$OUT/e2e.csv" ${E2E_ARGS:-} ;;
+    plot)
+      src="$OUT/sweep.csv"; [ -f "$src" ] || src="$OUT/speed.csv"
+      if ! python3 -c "import matplotlib" 2>/dev/null; then
+        echo "plot: no matplotlib here; plot locally: python benchmarks/plot.py sweep.csv --e2e e2e.csv" | tee -a "$LOG"
+      elif [ -f "$src" ]; then
+        e2e_csv=(); [ -f "$OUT/e2e.csv" ] && e2e_csv=(--e2e "$OUT/e2e.csv")
+        run plot python3 benchmarks/plot.py "$src" "${e2e_csv[@]}" -o "$OUT/bench.png"
+      else
+        echo "plot: no speed CSV in $OUT (run the sweep or speed stage first)" | tee -a "$LOG"
+      fi ;;
+    *) echo "unknown stage $stage" | tee -a "$LOG"; status=1 ;;
   esac
 done
+
+# The short tables again, last, so that the end of the output holds all of them.
+echo; echo "################ summaries ################"
+for stage in $stages; do
+  [ -f "$TMP/$stage.log" ] || continue
+  echo "---- $stage (${took[$stage]:-})"
+  case $stage in
+    tests)    tail -4 "$TMP/$stage.log" ;;
+    accuracy) sed -n '/^inputs /,$p' "$TMP/$stage.log" ;;
+    speed|sweep|e2e) sed -n '/^== /,$p' "$TMP/$stage.log" ;;
+    plot)     tail -1 "$TMP/$stage.log" ;;
+  esac
+done
+rm -rf "$TMP"
 exit $status

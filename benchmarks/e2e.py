@@ -242,13 +242,14 @@ def main():
             if "step_ms" in r and "step_ms" in by.get("noop", {}) and r["impl"] != "noop":
                 r["attn_share"] = 1.0 - by["noop"]["step_ms"] / r["step_ms"]
         rows += seq_rows
+        if args.csv:                 # after every length: a run stopped early keeps what it measured
+            fields = list(dict.fromkeys(k for r in rows for k in r))
+            with open(args.csv, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=fields)
+                w.writeheader()
+                w.writerows(rows)
 
     if args.csv and rows:
-        fields = list(dict.fromkeys(k for r in rows for k in r))
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields)
-            w.writeheader()
-            w.writerows(rows)
         print(f"# wrote {args.csv}")
     print_summary(rows, meta, args)
 

@@ -386,15 +386,21 @@ def main():
                 print(f"  WARNING: {s.name} sagebwd output cosine {row['out_cos']:.4f} against SDPA")
         del q, k, v, do, results, ref
         torch.cuda.empty_cache()
+        write_csv(args.csv, rows)    # after every shape: a run stopped early keeps what it measured
 
     if args.csv and rows:
-        fields = list(dict.fromkeys(k for r in rows for k in r))
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields)
-            w.writeheader()
-            w.writerows(rows)
         print(f"# wrote {args.csv}")
     print_summary(rows, shapes, meta)
+
+
+def write_csv(path, rows):
+    if not path or not rows:
+        return
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@
 # Extra arguments per script: SPEED_ARGS, SWEEP_ARGS, E2E_ARGS, ACCURACY_ARGS (e.g. E2E_ARGS="--seqlens 8192").
 # Carried wheels: every .whl/*.whl is installed with --no-deps into /tmp/site first. sageattention 1.0.6 is
 # pure Python (20 KB): `pip download sageattention==1.0.6 --no-deps -d .whl` here (.whl/ is git-ignored),
-# then name .whl in the device call's carry list. Output: $OUT/run.log (everything), the CSVs, bench.png: at most 6 files, under the
-# device tool's 8. Each script's short table is printed again at the very end.
+# then name .whl in the device call's carry list.
+# Output: $OUT/run.log (everything), the CSVs, bench.png: at most 6 files, under the device tool's 8. Each script's short table is printed again at the very end.
 set -uo pipefail
 OUT=${OUT:-/tmp/sagebwd_out}
 mkdir -p "$OUT"

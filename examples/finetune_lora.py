@@ -1,0 +1,299 @@
+#!/usr/bin/env python
+"""LoRA fine-tuning of a causal LM with SageBwd INT8 attention, using PEFT and Accelerate.
+
+    python examples/finetune_lora.py                  # CPU default: embedded demo base model and book, ~2 min
+    accelerate launch examples/finetune_lora.py --model_name_or_path Qwen/Qwen2.5-0.5B \\
+        --dataset_name Salesforce/wikitext --dataset_config_name wikitext-2-raw-v1 \\
+        --seq_len 1024 --mixed_precision bf16 --gradient_checkpointing
+    accelerate launch --multi_gpu --num_processes 2 examples/finetune_lora.py ...                # DDP
+
+Base model: --model_name_or_path, a hub name or a local folder (a model saved after sagebwd_hf.add_qk_norm,
+e.g. examples/pretrain.py --qk_norm's final_model, is loaded with its QK-norm gains). Without it, the
+script makes its own *demo base model*, since nothing can be downloaded on an offline machine: a tiny Llama
+(the pretrain.py "tiny" preset) pre-trained with SDPA for --demo_base_steps steps on the first half of the
+training documents; it is cached (SAGEBWD_EXAMPLES_CACHE, default ~/.cache/sagebwd-hf-examples) and the
+LoRA then fine-tunes it on the second half, which it has not seen. Default --learning_rate: 3e-3 for the
+tiny demo base model, 2e-4 with --model_name_or_path.
+
+Data: the embedded book by default (or --dataset_name / --train_file). By default one document per row,
+padded per batch (the mask goes to SageBwd's varlen path, no dense mask); --packing packs documents into
+fixed-length rows; --padding_free lays them end to end with restarting position_ids (no padding).
+
+Outputs in OUTPUT_DIR: metrics.csv (loss per step, eval loss and perplexity at step 0, every --eval_steps
+and at the end), checkpoint-N folders (--checkpointing_steps; --resume_from_checkpoint), and the adapter in
+OUTPUT_DIR/adapter (adapter_config.json, adapter_model.safetensors, the tokenizer).
+"""
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as common  # noqa: E402
+
+import sagebwd_hf  # noqa: E402  (registers attn_implementation="sagebwd" with Transformers)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+DEFAULT_LR, DEMO_LR = 2e-4, 3e-3       # --learning_rate default with --model_name_or_path / with the demo base
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    model = parser.add_argument_group("model")
+    model.add_argument("--model_name_or_path", default=None,
+                       help="base model: hub name or local folder (default: the cached demo base model)")
+    model.add_argument("--tokenizer_name", default=None, help="default: the base model's tokenizer")
+    model.add_argument("--attn_implementation", default="sagebwd", choices=common.ATTN_IMPLEMENTATIONS)
+    model.add_argument("--model_dtype", default="float32", choices=tuple(DTYPES),
+                       help="dtype of the frozen base weights (LoRA weights stay float32)")
+    model.add_argument("--demo_base_steps", type=int, default=300,
+                       help="pre-training steps of the demo base model (only without --model_name_or_path)")
+    lora = parser.add_argument_group("LoRA")
+    lora.add_argument("--lora_r", type=int, default=16, help="LoRA rank")
+    lora.add_argument("--lora_alpha", type=float, default=32, help="LoRA scaling numerator (scale = alpha / r)")
+    lora.add_argument("--lora_dropout", type=float, default=0.05,
+                      help="dropout on the LoRA input (a resumed run draws other dropout masks than an "
+                           "uninterrupted one; with 0 a resume reproduces it exactly)")
+    lora.add_argument("--lora_target_modules", default="all-linear",
+                      help="comma-separated module names (e.g. q_proj,k_proj,v_proj,o_proj) or all-linear")
+    common.add_data_arguments(parser)
+    batching = parser.add_mutually_exclusive_group()
+    batching.add_argument("--packing", action="store_true",
+                          help="pack documents into fixed-length rows of --seq_len tokens (default: one padded "
+                               "document per row)")
+    batching.add_argument("--padding_free", action="store_true",
+                          help="documents end to end with restarting position_ids: no padding, no attention "
+                               "across documents")
+    common.add_training_arguments(parser, output_dir="runs/finetune_lora", lr=None, max_steps=None, batch_size=8,
+                                  seq_len=128)
+    parser.add_argument("--num_train_epochs", type=float, default=3,
+                        help="epochs over the training data, unless --max_steps is given")
+    parser.add_argument("--lr_scheduler_type", default="cosine", choices=SCHEDULERS)
+    args = parser.parse_args(argv)
+    common.check_positive(args, "seq_len", "per_device_batch_size", "gradient_accumulation_steps", "max_steps",
+                          "learning_rate", "eval_steps", "checkpointing_steps", "num_train_epochs", "lora_r",
+                          "lora_alpha", "demo_base_steps")
+    if args.learning_rate is None:
+        # LoRA on a real pre-trained model wants a small step; the tiny demo base model learns faster with more.
+        args.learning_rate = DEMO_LR if args.model_name_or_path is None else DEFAULT_LR
+    if not 0 <= args.lora_dropout < 1:
+        parser.error(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
+    return args
+
+
+def demo_base_model(accelerator, tokenizer, base_docs, steps, seed, seq_len=128, batch_size=8):
+    """The offline stand-in for a pre-trained checkpoint: a tiny Llama pre-trained for ``steps`` steps with
+    SDPA on ``base_docs`` (tokenized documents). Cached by the exact training tokens and settings, so a second
+    run (or the other processes of this one) loads it instead of training it again."""
+    from datasets import DatasetDict
+    from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+
+    key = hashlib.sha256()
+    for ids in base_docs["input_ids"]:
+        key.update(torch.tensor(ids, dtype=torch.int32).numpy().tobytes())
+    key.update(json.dumps([steps, seed, seq_len, batch_size, len(tokenizer), common.MODEL_PRESETS["tiny"]]).encode())
+    path = common.cache_dir() / f"demo-base-llama-tiny-{key.hexdigest()[:12]}"
+    if (path / "config.json").exists():
+        accelerator.print(f"demo base model: {path} (cached)")
+        return path
+
+    accelerator.print(f"demo base model: pre-training a tiny Llama for {steps} steps on {len(base_docs)} "
+                      f"documents (cached afterwards in {path})")
+    rows = common.build_lm_dataset(DatasetDict(train=base_docs), "packed", seq_len, batch_size)["train"]
+    set_seed(seed)
+    config = common.preset_config("llama", "tiny", tokenizer, seq_len)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(accelerator.device)
+    optimizer = common.adamw(model, 3e-3, 0.1)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, steps // 20), steps)
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.tensor(rows["input_ids"], dtype=torch.long)
+    model.train()
+    for step in range(1, steps + 1):
+        batch = data[torch.randint(len(data), (batch_size,), generator=generator)].to(accelerator.device)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step == 1 or step % max(1, steps // 5) == 0:
+            accelerator.print(f"  demo base step {step}/{steps} loss {loss.item():.4f}")
+    model.config.use_cache = True
+
+    def write(folder):
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    common._atomic_save_dir(path, write)
+    return path
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from peft import LoraConfig, get_peft_model
+    from transformers import get_scheduler
+
+    accelerator = common.make_accelerator(args, "finetune_lora")
+    set_seed(args.seed)
+    out = Path(args.output_dir)
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+    mode = "packed" if args.packing else "padding_free" if args.padding_free else "padded"
+
+    with accelerator.main_process_first():
+        tokenizer = common.load_tokenizer(args.tokenizer_name or args.model_name_or_path)
+        raw = common.load_raw_datasets(args)
+        tokenized = common.tokenize_documents(raw, tokenizer, args.text_column)
+        model_path = args.model_name_or_path
+        if model_path is None:
+            # Demo: the base model learns from the first half of the documents, the LoRA from the second.
+            half = len(tokenized["train"]) // 2
+            base_docs = tokenized["train"].select(range(half))
+            tokenized["train"] = tokenized["train"].select(range(half, len(tokenized["train"])))
+            model_path = demo_base_model(accelerator, tokenizer, base_docs, args.demo_base_steps, args.seed)
+        lm_datasets = common.build_lm_dataset(tokenized, mode, args.seq_len, args.per_device_batch_size)
+    train_dataloader, eval_dataloader = common.make_dataloaders(lm_datasets, mode, tokenizer,
+                                                                args.per_device_batch_size)
+
+    # load_with_qk_norm: a plain from_pretrained for ordinary checkpoints; restores the QK-norm gains of a
+    # model saved after sagebwd_hf.add_qk_norm (a plain from_pretrained would drop them).
+    model = sagebwd_hf.load_with_qk_norm(model_path, attn_implementation=args.attn_implementation,
+                                         dtype=DTYPES[args.model_dtype])
+    model.config.use_cache = False
+    if args.gradient_checkpointing:
+        # Non-reentrant checkpointing also works with a frozen embedding (no enable_input_require_grads).
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    targets = args.lora_target_modules
+    targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    lora_config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                             target_modules=targets, task_type="CAUSAL_LM")
+    try:
+        model = get_peft_model(model, lora_config)
+    except ValueError as err:
+        raise SystemExit(f"error: --lora_target_modules {args.lora_target_modules!r}: {err}") from None
+    trainable, total = common.count_parameters(model, trainable_only=True), common.count_parameters(model)
+    accelerator.print(f"model: {model_path}, attention {args.attn_implementation}; LoRA r={args.lora_r} "
+                      f"alpha={args.lora_alpha} on {targets}: {trainable:,} trainable of {total:,} parameters")
+
+    batches_per_epoch = len(train_dataloader)       # before prepare: per process after it
+    optimizer = common.adamw(model, args.learning_rate, args.weight_decay, betas=(0.9, 0.999))
+    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader)
+    batches_per_epoch = len(train_dataloader)
+    steps_per_epoch = max(1, batches_per_epoch // args.gradient_accumulation_steps)
+    max_steps = args.max_steps or max(1, int(args.num_train_epochs * steps_per_epoch))
+    warmup = args.warmup_steps if args.warmup_steps is not None else max(1, max_steps // 20)
+    # Accelerate steps a prepared scheduler once per process: step counts times num_processes, as in its examples.
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup * accelerator.num_processes,
+                              num_training_steps=max_steps * accelerator.num_processes)
+    scheduler = accelerator.prepare(scheduler)
+    tokens_per_step = (args.per_device_batch_size * args.seq_len * args.gradient_accumulation_steps
+                       * accelerator.num_processes)
+    accelerator.print(f"data: {len(lm_datasets['train'])} training rows ({mode}), {len(lm_datasets['validation'])} "
+                      f"validation rows; {max_steps} steps ({steps_per_epoch} per epoch); at most "
+                      f"{tokens_per_step:,} tokens per step")
+    if args.with_tracking:
+        accelerator.init_trackers("sagebwd_finetune_lora", config={k: v for k, v in vars(args).items()
+                                                                   if isinstance(v, (int, float, str, bool))})
+
+    state = {"step": 0, "micro_batches": 0, "tokens": 0, "elapsed_s": 0.0}
+    resume_path = None
+    if args.resume_from_checkpoint:
+        resume_path = common.find_checkpoint(args.resume_from_checkpoint, out)
+        state.update(common.load_checkpoint(accelerator, resume_path))
+        accelerator.print(f"resumed from {resume_path} at step {state['step']}")
+    metrics = common.CSVLogger(out / "metrics.csv", enabled=accelerator.is_main_process,
+                               resume_step=state["step"] if resume_path else None,
+                               restore_from=resume_path / "metrics.csv" if resume_path else None)
+    if resume_path is None:
+        # The base model's loss on the evaluation data: the number the fine-tuning should bring down.
+        eval_loss, eval_ppl = common.evaluate(accelerator, model, eval_dataloader, args.max_eval_batches)
+        metrics.log(step=0, eval_loss=eval_loss, eval_ppl=eval_ppl)
+        accelerator.print(f"step 0 (base model): eval loss {eval_loss:.4f} ppl {eval_ppl:.2f}")
+
+    step, micro, tokens, elapsed = state["step"], state["micro_batches"], state["tokens"], state["elapsed_s"]
+    epoch, skip = divmod(micro, batches_per_epoch)
+    progress = tqdm(total=max_steps, initial=step, desc="finetune_lora", disable=not accelerator.is_local_main_process)
+    timer = common.StepTimer(accelerator.device)
+    step_losses, step_tokens = [], 0
+    log_every = max(1, max_steps // 10)
+    model.train()
+    timer.reset()
+    while step < max_steps:
+        train_dataloader.set_epoch(epoch)
+        batches = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
+        skip = 0
+        for batch in batches:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                grad_norm = None
+                if accelerator.sync_gradients and args.max_grad_norm > 0:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            micro += 1
+            step_losses.append(loss.detach().float())
+            step_tokens += common.count_tokens(batch)
+            if not accelerator.sync_gradients:
+                continue
+
+            step += 1
+            step_loss = accelerator.reduce(torch.stack(step_losses).mean(), "mean").item()
+            global_tokens = int(accelerator.reduce(torch.tensor(step_tokens, device=accelerator.device), "sum"))
+            step_losses, step_tokens = [], 0
+            step_time = timer.lap()
+            tokens += global_tokens
+            elapsed += step_time
+            eval_loss = eval_ppl = None
+            if (args.eval_steps and step % args.eval_steps == 0) or step == max_steps:
+                eval_loss, eval_ppl = common.evaluate(accelerator, model, eval_dataloader, args.max_eval_batches)
+            row = dict(step=step, epoch=round(micro / batches_per_epoch, 4), loss=step_loss,
+                       lr=scheduler.get_last_lr()[0], grad_norm=None if grad_norm is None else float(grad_norm),
+                       tokens=tokens, step_time_s=step_time, tokens_per_s=global_tokens / max(step_time, 1e-9),
+                       elapsed_s=elapsed, eval_loss=eval_loss, eval_ppl=eval_ppl)
+            metrics.log(**row)
+            if args.with_tracking:
+                accelerator.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=step)
+            progress.update(1)
+            progress.set_postfix(loss=f"{step_loss:.3f}", refresh=False)
+            if accelerator.is_local_main_process and (step % log_every == 0 or eval_loss is not None):
+                line = f"step {step}/{max_steps} loss {step_loss:.4f} lr {row['lr']:.2e}"
+                if eval_loss is not None:
+                    line += f" | eval loss {eval_loss:.4f} ppl {eval_ppl:.2f}"
+                progress.write(line)
+            if args.checkpointing_steps and step % args.checkpointing_steps == 0:
+                path = common.save_checkpoint(accelerator, out, step, dict(micro_batches=micro, tokens=tokens,
+                                                                             elapsed_s=elapsed),
+                                              metrics_path=out / "metrics.csv")
+                accelerator.print(f"saved {path}")
+            timer.reset()
+            if step >= max_steps:
+                break
+        epoch += 1
+    progress.close()
+    metrics.close()
+
+    # The adapter only (a few MB): adapter_config.json + adapter_model.safetensors. get_state_dict gathers
+    # FSDP shards; PEFT's save_pretrained keeps the LoRA weights of the full state dict.
+    adapter_dir = out / "adapter"
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.save_pretrained(adapter_dir, is_main_process=accelerator.is_main_process,
+                              save_function=accelerator.save, state_dict=accelerator.get_state_dict(model))
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(adapter_dir)
+    accelerator.print(f"saved the adapter to {adapter_dir} (base model: {model_path}); load it with "
+                      "peft.PeftModel.from_pretrained(base_model, adapter_dir)")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""The examples (examples/*.py) run end to end through `accelerate launch --cpu`, a few steps each, offline;
+checked by what they write: metrics CSV, checkpoints, a resume that reproduces the original run, the final
+model / LoRA adapter, the comparison PNG and summary."""
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import _common as common  # noqa: E402
+
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+          "--mixed_precision", "no", "--dynamo_backend", "no"]
+# Small enough for a few seconds per run on 2 CPU cores.
+SMALL = ["--seq_len", "64", "--per_device_batch_size", "4"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """Offline, with the examples' cache (tokenizer, demo base model) in a fresh folder shared by the tests."""
+    env = dict(os.environ)
+    # conftest.py sets these for the kernel tests: the examples run SageBwd's CPU path (PyTorch), not the Triton
+    # kernels under the (very slow) interpreter, and without the NaN-poisoned outputs of the kernel tests.
+    for name in ("TRITON_INTERPRET", "SAGEBWD_POISON"):
+        env.pop(name, None)
+    env.update(SAGEBWD_EXAMPLES_CACHE=str(tmp_path_factory.mktemp("examples_cache")), HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def run(cmd, env, cwd, expect_ok=True):
+    result = subprocess.run([str(c) for c in cmd], env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    if expect_ok and result.returncode != 0:
+        raise AssertionError(f"{shlex.join(map(str, cmd))} exited {result.returncode}\n"
+                             f"--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}")
+    return result
+
+
+def launch(script, args, env, cwd):
+    return run(LAUNCH + [EXAMPLES / script] + list(args), env, cwd)
+
+
+def metrics(path):
+    return common.read_metrics(Path(path) / "metrics.csv")
+
+
+def train_rows(path):
+    return [r for r in metrics(path) if r["loss"]]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pretrain.py
+# ---------------------------------------------------------------------------------------------------------
+
+def test_pretrain_checkpoint_and_resume(tmp_path, env):
+    args = SMALL + ["--max_steps", "6", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "3",
+                    "--eval_steps", "3", "--max_eval_batches", "2"]
+    first = tmp_path / "first"
+    out = launch("pretrain.py", args + ["--output_dir", first], env, tmp_path).stdout
+    assert "tokens per optimizer step: 512 = 4 sequences x 64 tokens x 2 accumulation x 1 processes" in out
+    assert "check_training_setup: ok" in out
+
+    rows = train_rows(first)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6]
+    losses = [float(r["loss"]) for r in rows]
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[0] == pytest.approx(math.log(2048), abs=0.3)        # a fresh model guesses uniformly
+    assert losses[-1] < losses[0] - 0.3                               # and learns
+    assert [int(r["step"]) for r in rows if r["eval_loss"]] == [3, 6]
+    assert all(int(r["tokens"]) == 512 * int(r["step"]) for r in rows)
+    for step in (3, 6):
+        state = json.loads((first / f"checkpoint-{step}" / "training_state.json").read_text())
+        assert state["step"] == step and state["micro_batches"] == 2 * step
+        assert (first / f"checkpoint-{step}" / "model.safetensors").exists()
+    assert (first / "final_model" / "config.json").exists() and (first / "final_model" / "model.safetensors").exists()
+    summary = json.loads((first / "run_summary.json").read_text())
+    assert summary["steps"] == 6 and summary["tokens"] == 6 * 512 and summary["attn_implementation"] == "sagebwd"
+
+    # Resume from step 3 in another folder ("latest" finds the copied checkpoint): steps 4-6 must repeat the
+    # first run's (same batches, optimizer and scheduler state), and the CSV reads as one run.
+    second = tmp_path / "second"
+    second.mkdir()
+    subprocess.run(["cp", "-r", str(first / "checkpoint-3"), str(second)], check=True)
+    out = launch("pretrain.py", args + ["--output_dir", second, "--resume_from_checkpoint", "latest"], env,
+                 tmp_path).stdout
+    assert "at step 3" in out
+    resumed = train_rows(second)
+    assert [int(r["step"]) for r in resumed] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(rows, resumed):
+        assert float(b["loss"]) == pytest.approx(float(a["loss"]), abs=1e-5), (a, b)
+        assert float(b["lr"]) == pytest.approx(float(a["lr"]), rel=1e-6)
+    assert float(resumed[-1]["eval_loss"]) == pytest.approx(float(rows[-1]["eval_loss"]), abs=1e-5)
+
+
+def test_pretrain_padding_free_qk_norm_smoothing(tmp_path, env):
+    import sagebwd_hf
+
+    out_dir = tmp_path / "run"
+    out = launch("pretrain.py", SMALL + ["--max_steps", "3", "--padding_free", "--qk_norm", "--no_k_smoothing",
+                                         "--q_smoothing", "--output_dir", out_dir], env, tmp_path).stdout
+    assert "QK-norm yes" in out and "padding_free" in out
+    assert "k_smoothing_off" in out                     # check_training_setup reports the switched-off smoothing
+    rows = train_rows(out_dir)
+    assert len(rows) == 3 and all(math.isfinite(float(r["loss"])) for r in rows)
+    assert all(int(r["tokens"]) <= 4 * 64 * int(r["step"]) for r in rows)   # padding-free rows: at most B x S
+    config = json.loads((out_dir / "final_model" / "config.json").read_text())
+    assert config["sagebwd"] == {"k_smoothing": False, "q_smoothing": True}
+    assert "sagebwd_qk_norm" in config
+    model = sagebwd_hf.load_with_qk_norm(out_dir / "final_model")
+    assert sagebwd_hf.has_qk_norm(model)
+
+
+def test_pretrain_qwen3_eager_checkpointing(tmp_path, env):
+    out_dir = tmp_path / "run"
+    out = launch("pretrain.py", SMALL + ["--max_steps", "2", "--model_type", "qwen3", "--attn_implementation",
+                                         "eager", "--gradient_checkpointing", "--no_save_model", "--output_dir",
+                                         out_dir], env, tmp_path).stdout
+    assert "Qwen3ForCausalLM" in out and "attention eager" in out
+    assert len(train_rows(out_dir)) == 2
+    assert not (out_dir / "final_model").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# finetune_lora.py
+# ---------------------------------------------------------------------------------------------------------
+
+def test_finetune_lora_demo_base_and_resume(tmp_path, env):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    # No LoRA dropout: the resumed run draws its dropout masks from a different point of the RNG stream (the
+    # data loader takes a seed from it when it restarts), so with dropout the resumed steps differ slightly.
+    args = SMALL + ["--demo_base_steps", "20", "--max_steps", "4", "--checkpointing_steps", "2", "--eval_steps", "2",
+                    "--max_eval_batches", "3", "--lora_dropout", "0"]
+    first = tmp_path / "first"
+    out = launch("finetune_lora.py", args + ["--output_dir", first], env, tmp_path).stdout
+    assert "demo base model: pre-training a tiny Llama for 20 steps" in out
+    rows = metrics(first)
+    assert rows[0]["step"] == "0" and rows[0]["eval_loss"] and not rows[0]["loss"]     # the base model's eval
+    train = [r for r in rows if r["loss"]]
+    assert [int(r["step"]) for r in train] == [1, 2, 3, 4]
+    assert all(math.isfinite(float(r["loss"])) for r in train)
+    assert float(train[-1]["eval_loss"]) < float(rows[0]["eval_loss"])                 # the LoRA helps
+    for step in (2, 4):
+        assert (first / f"checkpoint-{step}" / "training_state.json").exists()
+
+    adapter = first / "adapter"
+    assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
+    adapter_config = json.loads((adapter / "adapter_config.json").read_text())
+    assert adapter_config["r"] == 16 and adapter_config["peft_type"] == "LORA"
+    base_path = Path(adapter_config["base_model_name_or_path"])
+    assert base_path.parent == Path(env["SAGEBWD_EXAMPLES_CACHE"])          # the cached demo base model
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), adapter)
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and any(p.abs().sum() > 0 for p in lora_b)               # LoRA B starts at zero: trained
+
+    # The second run finds the demo base model in the cache, and the resumed steps repeat the first run's.
+    second = tmp_path / "second"
+    out = launch("finetune_lora.py", args + ["--output_dir", second, "--resume_from_checkpoint",
+                                             first / "checkpoint-2"], env, tmp_path).stdout
+    assert "(cached)" in out and "at step 2" in out
+    resumed = [r for r in metrics(second) if r["loss"]]
+    assert [int(r["step"]) for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(train, resumed):
+        assert float(b["loss"]) == pytest.approx(float(a["loss"]), abs=1e-5), (a, b)
+    assert (second / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_finetune_lora_local_qk_norm_model_padding_free_jsonl(tmp_path, env, monkeypatch):
+    """A local model saved after add_qk_norm, a local JSONL dataset, padding-free batches, chosen targets."""
+    import sagebwd_hf
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("SAGEBWD_EXAMPLES_CACHE", env["SAGEBWD_EXAMPLES_CACHE"])
+    tokenizer = common.train_embedded_tokenizer()
+    config = common.preset_config("llama", "tiny", tokenizer, 64)
+    torch.manual_seed(0)
+    base = sagebwd_hf.add_qk_norm(AutoModelForCausalLM.from_config(config))
+    base.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    paragraphs = [p for p in common.EMBEDDED_TEXT.read_text().split("\n\n") if p.strip()]
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for p in paragraphs[:120]:
+            f.write(json.dumps({"content": p}) + "\n")
+
+    out_dir = tmp_path / "run"
+    out = launch("finetune_lora.py", SMALL + ["--model_name_or_path", tmp_path / "base", "--train_file",
+                                              tmp_path / "train.jsonl", "--text_column", "content", "--padding_free",
+                                              "--lora_target_modules", "q_proj,v_proj", "--max_steps", "2",
+                                              "--output_dir", out_dir], env, tmp_path).stdout
+    assert "padding_free" in out
+    assert len([r for r in metrics(out_dir) if r["loss"]]) == 2
+    adapter_config = json.loads((out_dir / "adapter" / "adapter_config.json").read_text())
+    assert sorted(adapter_config["target_modules"]) == ["q_proj", "v_proj"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# compare_runs.py
+# ---------------------------------------------------------------------------------------------------------
+
+def test_compare_runs_launch_and_metrics(tmp_path, env):
+    out_dir = tmp_path / "cmp"
+    cmd = [sys.executable, EXAMPLES / "compare_runs.py", "--output_dir", out_dir, "--last_n", "3",
+           "--launcher", shlex.join(LAUNCH), "--", *SMALL, "--max_steps", "5", "--no_save_model"]
+    out = run(cmd, env, tmp_path).stdout
+    assert "| sdpa |" in out and "| sagebwd |" in out
+    png = out_dir / "comparison.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    assert (out_dir / "init.safetensors").exists()
+    summary = json.loads((out_dir / "summary.json").read_text())
+    ref, sage = summary["runs"]
+    assert (ref["run"], sage["run"]) == ("sdpa", "sagebwd")
+    assert ref["tokens_per_s"] > 0 and sage["tokens_per_s"] > 0 and ref["speed_vs_ref"] == 1.0
+    # Same initial weights, same batches: the runs differ by INT8 attention error only.
+    assert abs(sage["mean_gap"]) < 0.02 and sage["mean_abs_gap"] < 0.02
+    first = [float(train_rows(out_dir / impl)[0]["loss"]) for impl in ("sdpa", "sagebwd")]
+    assert first[0] == pytest.approx(first[1], abs=1e-2)
+
+    # Drawing from existing CSVs, with custom labels.
+    again = tmp_path / "again"
+    out = run([sys.executable, EXAMPLES / "compare_runs.py", "--output_dir", again, "--metrics",
+               out_dir / "sdpa" / "metrics.csv", out_dir / "sagebwd", "--labels", "ref", "int8", "--last_n", "3"], env, tmp_path).stdout
+    assert "| ref |" in out and "| int8 |" in out and "gap vs ref" in out
+    assert (again / "comparison.png").exists()
+    assert json.loads((again / "summary.json").read_text())["runs"][1]["mean_gap"] == pytest.approx(
+        json.loads((out_dir / "summary.json").read_text())["runs"][1]["mean_gap"])
+
+
+def test_compare_runs_from_diverging_csvs(tmp_path):
+    """The summary measures the gap: two synthetic runs 0.5 apart give a mean gap of 0.5."""
+    import compare_runs
+
+    for name, offset in (("a", 0.0), ("b", 0.5)):
+        logger = common.CSVLogger(tmp_path / name / "metrics.csv")
+        for step in range(1, 41):
+            logger.log(step=step, loss=5.0 - step / 40 + offset, tokens=100 * step, step_time_s=0.5 if name == "a" else 1.0)
+        logger.close()
+    compare_runs.main(["--output_dir", str(tmp_path / "out"), "--metrics", str(tmp_path / "a"), str(tmp_path / "b"),
+                       "--last_n", "10", "--skip_steps", "0"])
+    runs = json.loads((tmp_path / "out" / "summary.json").read_text())["runs"]
+    assert runs[1]["mean_gap"] == pytest.approx(0.5) and runs[1]["mean_abs_gap"] == pytest.approx(0.5)
+    assert runs[0]["tokens_per_s"] == pytest.approx(200) and runs[1]["speed_vs_ref"] == pytest.approx(0.5)
+    assert runs[0]["final_loss"] == pytest.approx(5.0 - 35.5 / 40)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad flags name the flag and the allowed values
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script,argv,expected", [
+    ("pretrain", ["--attn_implementation", "flash"], ["--attn_implementation", "sagebwd", "sdpa", "eager"]),
+    ("pretrain", ["--size", "7b"], ["--size", "tiny", "60m", "1b"]),
+    ("pretrain", ["--max_steps", "0"], ["--max_steps", "> 0"]),
+    ("finetune_lora", ["--lora_dropout", "1.5"], ["--lora_dropout", "[0, 1)"]),
+    ("finetune_lora", ["--packing", "--padding_free"], ["--padding_free", "--packing"]),
+    ("compare_runs", ["--attn_implementations", "sdpa", "flash"], ["--attn_implementations", "sagebwd"]),
+    ("compare_runs", ["--", "--output_dir", "x"], ["--output_dir", "compare_runs.py"]),
+])
+def test_bad_flags(script, argv, expected, capsys):
+    module = __import__(script)
+    with pytest.raises(SystemExit) as exc:
+        module.parse_args(argv)
+    message = str(exc.value.code) + capsys.readouterr().err
+    assert exc.value.code != 0
+    for text in expected:
+        assert text in message, message

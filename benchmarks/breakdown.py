@@ -25,6 +25,30 @@ def _resources(kernel) -> str:
             + ", ".join(f"{k} {v}" for k, v in counts.items()))
 
 
+def _sass_histogram(kernel, path=None, top=18):
+    """Static SASS opcode counts (the tile loop appears three times: masked edge, middle, masked edge).
+    Conversions (F2I/I2F/F2F), MUFU (exp2), PRMT (byte shuffles for INT8 operands) and spills (LDL/STL) are
+    the ones to watch beside the tensor-core instructions (HGMMA/IGMMA)."""
+    import collections
+    import re
+    try:
+        sass = kernel.asm["sass"]
+    except Exception as e:   # needs cuobjdump (shipped with Triton's NVIDIA backend)
+        return f"no SASS ({type(e).__name__}: {e})"
+    if path:
+        with open(path, "w") as f:
+            f.write(sass)
+    ops = collections.Counter()
+    # cuobjdump lines: "/*0a90*/  @!P0 MUFU.EX2 R3, R4 ;"; Triton's own disassembly: "ctrl<TAB>@P0 EXIT;"
+    for m in re.finditer(r"(?:/\*[0-9a-f]{4,}\*/\s+|\t)(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)", sass):
+        op = m.group(1)
+        ops[op.split(".")[0] if not op.startswith("MUFU") else op] += 1
+    watch = ("MUFU.EX2", "F2I", "I2F", "F2F", "PRMT", "HGMMA", "IGMMA", "LDL", "STL", "STS", "LDS", "BAR")
+    head = ", ".join(f"{k} {ops[k]}" for k in watch if ops[k])
+    rest = ", ".join(f"{k} {v}" for k, v in ops.most_common(top) if k not in watch)
+    return f"{sum(ops.values())} instructions | {head} | {rest}"
+
+
 def ms(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
@@ -38,6 +62,8 @@ def main():
     p.add_argument("--causal", action="store_true")
     p.add_argument("--sweep", nargs="*", choices=["fwd", "dkdv", "dq"], default=None,
                    help="also time other tile configurations of these kernels (all three if none named)")
+    p.add_argument("--sass", metavar="DIR", default=None,
+                   help="write each kernel's SASS to DIR and print opcode counts")
     p.add_argument("--split-sweep", action="store_true",
                    help="time dV and dK as two launches (split_dkdv) over tile configurations")
     args = p.parse_args()
@@ -84,6 +110,12 @@ def main():
     t_q = ms(lambda: bwd(cfg["dkdv"], cfg["dq"], ("dq",)))
     print(f"bwd prep: quantize_qk+T {t_qkt:.3f} ms, dO {t_do:.3f} ms | dkdv kernel {t_kv:.3f} ms, dq kernel "
           f"{t_q:.3f} ms ({2.5 * flops / (t_kv + t_q) * 1e-9:.0f} TFLOP/s kernels-only)")
+    if args.sass:
+        import os
+        os.makedirs(args.sass, exist_ok=True)
+        kernels = dict(fwd=fwd(cfg["fwd"]), **bwd(cfg["dkdv"], cfg["dq"]))
+        for name, kern in kernels.items():
+            print(f"SASS {name} D={d}: " + _sass_histogram(kern, os.path.join(args.sass, f"{name}_d{d}.sass")))
     bd = cfg["fwd"][2]
     if args.split_sweep:
         # dV alone and dK alone, each over tiles; the best pair must share BLOCK_M (it sets P's/dS's scales)

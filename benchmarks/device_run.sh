@@ -7,8 +7,10 @@
 #   e2e       Llama-3.2-1B training tokens/s -> $OUT/e2e.csv
 #   plot      $OUT/bench.png from sweep.csv (else speed.csv) and e2e.csv, if matplotlib imports there
 #   bench     = sweep e2e plot
+#   breakdown per-kernel times, registers/spills and SASS opcode counts at N=4096, D=128 and D=64
 #   bash benchmarks/device_run.sh [stage ...]       (default: tests accuracy speed)
 # Extra arguments per script: SPEED_ARGS, SWEEP_ARGS, E2E_ARGS, ACCURACY_ARGS (e.g. E2E_ARGS="--seqlens 8192").
+# A time limit per stage in seconds: TIMEOUT_<stage> (e.g. TIMEOUT_tests=330), so one stage cannot eat the call.
 # Carried wheels: every .whl/*.whl is installed with --no-deps into /tmp/site first. sageattention 1.0.6 is
 # pure Python (20 KB): `pip download sageattention==1.0.6 --no-deps -d .whl` here (.whl/ is git-ignored),
 # then name .whl in the device call's carry list.
@@ -36,7 +38,8 @@ declare -A took
 run() {  # run STAGE CMD...: output to run.log and $TMP/STAGE.log; a failure marks the run failed
   local stage=$1 t0=$SECONDS rc; shift
   echo "=== stage $stage: $*" | tee -a "$LOG"
-  "$@" 2>&1 | tee "$TMP/$stage.log" | tee -a "$LOG"
+  local limit_var="TIMEOUT_$stage"
+  timeout "${!limit_var:-3000}" "$@" 2>&1 | tee "$TMP/$stage.log" | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || status=1
   took[$stage]="$((SECONDS - t0)) s, exit $rc"
@@ -49,6 +52,8 @@ for stage in $stages; do
     speed)    run speed python3 benchmarks/speed.py --quick --csv "$OUT/speed.csv" ${SPEED_ARGS:-} ;;
     sweep)    run sweep python3 benchmarks/speed.py --csv "$OUT/sweep.csv" ${SWEEP_ARGS:-} ;;
     e2e)      run e2e python3 benchmarks/e2e.py --csv "$OUT/e2e.csv" ${E2E_ARGS:-} ;;
+    breakdown) run breakdown bash -c "python3 benchmarks/breakdown.py --head-dim 128 --sass $TMP/sass \
+                 && python3 benchmarks/breakdown.py --head-dim 64 --sass $TMP/sass" ;;
     plot)
       src="$OUT/sweep.csv"; [ -f "$src" ] || src="$OUT/speed.csv"
       if ! python3 -c "import matplotlib" 2>/dev/null; then
@@ -70,6 +75,7 @@ for stage in $stages; do
   echo "---- $stage (${took[$stage]:-})"
   case $stage in
     tests)    tail -4 "$TMP/$stage.log" ;;
+    breakdown) grep -E "^(# |fwd|bwd|SASS)" "$TMP/$stage.log" | cut -c1-400 ;;
     accuracy) sed -n '/^inputs /,$p' "$TMP/$stage.log" ;;
     speed|sweep|e2e) sed -n '/^== /,$p' "$TMP/$stage.log" ;;
     plot)     tail -1 "$TMP/$stage.log" ;;

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .forward import _ceil_to, _floor_to, _key_tiles, _score_mask
 from .layout import SeqLayout, maybe, strides3, strides4
-from .quantize import Q_SMOOTH_BLOCK, _seq_bounds, int32_to_float, round_to_int8
+from .quantize import Q_SMOOTH_BLOCK, _seq_bounds, int32_times, round_to_int8
 
 
 @triton.jit
@@ -86,10 +86,13 @@ def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_o
     q8t = tl.load(Q8_h + (q0 + rows)[None, :] * s_q8t + offs_d[:, None], mask=md_ok_t, other=0)
     q_scale = tl.load(QS_h + q0 + rows, mask=m_ok, other=0.0)
     lse = tl.load(LSE_h + q0 + rows, mask=m_ok, other=float("inf"))
-    st = int32_to_float(tl.dot(k8, q8t, out_dtype=tl.int32)) * k_scale[:, None] * q_scale[None, :]
+    # S^T in two FMAs per score (int32_times, then q_scale inside exp2's argument); lse is +inf past the end
+    st = int32_times(tl.dot(k8, q8t, out_dtype=tl.int32), k_scale[:, None])
     if Q_SMOOTH:
-        st += (tl.sum(k8f * q_mean_h[None, :], 1) * k_scale)[:, None]
-    pt = tl.exp2(st - lse[None, :])
+        pt = tl.exp2(tl.fma(st, q_scale[None, :], (tl.sum(k8f * q_mean_h[None, :], 1) * k_scale)[:, None]
+                            - lse[None, :]))
+    else:
+        pt = tl.exp2(tl.fma(st, q_scale[None, :], -lse[None, :]))
     if MASKED:
         valid = _score_mask(rows[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
                             window_right, MASK_LEFT, MASK_RIGHT)
@@ -100,7 +103,7 @@ def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_o
         p8t, p_scale = _quantize_rows(pt * do_scale[None, :], False)
         do8 = tl.load(DO8T_h + offs_d[None, :] * s_dtd + (q0 + rows)[:, None],
                       mask=m_ok[:, None] & d_ok[None, :], other=0)
-        dv += int32_to_float(tl.dot(p8t, do8, out_dtype=tl.int32)) * p_scale[:, None]
+        dv += int32_times(tl.dot(p8t, do8, out_dtype=tl.int32), p_scale[:, None])
 
     if DO_DK:
         # dP^T = V dO^T stays in the input dtype (quantizing it would feed error into dS)
@@ -116,7 +119,7 @@ def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_o
         ds8t, ds_scale = _quantize_rows(dst * qr_scale[None, :], True)
         q8r = tl.load(Q8RT_h + offs_d[None, :] * s_qtd + (q0 + rows)[:, None],
                       mask=m_ok[:, None] & d_ok[None, :], other=0)
-        dk += int32_to_float(tl.dot(ds8t, q8r, out_dtype=tl.int32)) * ds_scale[:, None]
+        dk += int32_times(tl.dot(ds8t, q8r, out_dtype=tl.int32), ds_scale[:, None])
     return dk, dv
 
 
@@ -241,10 +244,12 @@ def _dq_tile(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base
     dn_ok = d_ok[:, None] & n_ok[None, :]
     k8t = tl.load(K8_base + (k0 + cols)[None, :] * s_k8t + offs_d[:, None], mask=dn_ok, other=0)
     k_scale = tl.load(KS_base + k0 + cols, mask=n_ok, other=0.0)
-    s = int32_to_float(tl.dot(q8, k8t, out_dtype=tl.int32)) * q_scale[:, None] * k_scale[None, :]
+    s = int32_times(tl.dot(q8, k8t, out_dtype=tl.int32), k_scale[None, :])
     if Q_SMOOTH:
-        s += (tl.sum(q_mean[:, None] * k8t.to(tl.float32), 0) * k_scale)[None, :]
-    p = tl.exp2(s - lse[:, None])
+        p = tl.exp2(tl.fma(s, q_scale[:, None], (tl.sum(q_mean[:, None] * k8t.to(tl.float32), 0) * k_scale)[None, :]
+                           - lse[:, None]))
+    else:
+        p = tl.exp2(tl.fma(s, q_scale[:, None], -lse[:, None]))
     if MASKED:
         valid = _score_mask(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
                             MASK_LEFT, MASK_RIGHT)
@@ -260,7 +265,7 @@ def _dq_tile(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base
     ds8, ds_scale = _quantize_rows(ds * k_scale[None, :], True)
     k8 = tl.load(K8T_base + offs_d[None, :] * s_ktd + (k0 + cols)[:, None],
                  mask=n_ok[:, None] & d_ok[None, :], other=0)
-    dq += int32_to_float(tl.dot(ds8, k8, out_dtype=tl.int32)) * ds_scale[:, None]
+    dq += int32_times(tl.dot(ds8, k8, out_dtype=tl.int32), ds_scale[:, None])
     return dq
 
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .layout import SeqLayout, maybe, strides3, strides4
-from .quantize import Q_SMOOTH_BLOCK, _seq_bounds, int32_to_float, round_to_int8
+from .quantize import Q_SMOOTH_BLOCK, _seq_bounds, int32_times, round_to_int8
 
 
 @triton.jit
@@ -93,28 +93,33 @@ def _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base, st
     k8t = tl.load(K8_base + (k0 + cols)[None, :] * s_k8t + offs_d[:, None],
                   mask=n_ok[None, :] & d_ok[:, None], other=0)
     k_scale = tl.load(KS_base + k0 + cols, mask=n_ok, other=0.0)
-    s = int32_to_float(tl.dot(q8, k8t, out_dtype=tl.int32)) * q_scale[:, None] * k_scale[None, :]
-    if Q_SMOOTH:
-        s += (tl.sum(q_mean[:, None] * k8t.to(tl.float32), 0) * k_scale)[None, :]
+    # Scores in two FMAs per element: t = S_int * k_scale here, s = t * q_scale inside exp2's argument. The
+    # row maximum is taken on t (q_scale >= 0 scales a row uniformly; the caller clamps it above zero, so
+    # masked -inf entries stay -inf).
+    t = int32_times(tl.dot(q8, k8t, out_dtype=tl.int32), k_scale[None, :])
+    if Q_SMOOTH:   # the smoothed-out block mean adds a per-key score: fold it in, one more FMA
+        t = tl.fma(t, q_scale[:, None], (tl.sum(q_mean[:, None] * k8t.to(tl.float32), 0) * k_scale)[None, :])
+        row_scale = tl.full([offs_m.shape[0]], 1.0, tl.float32)
+    else:
+        row_scale = q_scale
     if MASKED:
         valid = _score_mask(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
                             MASK_LEFT, MASK_RIGHT)
-        s = tl.where(valid, s, float("-inf"))
+        t = tl.where(valid, t, float("-inf"))
 
-    tile_max = tl.max(s, 1)
+    tile_max = tl.max(t, 1) * row_scale
     m_new = tl.maximum(m_i, tile_max)
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing visible yet
     alpha = tl.exp2(m_i - m_ref)
     # One exp2 per score gives P already scaled for INT8: e = 127 * p / max_tile(p) = 127 * exp2(s - tile_max)
     # (the row's largest p in the tile maps to 127). p itself is e * p_scale.
     e_ref = tl.where(tile_max == float("-inf"), 0.0, tile_max - 6.988684686772166)   # log2(127)
-    e = tl.exp2(s - e_ref[:, None])
+    e = tl.exp2(tl.fma(t, row_scale[:, None], -e_ref[:, None]))
     p_scale = tl.exp2(tile_max - m_ref) * (1.0 / 127.0)
     l_i = l_i * alpha + tl.sum(e, 1) * p_scale
     v8 = tl.load(V8T_base + offs_d[None, :] * s_vtd + (k0 + cols)[:, None],
                  mask=n_ok[:, None] & d_ok[None, :], other=0)
-    pv = int32_to_float(tl.dot(round_to_int8(e), v8, out_dtype=tl.int32))
-    acc = acc * alpha[:, None] + pv * p_scale[:, None]
+    acc = acc * alpha[:, None] + int32_times(tl.dot(round_to_int8(e), v8, out_dtype=tl.int32), p_scale[:, None])
     return acc, m_new, l_i
 
 
@@ -154,7 +159,8 @@ def _attn_fwd_kernel(
 
     q8 = tl.load(Q8 + bq * s_q8b + h * s_q8h + (q0 + offs_m)[:, None] * s_q8t + offs_d[None, :],
                  mask=m_ok[:, None] & d_ok[None, :], other=0)
-    q_scale = tl.load(QS + bq * s_qsb + h * s_qsh + q0 + offs_m, mask=m_ok, other=0.0)
+    # kept above zero: the tiles scale masked (-inf) scores by it, and an all-zero row has scale 0
+    q_scale = tl.maximum(tl.load(QS + bq * s_qsb + h * s_qsh + q0 + offs_m, mask=m_ok, other=0.0), 1e-30)
     q_mean = q_scale  # unused unless Q_SMOOTH
     if Q_SMOOTH:  # all rows of this tile share one Q-mean block
         blk = tl.load(QMEAN_CU + b) + start_m // QSB

@@ -57,10 +57,13 @@ def tile_configs(head_dim: int, device: torch.device):
                 "split_dkdv": False}
     # Fastest of sweeps on an H200 at N=4096 (benchmarks/breakdown.py --sweep / --split-sweep,
     # docs/speed_notes.md). Fused, the dK/dV kernel holds two [BLOCK_N, D] fp32 accumulators and spills
-    # (178 at D=128); split, it runs 1.36x faster at D=128 and 1.03x at D=64 despite computing P twice.
-    dv, dk = ((128, 64, 4, 2), (128, 128, 8, 2)) if block_d == 128 else ((128, 128, 4, 2), (128, 64, 4, 2))
-    return {"fwd": pack((64, 128, 4, 3)), "dq": pack((128, 128, 8, 2)), "dkdv": (pack(dv), pack(dk)),
-            "split_dkdv": True}
+    # (178 at D=128); split into a dV and a dK launch it runs 1.36x faster at D=128 despite computing P twice.
+    # At D <= 64 splitting gained 1.03x only: fused there; its dQ kernel is 1.36x faster at BLOCK_M 64, 4 warps.
+    fwd = pack((64, 128, 4, 3))
+    if block_d == 128:
+        return {"fwd": fwd, "dq": pack((128, 128, 8, 2)), "dkdv": (pack((128, 64, 4, 2)), pack((128, 128, 8, 2))),
+                "split_dkdv": True}
+    return {"fwd": fwd, "dq": pack((64, 128, 4, 2)), "dkdv": pack((128, 128, 8, 2)), "split_dkdv": False}
 
 
 def dkdv_block_m(cfg) -> int:

@@ -101,6 +101,22 @@ def test_pretrain_checkpoint_and_resume(tmp_path, env):
     assert float(resumed[-1]["eval_loss"]) == pytest.approx(float(rows[-1]["eval_loss"]), abs=1e-5)
 
 
+def test_pretrain_ddp_two_processes_match_one(tmp_path, env):
+    """Two processes (DDP on CPU through gloo; `accelerate launch --cpu` starts only one, so torchrun with
+    ACCELERATE_USE_CPU) with half the batch each train exactly as one process with the whole batch."""
+    args = ["--seq_len", "64", "--max_steps", "3", "--no_save_model"]
+    launch("pretrain.py", args + ["--per_device_batch_size", "4", "--output_dir", tmp_path / "one"], env, tmp_path)
+    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", EXAMPLES / "pretrain.py"]
+              + args + ["--per_device_batch_size", "2", "--output_dir", tmp_path / "two"],
+              dict(env, ACCELERATE_USE_CPU="1"), tmp_path).stdout
+    assert "2 sequences x 64 tokens x 1 accumulation x 2 processes" in out
+    one, two = train_rows(tmp_path / "one"), train_rows(tmp_path / "two")
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        assert float(b["loss"]) == pytest.approx(float(a["loss"]), abs=1e-4) and b["tokens"] == a["tokens"]
+    assert json.loads((tmp_path / "two" / "run_summary.json").read_text())["num_processes"] == 2
+
+
 def test_pretrain_padding_free_qk_norm_smoothing(tmp_path, env):
     import sagebwd_hf
 

@@ -271,6 +271,15 @@ def make_dataloaders(lm_datasets, mode, tokenizer, per_device_batch_size, eval_b
     return train, evaluation
 
 
+def to_float(value):
+    """A Python float from a number or a tensor (FSDP2 returns the gradient norm as a sharded DTensor)."""
+    if value is None:
+        return None
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value)
+
+
 def count_tokens(batch) -> int:
     """Tokens the model computes on in this batch (padding excluded)."""
     if "attention_mask" in batch:
@@ -376,7 +385,7 @@ def check_positive(args, *names):
             raise SystemExit(f"error: --{name} must be > 0, got {value}")
 
 
-def make_accelerator(args, project_name):
+def make_accelerator(args):
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 

@@ -140,7 +140,7 @@ def main(argv=None):
     from peft import LoraConfig, get_peft_model
     from transformers import get_scheduler
 
-    accelerator = common.make_accelerator(args, "finetune_lora")
+    accelerator = common.make_accelerator(args)
     set_seed(args.seed)
     out = Path(args.output_dir)
     if accelerator.is_main_process:
@@ -182,7 +182,6 @@ def main(argv=None):
     accelerator.print(f"model: {model_path}, attention {args.attn_implementation}; LoRA r={args.lora_r} "
                       f"alpha={args.lora_alpha} on {targets}: {trainable:,} trainable of {total:,} parameters")
 
-    batches_per_epoch = len(train_dataloader)       # before prepare: per process after it
     optimizer = common.adamw(model, args.learning_rate, args.weight_decay, betas=(0.9, 0.999))
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader)
@@ -257,7 +256,7 @@ def main(argv=None):
             if (args.eval_steps and step % args.eval_steps == 0) or step == max_steps:
                 eval_loss, eval_ppl = common.evaluate(accelerator, model, eval_dataloader, args.max_eval_batches)
             row = dict(step=step, epoch=round(micro / batches_per_epoch, 4), loss=step_loss,
-                       lr=scheduler.get_last_lr()[0], grad_norm=None if grad_norm is None else float(grad_norm),
+                       lr=scheduler.get_last_lr()[0], grad_norm=common.to_float(grad_norm),
                        tokens=tokens, step_time_s=step_time, tokens_per_s=global_tokens / max(step_time, 1e-9),
                        elapsed_s=elapsed, eval_loss=eval_loss, eval_ppl=eval_ppl)
             metrics.log(**row)

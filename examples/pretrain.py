@@ -125,7 +125,7 @@ def main(argv=None):
     args = parse_args(argv)
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-    accelerator = common.make_accelerator(args, "pretrain")
+    accelerator = common.make_accelerator(args)
     set_seed(args.seed)
     out = Path(args.output_dir)
     if accelerator.is_main_process:
@@ -234,7 +234,7 @@ def main(argv=None):
             if step == args.max_steps:
                 eval_loss, eval_ppl = common.evaluate(accelerator, model, eval_dataloader, args.max_eval_batches)
             row = dict(step=step, epoch=round(micro / batches_per_epoch, 4), loss=step_loss,
-                       lr=scheduler.get_last_lr()[0], grad_norm=None if grad_norm is None else float(grad_norm),
+                       lr=scheduler.get_last_lr()[0], grad_norm=common.to_float(grad_norm),
                        tokens=tokens, step_time_s=step_time, tokens_per_s=global_tokens / max(step_time, 1e-9),
                        elapsed_s=elapsed, eval_loss=eval_loss, eval_ppl=eval_ppl)
             metrics.log(**row)

@@ -37,8 +37,8 @@ def env(tmp_path_factory):
     return env
 
 
-def run(cmd, env, cwd, expect_ok=True):
-    result = subprocess.run([str(c) for c in cmd], env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+def run(cmd, env, cwd, expect_ok=True, timeout=600):
+    result = subprocess.run([str(c) for c in cmd], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if expect_ok and result.returncode != 0:
         raise AssertionError(f"{shlex.join(map(str, cmd))} exited {result.returncode}\n"
                              f"--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}")
@@ -106,9 +106,11 @@ def test_pretrain_ddp_two_processes_match_one(tmp_path, env):
     ACCELERATE_USE_CPU) with half the batch each train exactly as one process with the whole batch."""
     args = ["--seq_len", "64", "--max_steps", "3", "--no_save_model"]
     launch("pretrain.py", args + ["--per_device_batch_size", "4", "--output_dir", tmp_path / "one"], env, tmp_path)
-    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", EXAMPLES / "pretrain.py"]
-              + args + ["--per_device_batch_size", "2", "--output_dir", tmp_path / "two"],
-              dict(env, ACCELERATE_USE_CPU="1"), tmp_path).stdout
+    # --standalone: a free local port for the rendezvous (not the fixed 29500 another job may hold); gloo on the
+    # loopback interface, whatever the host name resolves to.
+    out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               EXAMPLES / "pretrain.py"] + args + ["--per_device_batch_size", "2", "--output_dir", tmp_path / "two"],
+              dict(env, ACCELERATE_USE_CPU="1", GLOO_SOCKET_IFNAME="lo"), tmp_path, timeout=300).stdout
     assert "2 sequences x 64 tokens x 1 accumulation x 2 processes" in out
     one, two = train_rows(tmp_path / "one"), train_rows(tmp_path / "two")
     assert len(one) == len(two) == 3

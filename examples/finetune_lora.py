@@ -164,6 +164,9 @@ def main(argv=None):
 
     # load_with_qk_norm: a plain from_pretrained for ordinary checkpoints; restores the QK-norm gains of a
     # model saved after sagebwd_hf.add_qk_norm (a plain from_pretrained would drop them).
+    # Re-seed: the LoRA initialisation and dropout then do not depend on whether the demo base model was
+    # trained in this process or found in the cache.
+    set_seed(args.seed)
     model = sagebwd_hf.load_with_qk_norm(model_path, attn_implementation=args.attn_implementation,
                                          dtype=DTYPES[args.model_dtype])
     model.config.use_cache = False

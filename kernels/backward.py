@@ -30,7 +30,7 @@ def _quantize_rows(x, SIGNED: tl.constexpr):
         x_max = tl.max(tl.abs(x), 1)
     else:
         x_max = tl.max(x, 1)
-    x8 = round_to_int8(x * tl.where(x_max > 0, 127.0 / x_max, 0.0)[:, None])
+    x8 = round_to_int8(x * tl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None])   # see quantize.py
     return x8, x_max * (1.0 / 127.0)
 
 

@@ -129,10 +129,12 @@ def _quantize_kernel(
         x -= tl.load(SUB + h * s_subh + blk[:, None] * s_subb + offs_d[None, :], mask=ok, other=0.0)
     if PER_CHANNEL:
         c_scale = tl.load(CSCALE + h * s_csh + b * s_csb + offs_d, mask=d_ok, other=0.0)
-        y = x * tl.where(c_scale > 0, 1.0 / c_scale, 0.0)[None, :]
+        y = x * tl.where(c_scale > 1e-32, 1.0 / c_scale, 0.0)[None, :]
     else:
         amax = tl.max(tl.abs(x), 1)
-        y = x * tl.where(amax > 0, 127.0 / amax, 0.0)[:, None]
+        # A row whose largest magnitude is tiny (a denormal) quantizes to zeros: 127 / amax would overflow to
+        # inf and 0 * inf is NaN. 1e-30 is far below any value that moves a bf16 result.
+        y = x * tl.where(amax > 1e-30, 127.0 / amax, 0.0)[:, None]
         tl.store(SCALE + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / 127.0), mask=t_ok)
     x8 = round_to_int8(y)
     if WRITE_NATURAL:

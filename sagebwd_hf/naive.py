@@ -62,18 +62,23 @@ def attention_exact(q, k, v, softmax_scale=None, window_size=(-1, -1), dtype=tor
 # The quantized algorithm
 # ---------------------------------------------------------------------------------------------------
 
+# Slices whose largest magnitude is at most this quantize to zeros (as in the kernels): for a denormal maximum,
+# 127 / max overflows to inf and 0 * inf is NaN.
+TINY_MAX = 1e-30
+
+
 def quantize_per_token(x: torch.Tensor):
     """Symmetric INT8 with one scale per row of the last dim (stored as integer-valued fp32)."""
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > TINY_MAX, 127.0 / amax, torch.zeros_like(amax))
     return torch.round(xf * inv), amax.squeeze(-1) / 127.0
 
 
 def _row_quantize(x: torch.Tensor, dim: int, signed: bool):
     """Quantize ``x`` with one scale per slice along ``dim`` (the reduced-over tile axis)."""
     x_max = (x.abs() if signed else x).amax(dim, keepdim=True)
-    inv = torch.where(x_max > 0, 127.0 / x_max, torch.zeros_like(x_max))
+    inv = torch.where(x_max > TINY_MAX, 127.0 / x_max, torch.zeros_like(x_max))
     return torch.round(x * inv), x_max * (1.0 / 127.0)     # round half to even, as the kernels do
 
 
@@ -115,7 +120,8 @@ def sagebwd_forward_naive(q, k, v, softmax_scale, window_size=(-1, -1), k_smooth
     s, _, _, _, _, _ = _scores(q, k, softmax_scale, window_size, k_smoothing, q_smoothing)
     vf = v.float()
     v_scale = vf.abs().amax(2, keepdim=True) * (1.0 / 127.0)               # per channel
-    v8 = _repeat_kv(torch.round(vf * torch.where(v_scale > 0, 1.0 / v_scale, torch.zeros_like(v_scale))),
+    v_inv = torch.where(v_scale > TINY_MAX / 127, 1.0 / v_scale, torch.zeros_like(v_scale))
+    v8 = _repeat_kv(torch.round(vf * v_inv),
                     q.shape[1])
     v_scale = _repeat_kv(v_scale, q.shape[1])
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 EXAMPLES_DIR = Path(__file__).resolve().parent
 EMBEDDED_TEXT = EXAMPLES_DIR / "data" / "botchan.txt"
@@ -550,3 +551,99 @@ class StepTimer:
         now = self._now()
         elapsed, self.start = now - self.start, now
         return elapsed
+
+
+# ---------------------------------------------------------------------------------------------------
+# The training loop both examples share
+# ---------------------------------------------------------------------------------------------------
+
+def resume(accelerator, args, out):
+    """Where the loop is (optimizer steps, micro-batches consumed -> epoch and position in it, tokens, time),
+    from ``--resume_from_checkpoint`` or fresh; and the metrics CSV, continued from the checkpoint's copy.
+    Returns ``(state, metrics, resume_path or None)``."""
+    state = {"step": 0, "micro_batches": 0, "tokens": 0, "elapsed_s": 0.0}
+    resume_path = None
+    if args.resume_from_checkpoint:
+        resume_path = find_checkpoint(args.resume_from_checkpoint, out)
+        state.update(load_checkpoint(accelerator, resume_path))
+        accelerator.print(f"resumed from {resume_path} at step {state['step']}")
+    metrics = CSVLogger(out / "metrics.csv", enabled=accelerator.is_main_process,
+                        resume_step=state["step"] if resume_path else None,
+                        restore_from=resume_path / "metrics.csv" if resume_path else None)
+    return state, metrics, resume_path
+
+
+def train(accelerator, args, model, optimizer, scheduler, train_dataloader, eval_dataloader, out, state, metrics,
+          max_steps, log_every, desc):
+    """Optimizer steps with gradient accumulation until ``max_steps``, resuming mid-epoch from ``state``:
+    per-step metrics (CSV, trackers), evaluation every ``--eval_steps`` and at the end, checkpoints every
+    ``--checkpointing_steps``. Step times leave evaluation and checkpointing out. Returns where it ended:
+    ``{"step", "tokens", "elapsed_s", "eval_loss"}``."""
+    batches_per_epoch = len(train_dataloader)
+    step, micro, tokens, elapsed = state["step"], state["micro_batches"], state["tokens"], state["elapsed_s"]
+    epoch, skip = divmod(micro, batches_per_epoch)
+    progress = tqdm(total=max_steps, initial=step, desc=desc, disable=not accelerator.is_local_main_process)
+    timer = StepTimer(accelerator.device)
+    step_losses, step_tokens = [], 0
+    model.train()
+    timer.reset()
+    while step < max_steps:
+        train_dataloader.set_epoch(epoch)
+        batches = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
+        skip = 0
+        for batch in batches:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                grad_norm = None
+                if accelerator.sync_gradients and args.max_grad_norm > 0:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            micro += 1
+            step_losses.append(loss.detach().float())
+            step_tokens += count_tokens(batch)
+            if not accelerator.sync_gradients:
+                continue
+
+            # One optimizer step done: average the loss over micro-batches and processes, sum the tokens.
+            step += 1
+            step_loss = accelerator.reduce(torch.stack(step_losses).mean(), "mean").item()
+            global_tokens = int(accelerator.reduce(torch.tensor(step_tokens, device=accelerator.device), "sum"))
+            step_losses, step_tokens = [], 0
+            step_time = timer.lap()
+            tokens += global_tokens
+            elapsed += step_time
+            eval_loss = eval_ppl = None
+            if (args.eval_steps and step % args.eval_steps == 0) or step == max_steps:
+                eval_loss, eval_ppl = evaluate(accelerator, model, eval_dataloader, args.max_eval_batches)
+            row = dict(step=step, epoch=round(micro / batches_per_epoch, 4), loss=step_loss,
+                       lr=scheduler.get_last_lr()[0], grad_norm=to_float(grad_norm),
+                       tokens=tokens, step_time_s=step_time, tokens_per_s=global_tokens / max(step_time, 1e-9),
+                       elapsed_s=elapsed, eval_loss=eval_loss, eval_ppl=eval_ppl)
+            metrics.log(**row)
+            if args.with_tracking:
+                accelerator.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=step)
+            progress.update(1)
+            progress.set_postfix(loss=f"{step_loss:.3f}", refresh=False)
+            if step % log_every == 0 or step == max_steps or eval_loss is not None:
+                line = (f"step {step}/{max_steps} loss {step_loss:.4f} lr {row['lr']:.2e} "
+                        f"tokens/s {row['tokens_per_s']:,.0f}")
+                if eval_loss is not None:
+                    line += f" | eval loss {eval_loss:.4f} ppl {eval_ppl:.2f}"
+                if accelerator.is_local_main_process:
+                    progress.write(line)
+            if args.checkpointing_steps and step % args.checkpointing_steps == 0:
+                path = save_checkpoint(accelerator, out, step,
+                                       dict(micro_batches=micro, tokens=tokens, elapsed_s=elapsed),
+                                       metrics_path=out / "metrics.csv")
+                accelerator.print(f"saved {path}")
+            timer.reset()           # evaluation and checkpointing are not counted as step time
+            if step >= max_steps:
+                break
+        epoch += 1
+    progress.close()
+    metrics.close()
+    return {"step": step, "tokens": tokens, "elapsed_s": elapsed, "eval_loss": eval_loss}
+

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as common  # noqa: E402
@@ -205,84 +204,15 @@ def main(argv=None):
         accelerator.init_trackers("sagebwd_finetune_lora", config={k: v for k, v in vars(args).items()
                                                                    if isinstance(v, (int, float, str, bool))})
 
-    state = {"step": 0, "micro_batches": 0, "tokens": 0, "elapsed_s": 0.0}
-    resume_path = None
-    if args.resume_from_checkpoint:
-        resume_path = common.find_checkpoint(args.resume_from_checkpoint, out)
-        state.update(common.load_checkpoint(accelerator, resume_path))
-        accelerator.print(f"resumed from {resume_path} at step {state['step']}")
-    metrics = common.CSVLogger(out / "metrics.csv", enabled=accelerator.is_main_process,
-                               resume_step=state["step"] if resume_path else None,
-                               restore_from=resume_path / "metrics.csv" if resume_path else None)
+    state, metrics, resume_path = common.resume(accelerator, args, out)
     if resume_path is None:
         # The base model's loss on the evaluation data: the number the fine-tuning should bring down.
         eval_loss, eval_ppl = common.evaluate(accelerator, model, eval_dataloader, args.max_eval_batches)
         metrics.log(step=0, eval_loss=eval_loss, eval_ppl=eval_ppl)
         accelerator.print(f"step 0 (base model): eval loss {eval_loss:.4f} ppl {eval_ppl:.2f}")
 
-    step, micro, tokens, elapsed = state["step"], state["micro_batches"], state["tokens"], state["elapsed_s"]
-    epoch, skip = divmod(micro, batches_per_epoch)
-    progress = tqdm(total=max_steps, initial=step, desc="finetune_lora", disable=not accelerator.is_local_main_process)
-    timer = common.StepTimer(accelerator.device)
-    step_losses, step_tokens = [], 0
-    log_every = max(1, max_steps // 10)
-    model.train()
-    timer.reset()
-    while step < max_steps:
-        train_dataloader.set_epoch(epoch)
-        batches = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
-        skip = 0
-        for batch in batches:
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                grad_norm = None
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            micro += 1
-            step_losses.append(loss.detach().float())
-            step_tokens += common.count_tokens(batch)
-            if not accelerator.sync_gradients:
-                continue
-
-            step += 1
-            step_loss = accelerator.reduce(torch.stack(step_losses).mean(), "mean").item()
-            global_tokens = int(accelerator.reduce(torch.tensor(step_tokens, device=accelerator.device), "sum"))
-            step_losses, step_tokens = [], 0
-            step_time = timer.lap()
-            tokens += global_tokens
-            elapsed += step_time
-            eval_loss = eval_ppl = None
-            if (args.eval_steps and step % args.eval_steps == 0) or step == max_steps:
-                eval_loss, eval_ppl = common.evaluate(accelerator, model, eval_dataloader, args.max_eval_batches)
-            row = dict(step=step, epoch=round(micro / batches_per_epoch, 4), loss=step_loss,
-                       lr=scheduler.get_last_lr()[0], grad_norm=common.to_float(grad_norm),
-                       tokens=tokens, step_time_s=step_time, tokens_per_s=global_tokens / max(step_time, 1e-9),
-                       elapsed_s=elapsed, eval_loss=eval_loss, eval_ppl=eval_ppl)
-            metrics.log(**row)
-            if args.with_tracking:
-                accelerator.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=step)
-            progress.update(1)
-            progress.set_postfix(loss=f"{step_loss:.3f}", refresh=False)
-            if accelerator.is_local_main_process and (step % log_every == 0 or eval_loss is not None):
-                line = f"step {step}/{max_steps} loss {step_loss:.4f} lr {row['lr']:.2e}"
-                if eval_loss is not None:
-                    line += f" | eval loss {eval_loss:.4f} ppl {eval_ppl:.2f}"
-                progress.write(line)
-            if args.checkpointing_steps and step % args.checkpointing_steps == 0:
-                path = common.save_checkpoint(accelerator, out, step, dict(micro_batches=micro, tokens=tokens,
-                                                                             elapsed_s=elapsed),
-                                              metrics_path=out / "metrics.csv")
-                accelerator.print(f"saved {path}")
-            timer.reset()
-            if step >= max_steps:
-                break
-        epoch += 1
-    progress.close()
-    metrics.close()
+    common.train(accelerator, args, model, optimizer, scheduler, train_dataloader, eval_dataloader, out, state,
+                 metrics, max_steps, max(1, max_steps // 10), desc="finetune_lora")
 
     # The adapter only (a few MB): adapter_config.json + adapter_model.safetensors. get_state_dict gathers
     # FSDP shards; PEFT's save_pretrained keeps the LoRA weights of the full state dict.

@@ -25,15 +25,12 @@ Same start for two runs (examples/compare_runs.py does this): --save_init FILE w
 """
 import argparse
 import json
-import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as common  # noqa: E402
@@ -179,87 +176,10 @@ def main(argv=None):
         accelerator.init_trackers("sagebwd_pretrain", config={k: v for k, v in vars(args).items()
                                                              if isinstance(v, (int, float, str, bool))})
 
-    # Where the loop is: optimizer steps, micro-batches consumed (-> epoch and position in it), tokens.
-    state = {"step": 0, "micro_batches": 0, "tokens": 0, "elapsed_s": 0.0}
-    resume_path = None
-    if args.resume_from_checkpoint:
-        resume_path = common.find_checkpoint(args.resume_from_checkpoint, out)
-        state.update(common.load_checkpoint(accelerator, resume_path))
-        accelerator.print(f"resumed from {resume_path} at step {state['step']}")
-    metrics = common.CSVLogger(out / "metrics.csv", enabled=accelerator.is_main_process,
-                               resume_step=state["step"] if resume_path else None,
-                               restore_from=resume_path / "metrics.csv" if resume_path else None)
-
-    batches_per_epoch = len(train_dataloader)
+    state, metrics, _ = common.resume(accelerator, args, out)
     log_every = args.log_every or max(1, args.max_steps // 10)
-    step, micro, tokens, elapsed = state["step"], state["micro_batches"], state["tokens"], state["elapsed_s"]
-    epoch, skip = divmod(micro, batches_per_epoch)
-    progress = tqdm(total=args.max_steps, initial=step, desc="pretrain", disable=not accelerator.is_local_main_process)
-    timer = common.StepTimer(accelerator.device)
-    step_losses, step_tokens = [], 0
-    eval_loss = eval_ppl = None
-    model.train()
-    timer.reset()
-    while step < args.max_steps:
-        train_dataloader.set_epoch(epoch)
-        batches = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
-        skip = 0
-        for batch in batches:
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                grad_norm = None
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            micro += 1
-            step_losses.append(loss.detach().float())
-            step_tokens += common.count_tokens(batch)
-            if not accelerator.sync_gradients:
-                continue
-
-            # One optimizer step done: average the loss over micro-batches and processes, sum the tokens.
-            step += 1
-            step_loss = accelerator.reduce(torch.stack(step_losses).mean(), "mean").item()
-            global_tokens = int(accelerator.reduce(torch.tensor(step_tokens, device=accelerator.device), "sum"))
-            step_losses, step_tokens = [], 0
-            step_time = timer.lap()
-            tokens += global_tokens
-            elapsed += step_time
-            eval_loss = eval_ppl = None
-            if args.eval_steps and step % args.eval_steps == 0 and step < args.max_steps:
-                eval_loss, eval_ppl = common.evaluate(accelerator, model, eval_dataloader, args.max_eval_batches)
-            if step == args.max_steps:
-                eval_loss, eval_ppl = common.evaluate(accelerator, model, eval_dataloader, args.max_eval_batches)
-            row = dict(step=step, epoch=round(micro / batches_per_epoch, 4), loss=step_loss,
-                       lr=scheduler.get_last_lr()[0], grad_norm=common.to_float(grad_norm),
-                       tokens=tokens, step_time_s=step_time, tokens_per_s=global_tokens / max(step_time, 1e-9),
-                       elapsed_s=elapsed, eval_loss=eval_loss, eval_ppl=eval_ppl)
-            metrics.log(**row)
-            if args.with_tracking:
-                accelerator.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=step)
-            progress.update(1)
-            progress.set_postfix(loss=f"{step_loss:.3f}", refresh=False)
-            if step % log_every == 0 or step == args.max_steps or eval_loss is not None:
-                line = (f"step {step}/{args.max_steps} loss {step_loss:.4f} lr {row['lr']:.2e} "
-                        f"tokens/s {row['tokens_per_s']:,.0f}")
-                if eval_loss is not None:
-                    line += f" | eval loss {eval_loss:.4f} ppl {eval_ppl:.2f}"
-                if accelerator.is_local_main_process:
-                    progress.write(line)
-            if args.checkpointing_steps and step % args.checkpointing_steps == 0:
-                path = common.save_checkpoint(accelerator, out, step, dict(micro_batches=micro, tokens=tokens,
-                                                                             elapsed_s=elapsed),
-                                              metrics_path=out / "metrics.csv")
-                accelerator.print(f"saved {path}")
-            timer.reset()           # evaluation and checkpointing are not counted as step time
-            if step >= args.max_steps:
-                break
-        epoch += 1
-    progress.close()
-    metrics.close()
+    end = common.train(accelerator, args, model, optimizer, scheduler, train_dataloader, eval_dataloader, out,
+                       state, metrics, args.max_steps, log_every, desc="pretrain")
 
     if not args.no_save_model:
         final = out / "final_model"
@@ -273,9 +193,10 @@ def main(argv=None):
         accelerator.print(f"saved the model to {final}"
                           + (" (load it with sagebwd_hf.load_with_qk_norm)" if args.qk_norm else ""))
     if accelerator.is_main_process:
-        summary = dict(attn_implementation=args.attn_implementation, parameters=n_params, steps=step,
+        tokens, elapsed = end["tokens"], end["elapsed_s"]
+        summary = dict(attn_implementation=args.attn_implementation, parameters=n_params, steps=end["step"],
                        tokens_per_step=tokens_per_step, tokens=tokens, train_time_s=round(elapsed, 3),
-                       tokens_per_s=round(tokens / max(elapsed, 1e-9), 1), eval_loss=eval_loss,
+                       tokens_per_s=round(tokens / max(elapsed, 1e-9), 1), eval_loss=end["eval_loss"],
                        num_processes=world, mixed_precision=accelerator.mixed_precision,
                        distributed_type=str(accelerator.distributed_type.value),
                        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")

@@ -314,13 +314,9 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, op):
     return sagebwd_attn_varlen_func(flat(q), flat(k), flat(v), cu_q, cu_k, max_q, max_k, **op).view(q.shape)
 
 
-# Padding masks and packed sequence ids: gather the real tokens into one varlen call and scatter the results
-# back, inside one custom op whose shapes do not depend on the data (sagebwd_hf/segments.py), so that eager
-# and torch.compile'd models run the same path without a graph break.
-
-def _segmented(q, k, v, mask, ids, op):
-    return segmented_attention(q, k, v, mask, ids, **op)
-
+# Padding masks and packed sequence ids go to segmented_attention (sagebwd_hf/segments.py): the real tokens
+# gathered into one varlen call and scattered back, inside one custom op whose shapes do not depend on the
+# data, so that eager and torch.compile'd models run the same path without a graph break.
 
 def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                               value: torch.Tensor, attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
@@ -369,7 +365,7 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
 
     if mask is not None:                                        # 1. padding (precedes packing, as flash)
         _kernel_calls["padding"] += 1
-        out = _segmented(q, k, v, mask, None, op)
+        out = segmented_attention(q, k, v, mask, None, **op)
     elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
                                                  "max_length_k")):   # 2. packed, lengths given
         _kernel_calls["cu_seq_lens"] += 1
@@ -384,7 +380,7 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
             out = _dense(q, k, v, op)
         else:
             _kernel_calls["dense_or_packed" if compiling else "packed"] += 1
-            out = _segmented(q, k, v, None, ids, op)
+            out = segmented_attention(q, k, v, None, ids, **op)
     return out.to(out_dtype), None
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from sagebwd_hf import interface, sagebwd_attn_func, sagebwd_attn_varlen_func
-from sagebwd_hf.testing import make_qkv
+from sagebwd_hf.testing import make_qkv, run_with_grads
 
 
 def test_opcheck_forward_and_backward():
@@ -24,14 +24,8 @@ def test_compile_fullgraph_matches_eager(varlen):
         fn = lambda a, b, c: sagebwd_attn_varlen_func(a, b, c, cu, cu, 66, 66, causal=True)  # noqa: E731
     else:
         fn = lambda a, b, c: sagebwd_attn_func(a, b, c, causal=True)  # noqa: E731
-
-    def run(f):
-        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-        out = f(*leaves)
-        out.backward(do)
-        return [out.detach()] + [x.grad for x in leaves]
-
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)   # fullgraph: a break would raise
-    for got, want in zip(run(compiled), run(fn)):
-        assert torch.equal(got, want)
+    got, want = run_with_grads(compiled, q, k, v, do), run_with_grads(fn, q, k, v, do)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name

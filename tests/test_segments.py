@@ -6,6 +6,7 @@ import torch
 
 from sagebwd_hf import sagebwd_attn_func
 from sagebwd_hf.segments import _segmented_fwd, segmented_attention
+from sagebwd_hf.testing import run_with_grads
 from conftest import kernel_devices
 
 SCALE = 0.25
@@ -19,11 +20,9 @@ def qkv(b, n, nk, h, hkv, d, device, seed=0):
 
 def alone(q, k, v, do, causal):
     """One sequence ``[n, H, D]`` through the padded op: output and gradients."""
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out = sagebwd_attn_func(*(x.transpose(0, 1)[None] for x in leaves), causal=causal, softmax_scale=SCALE)
-    out = out[0].transpose(0, 1)
-    out.backward(do)
-    return [out.detach()] + [x.grad for x in leaves]
+    fn = lambda *x: sagebwd_attn_func(*(t.transpose(0, 1)[None] for t in x), causal=causal,  # noqa: E731
+                                      softmax_scale=SCALE)[0].transpose(0, 1)
+    return list(run_with_grads(fn, q, k, v, do).values())
 
 
 def segmented(q, k, v, do, mask=None, ids=None, causal=True):
@@ -83,10 +82,9 @@ def test_ids_without_restarts_run_the_padded_batch(device):
     q, k, v, do = qkv(2, 33, 33, 2, 2, 32, device, seed=2)
     ids = torch.zeros(2, 33, dtype=torch.long, device=device)
     got = segmented(q, k, v, do, ids=ids, causal=False)
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out = sagebwd_attn_func(*(x.transpose(1, 2) for x in leaves), softmax_scale=SCALE).transpose(1, 2)
-    out.backward(do)
-    assert_same(got, [out.detach()] + [x.grad for x in leaves])
+    fn = lambda *x: sagebwd_attn_func(*(t.transpose(1, 2) for t in x),  # noqa: E731
+                                      softmax_scale=SCALE).transpose(1, 2)
+    assert_same(got, list(run_with_grads(fn, q, k, v, do).values()))
 
 
 @pytest.mark.parametrize("device", kernel_devices())
@@ -131,14 +129,8 @@ def test_compile_fullgraph_matches_eager(kind):
     else:
         mask, ids = None, torch.tensor([[0] * 10 + [1] * 14, [0] * 24])
     fn = lambda a, b, c: segmented_attention(a, b, c, mask, ids, causal=True, softmax_scale=SCALE)  # noqa: E731
-
-    def run(f):
-        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-        out = f(*leaves)
-        out.backward(do)
-        return [out.detach()] + [x.grad for x in leaves]
-
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
-    for got, want in zip(run(compiled), run(fn)):
-        assert torch.equal(got, want)
+    got, want = run_with_grads(compiled, q, k, v, do), run_with_grads(fn, q, k, v, do)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name

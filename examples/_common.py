@@ -6,6 +6,7 @@ shipped in ``examples/data/`` with a byte-level BPE tokenizer trained on it at f
 and local files go through the same ``datasets`` / ``transformers`` loaders for users with a network.
 """
 import csv
+import gc
 import hashlib
 import json
 import math
@@ -571,6 +572,20 @@ def resume(accelerator, args, out):
                         resume_step=state["step"] if resume_path else None,
                         restore_from=resume_path / "metrics.csv" if resume_path else None)
     return state, metrics, resume_path
+
+
+def end_training(accelerator):
+    """Close the trackers and destroy the process group, after the prepared model is gone.
+
+    Callers ``del`` their own references to the prepared objects first. The order matters under DDP: DDP's C++
+    reducer owns the process group too, so a group destroyed first (``accelerator.end_training()`` alone) is
+    freed later by the reducer, when the model is garbage-collected, with the GIL held. Gloo's destructor then
+    joins a worker thread that waits for the GIL to free the tensors of a finished allreduce: a deadlock that
+    hung one rank at exit in about one run of four. Freed through its Python handle (here, last), the group is
+    destroyed with the GIL released."""
+    accelerator.free_memory()          # the accelerator's own references to the prepared objects
+    gc.collect()                       # DDP's forward hooks keep it in reference cycles
+    accelerator.end_training()
 
 
 def train(accelerator, args, model, optimizer, scheduler, train_dataloader, eval_dataloader, out, state, metrics,

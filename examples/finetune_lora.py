@@ -224,7 +224,8 @@ def main(argv=None):
         tokenizer.save_pretrained(adapter_dir)
     accelerator.print(f"saved the adapter to {adapter_dir} (base model: {model_path}); load it with "
                       "peft.PeftModel.from_pretrained(base_model, adapter_dir)")
-    accelerator.end_training()
+    del model, optimizer, scheduler, train_dataloader, eval_dataloader   # before the process group: see end_training
+    common.end_training(accelerator)
 
 
 if __name__ == "__main__":

@@ -201,7 +201,8 @@ def main(argv=None):
                        distributed_type=str(accelerator.distributed_type.value),
                        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
         (out / "run_summary.json").write_text(json.dumps(summary, indent=1))
-    accelerator.end_training()
+    del model, optimizer, scheduler, train_dataloader, eval_dataloader   # before the process group: see end_training
+    common.end_training(accelerator)
 
 
 if __name__ == "__main__":

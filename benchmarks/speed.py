@@ -35,8 +35,9 @@ QUICK_SEQLENS = [1024, 4096]
 # The first is Llama-3-like (D=128, 4 queries per KV head); the second is Llama-3.2-1B's attention
 # (32 query heads, 8 KV heads, D=64) at 8K, the e2e benchmark's main point.
 GQA_SHAPES = [(128, 16, 4, 4096, True), (64, 32, 8, 8192, True)]
-METHODS = ["sagebwd", "cudnn", "flash", "sageattn"]
-TRAIN_METHODS = {"sagebwd", "cudnn", "flash", "efficient"}   # sageattn has no backward
+METHODS = ["sagebwd", "sagebwd_portable", "cudnn", "flash", "sageattn"]
+# sagebwd runs what the dispatch picks (the Gluon kernels on Hopper); sagebwd_portable forces the tl.dot kernels
+TRAIN_METHODS = {"sagebwd", "sagebwd_portable", "cudnn", "flash", "efficient"}   # sageattn has no backward
 REFS = ("cudnn", "flash")
 
 
@@ -94,6 +95,17 @@ def make_method(name, shape, torch, F, ctx):
     causal, group = shape.causal, shape.heads // shape.kv_heads
     if name == "sagebwd":
         return (lambda q, k, v: ctx["sagebwd_attn_func"](q, k, v, causal=causal)), ""
+    if name == "sagebwd_portable":
+        def portable(q, k, v):
+            before = os.environ.get("SAGEBWD_KERNELS")
+            os.environ["SAGEBWD_KERNELS"] = "triton"     # read by the dispatch on every call
+            try:
+                return ctx["sagebwd_attn_func"](q, k, v, causal=causal)
+            finally:
+                os.environ.pop("SAGEBWD_KERNELS")
+                if before is not None:
+                    os.environ["SAGEBWD_KERNELS"] = before
+        return portable, ""
     if name == "sageattn":
         sageattn = ctx["sageattn"]
         kcopy = {}
@@ -214,9 +226,9 @@ def print_summary(rows_list, shapes, meta):
     rows = {(r["shape"], r["method"]): r for r in rows_list}
     print(f"\n== summary: {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | "
           f"sageattention {meta['sageattention']} | B*N tokens fixed, bf16; TFLOP/s-equivalent ==")
-    print(f"{'shape':<24} {'sagebwd TFLOP/s':^17} | {'f+b TFLOP/s':^11} | {'sa fwd':>6} | "
+    print(f"{'shape':<24} {'sagebwd TFLOP/s':^17} | {'f+b TFLOP/s':^11} | {'sa fwd':>6} | {'fwd x':>5} | "
           f"{'sagebwd x cuDNN':^16} | {'sagebwd x flash':^16} | {'peak GiB':^16} | cos")
-    print(f"{'':<24} {'fwd':>5} {'bwd':>5} {'f+b':>5} | {'cudnn':>5} {'flash':>5} | {'':>6} | "
+    print(f"{'':<24} {'fwd':>5} {'bwd':>5} {'f+b':>5} | {'cudnn':>5} {'flash':>5} | {'':>6} | {'port':>5} | "
           f"{'fwd':>4} {'bwd':>5} {'f+b':>5} | {'fwd':>4} {'bwd':>5} {'f+b':>5} | {'sage':>4} {'cudnn':>5} "
           f"{'flash':>5} |")
     for s in shapes:
@@ -227,6 +239,7 @@ def print_summary(rows_list, shapes, meta):
         print(f"{s.name:<24} {fmt(sb.get('fwd_tflops'))} {fmt(sb.get('bwd_tflops'))} "
               f"{fmt(sb.get('fwd_bwd_tflops'))} | {fmt(g('cudnn', 'fwd_bwd_tflops'))} "
               f"{fmt(g('flash', 'fwd_bwd_tflops'))} | {fmt(g('sageattn', 'fwd_tflops'), width=6)} | "
+              f"{fmt(ratio(rows, s.name, 'sagebwd', 'sagebwd_portable', 'fwd_ms'), '.2f')} | "
               f"{fmt(rc[0], '.2f', 4)} {fmt(rc[1], '.2f')} {fmt(rc[2], '.2f')} | "
               f"{fmt(rf[0], '.2f', 4)} {fmt(rf[1], '.2f')} {fmt(rf[2], '.2f')} | "
               f"{fmt(sb.get('peak_gib'), '.2f', 4)} {fmt(g('cudnn', 'peak_gib'), '.2f', 5)} "
@@ -314,7 +327,7 @@ def main():
            "backends": {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                         "efficient": SDPBackend.EFFICIENT_ATTENTION}}
     methods = list(args.methods)
-    if "sagebwd" in methods:
+    if "sagebwd" in methods or "sagebwd_portable" in methods:
         from sagebwd_hf import sagebwd_attn_func
         ctx["sagebwd_attn_func"] = sagebwd_attn_func
     sa_version = "-"

@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import naive
+from .kernels import dispatch
 from .kernels.backward import launch_backward
 from .kernels.forward import launch_forward
 from .kernels.layout import SeqLayout, as_bhnd
@@ -94,6 +95,7 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_sm
     cfg = tile_configs(q.shape[-1], q.device)
     out = _new_like(q, varlen)
     if backend == "naive":
+        dispatch.count("fwd_naive")
         out_naive, lse = _per_sequence(
             lambda qs, ks, vs: naive.sagebwd_forward_naive(qs, ks, vs, scale, window, k_smoothing,
                                                            q_smoothing, block_n=cfg["fwd"][1])
@@ -108,8 +110,15 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_sm
     v8t, v_scale = quantize_v(v4, lay_k)
     lse = torch.empty(q4.shape[:3], device=q.device, dtype=torch.float32)
     _poisoned(out, lse)
-    launch_forward(quant, v8t, v_scale, as_bhnd(out, varlen), lse, lay_q, lay_k, q4.shape[1],
-                   q4.shape[1] // k4.shape[1], q4.shape[3], window, cfg["fwd"])
+    args = (quant, v8t, v_scale, as_bhnd(out, varlen), lse, lay_q, lay_k, q4.shape[1], q4.shape[1] // k4.shape[1],
+            q4.shape[3], window)
+    if dispatch.use_gluon(q.device, q4.shape[3], q_smoothing):
+        from .kernels.forward_hopper import launch_forward_hopper   # imports Gluon: only where it runs
+        launch_forward_hopper(*args)
+        dispatch.count("fwd_gluon")
+    else:
+        launch_forward(*args, cfg["fwd"])
+        dispatch.count("fwd_triton")
     return out, lse
 
 
@@ -119,6 +128,7 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
     cfg = tile_configs(q.shape[-1], q.device)
     dq, dk, dv = _poisoned(_new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen))
     if backend == "naive":
+        dispatch.count("bwd_naive")
         if varlen:
             lse_t = lse[0].transpose(0, 1)      # [T, H] so it splits like the tokens
             grads = _per_sequence(
@@ -148,6 +158,7 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
                     do_q["delta"], as_bhnd(dq, varlen), as_bhnd(dk, varlen), as_bhnd(dv, varlen), lay_q, lay_k,
                     q4.shape[1], k4.shape[1], q4.shape[3], window, scale, cfg["dkdv"], cfg["dq"],
                     split_dkdv=cfg["split_dkdv"])
+    dispatch.count("bwd_triton")
     return dq, dk, dv
 
 

@@ -28,6 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from .config import options_for
+from .kernels import dispatch
 from .interface import MAX_HEAD_DIM, sagebwd_attn_func, sagebwd_attn_varlen_func
 from .segments import per_tensor, segmented_attention
 
@@ -62,15 +63,18 @@ def attention_stats() -> dict:
     the SageBwd kernels (``paths`` splits them: ``dense``, ``padding``, ``packed``, ``cu_seq_lens``; under
     torch.compile a batch with position_ids counts as ``dense_or_packed``, decided when it runs),
     ``fallback`` the calls that ran through SDPA, keyed by reason (see
-    ``FALLBACK_REASONS``).
+    ``FALLBACK_REASONS``), and ``kernels`` which kernels ran each pass, counted per op call, SageBwd's own
+    API included (``fwd_gluon``: the Hopper kernel, ``fwd_triton``/``bwd_triton``: the portable ones,
+    ``*_naive``: the PyTorch path on CPU; ``kernels/dispatch.py`` says how the choice is made).
     """
     return {"sagebwd": sum(_kernel_calls.values()), "paths": dict(_kernel_calls),
-            "fallback": dict(_fallback_calls)}
+            "fallback": dict(_fallback_calls), "kernels": dispatch.kernel_counts()}
 
 
 def reset_attention_stats() -> None:
     _kernel_calls.clear()
     _fallback_calls.clear()
+    dispatch.reset_kernel_counts()
 
 
 def _warn_once(key: str, message: str) -> None:

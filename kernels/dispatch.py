@@ -1,0 +1,92 @@
+"""The one place that picks a kernel family for a call: Hopper's Gluon kernels or the portable ``tl.dot`` ones.
+
+``SAGEBWD_KERNELS`` (read on every call) forces a choice:
+
+* ``auto`` (default): Gluon on an sm_90 GPU (H100, H200) when the installed Triton is one whose Gluon API the
+  Hopper kernels are tested on (``GLUON_TESTED``) and the call is one they take (head dim 64 or 128, no
+  Q-smoothing); the portable kernels everywhere else (Ampere, Ada, Blackwell, other Triton releases, the
+  interpreter).
+* ``triton``: always the portable kernels.
+* ``gluon``: the Gluon kernels wherever the hardware and Triton can run them, also on an untested Triton
+  release; a call they do not take (another head dim, Q-smoothing) runs the portable kernels, with one
+  warning. On a GPU that is not sm_90, or without Gluon, it raises.
+
+``kernel_counts()`` says which ran (``sagebwd_hf.attention_stats()["kernels"]`` too).
+"""
+import collections
+import os
+import warnings
+
+import torch
+import triton
+
+ENV_VAR = "SAGEBWD_KERNELS"
+CHOICES = ("auto", "gluon", "triton")
+GLUON_TESTED = ("3.6",)            # Triton major.minor releases the Gluon kernels were run and checked on
+GLUON_HEAD_DIMS = (64, 128)
+
+_counts = collections.Counter()    # "fwd_gluon", "fwd_triton", ... -> launches
+_warned = set()
+
+
+def kernel_counts() -> dict:
+    """Kernel launches per (pass, family) since the last reset, e.g. ``{"fwd_gluon": 12, "bwd_triton": 12}``."""
+    return dict(_counts)
+
+
+def reset_kernel_counts() -> None:
+    _counts.clear()
+
+
+def count(name: str) -> None:
+    _counts[name] += 1
+
+
+def requested() -> str:
+    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV_VAR} must be one of {CHOICES}, got {os.environ.get(ENV_VAR)!r}")
+    return value
+
+
+def _triton_minor() -> str:
+    return ".".join(triton.__version__.split(".")[:2])
+
+
+def gluon_unavailable(device: torch.device):
+    """Why the Gluon kernels cannot run on ``device`` (a string), or None when they can."""
+    if device.type != "cuda":
+        return f"{device.type} tensors (the Gluon kernels need a CUDA GPU; the interpreter does not run Gluon)"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "TRITON_INTERPRET=1 (the interpreter does not run Gluon)"
+    capability = torch.cuda.get_device_capability(device)
+    if capability != (9, 0):
+        return f"compute capability {capability[0]}.{capability[1]} (the Gluon kernels are for sm_90: H100, H200)"
+    try:
+        from . import forward_hopper  # noqa: F401
+    except Exception as exc:  # noqa: BLE001  (an old Triton without Gluon, or a Gluon with another API)
+        return f"triton {triton.__version__} cannot build the Gluon kernels ({type(exc).__name__}: {exc})"
+    return None
+
+
+def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool) -> bool:
+    """True when this call runs the Gluon (Hopper) kernels."""
+    choice = requested()
+    if choice == "triton":
+        return False
+    takes_call = head_dim in GLUON_HEAD_DIMS and not q_smoothing
+    if choice == "auto":
+        return takes_call and _triton_minor() in GLUON_TESTED and gluon_unavailable(device) is None
+    reason = gluon_unavailable(device)
+    if reason is not None:
+        raise ValueError(f"{ENV_VAR}=gluon, but the Gluon kernels cannot run here: {reason}. "
+                         f"Use {ENV_VAR}=auto or triton.")
+    if not takes_call:
+        key = (head_dim, q_smoothing)
+        if key not in _warned:
+            _warned.add(key)
+            warnings.warn(f"{ENV_VAR}=gluon: the Gluon kernels take head dims {GLUON_HEAD_DIMS} without "
+                          f"Q-smoothing; this call (head dim {head_dim}, q_smoothing={q_smoothing}) runs the "
+                          "portable Triton kernels", stacklevel=4)
+        return False
+    return True

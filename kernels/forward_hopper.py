@@ -1,0 +1,290 @@
+"""SageBwd forward on Hopper (sm_90), in Gluon: warp-specialized, TMA-fed, async INT8 wgmma.
+
+The same numerics as ``forward.py`` (the portable ``tl.dot`` kernel, and ``sagebwd_hf.naive``): per-token Q
+and K scales, P quantized per row of every BLOCK_N-key tile with that tile's row maximum mapped to 127,
+per-channel V scales applied at the end. Only the schedule differs, FlashAttention 3's:
+
+* one program per 128 query rows of one (sequence, head), in three partitions: a loader warp that brings Q
+  once and the K / V^T int8 tiles through a ring of ``STAGES`` shared-memory buffers by TMA (an mbarrier
+  pair per buffer: ``ready`` when the bytes landed, ``empty`` when both consumers are done with it), and two
+  consumer warpgroups of 64 query rows each. Each consumer runs ``S = Q K^T`` and ``O += P V`` as async
+  wgmma; while one warpgroup does its softmax the other's products keep the tensor cores busy.
+* ``P`` goes to ``P V`` from registers (wgmma's A operand); V^T tiles are token-contiguous, as 8-bit wgmma
+  wants its B operand K-major.
+
+Head dims 64 and 128, no Q-smoothing: the dispatch (``dispatch.py``) sends everything else to the portable
+kernels. Gluon's API moves between Triton releases; this file is tested on the versions listed in
+``dispatch.GLUON_TESTED``.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+HALF_M = gl.constexpr(64)     # query rows per consumer warpgroup (one wgmma M)
+BLOCK_M = gl.constexpr(128)   # query rows per program: two consumers
+BLOCK_N = gl.constexpr(128)   # keys per tile: part of the numerics (P's per-row scale is per tile), as forward.py
+STAGES = gl.constexpr(2)      # K / V^T buffers in flight
+LOG2_127 = gl.constexpr(6.988684686772166)
+
+
+@gluon.jit
+def _int32_times(x, scale):
+    """``float(x) * scale`` in an integer add and one FMA (quantize.int32_times, in Gluon)."""
+    return gl.fma((x + 0x4B400000).to(gl.float32, bitcast=True), scale, scale * -12582912.0)
+
+
+@gluon.jit
+def _round_to_int8(x):
+    return (x + 12582912.0).to(gl.int32, bitcast=True).to(gl.int8)
+
+
+@gluon.jit
+def _floor_to(x, BLOCK: gl.constexpr):
+    return (gl.maximum(x, 0) // BLOCK) * BLOCK
+
+
+@gluon.jit
+def _ceil_to(x, BLOCK: gl.constexpr):
+    return ((gl.maximum(x, 0) + BLOCK - 1) // BLOCK) * BLOCK
+
+
+@gluon.jit
+def _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
+               ROWS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """forward._key_tiles for ``ROWS`` query rows (keys past the end always masked): ``[lo, full_lo)`` and
+    ``[full_hi, hi)`` need the mask, ``[full_lo, full_hi)`` does not."""
+    diag = seqlen_k - seqlen_q
+    hi = seqlen_k
+    full_hi = _floor_to(seqlen_k, BLOCK_N)
+    lo = seqlen_k * 0           # a tensor either way: partitions take no Python ints
+    full_lo = lo
+    if MASK_RIGHT:
+        hi = gl.minimum(hi, start_m + ROWS + diag + window_right)
+        full_hi = gl.minimum(full_hi, _floor_to(start_m + diag + window_right + 1, BLOCK_N))
+    if MASK_LEFT:
+        lo = _floor_to(start_m + diag - window_left, BLOCK_N)
+        full_lo = _ceil_to(start_m + ROWS - 1 + diag - window_left, BLOCK_N)
+    hi = _ceil_to(hi, BLOCK_N)
+    full_lo = gl.minimum(gl.maximum(full_lo, lo), hi)
+    full_hi = gl.minimum(gl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
+            q_row, k_row, v_row, k0, lo, hi):
+    """One warp: Q's two halves once, then every K / V^T tile of ``[lo, hi)`` into the ring."""
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, 0], q_bar, q_smem.index(1))
+    nbytes: gl.constexpr = k_desc.block_type.nbytes + vt_desc.block_type.nbytes
+    i = 0
+    for start_n in range(lo, hi, BLOCK_N):
+        s = i % STAGES
+        # a fresh barrier's "previous phase" counts as complete: the first STAGES waits pass at once
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
+        tma.async_copy_global_to_shared(vt_desc, [v_row, k0 + start_n], ready.index(s), v_smem.index(s))
+        i += 1
+
+
+@gluon.jit
+def _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows, q_scale,
+             lo, hi, seqlen_q, seqlen_k, window_left, window_right,
+             MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Key tiles ``[lo, hi)`` for one warpgroup's 64 rows: the online softmax of forward._fwd_tile."""
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.int32, s_layout)
+    o_zero = gl.zeros(acc.shape, gl.int32, o_layout)
+    diag = seqlen_k - seqlen_q
+    for start_n in range(lo, hi, BLOCK_N):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        cols = start_n + offs_n
+        k_scale = gl.load(ks_ptr + cols, mask=cols < seqlen_k, other=0.0)
+        s_int = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+        t = _int32_times(s_int, k_scale[None, :])
+        if MASKED:
+            r2 = rows[:, None]
+            c2 = cols[None, :]
+            valid = (r2 < seqlen_q) & (c2 < seqlen_k)
+            if MASK_RIGHT:
+                valid = valid & (c2 <= r2 + diag + window_right)
+            if MASK_LEFT:
+                valid = valid & (c2 >= r2 + diag - window_left)
+            t = gl.where(valid, t, float("-inf"))
+        tile_max = gl.max(t, 1) * q_scale
+        m_new = gl.maximum(m_i, tile_max)
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_ref)
+        e_ref = gl.where(tile_max == float("-inf"), 0.0, tile_max - LOG2_127)
+        e = gl.exp2(gl.fma(t, q_scale[:, None], -e_ref[:, None]))
+        p_scale = gl.exp2(tile_max - m_ref) * (1.0 / 127.0)
+        p8 = gl.convert_layout(_round_to_int8(e), p_layout)
+        pv_tok = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+        # while P V runs: the row sum, and the rescaled accumulator less the int32_times offset
+        l_i = l_i * alpha + gl.sum(e, 1) * p_scale
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+        p_scale_o = gl.convert_layout(p_scale, gl.SliceLayout(1, o_layout))
+        acc = gl.fma(acc, alpha_o[:, None], (p_scale_o * -12582912.0)[:, None])
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok, ))
+        mbarrier.arrive(empty.index(s), count=1)
+        acc = gl.fma((pv + 0x4B400000).to(gl.float32, bitcast=True), p_scale_o[:, None], acc)
+        m_i = m_new
+        it += 1
+    return acc, m_i, l_i, it
+
+
+@gluon.jit
+def _consumer(q, first, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
+              qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
+              seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi,
+              HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """One warpgroup: query rows ``[first, first + 64)`` (their int8 Q in ``q``) against all key tiles."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    rows = first + gl.arange(0, HALF_M, layout=row_layout)
+    m_ok = rows < seqlen_q
+    # kept above zero: masked (-inf) scores are scaled by it, and an all-zero row has scale 0
+    q_scale = gl.maximum(gl.load(QS + qs_off + rows, mask=m_ok, other=0.0), 1e-30)
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([HALF_M], gl.float32, row_layout)
+    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+    ks_ptr = KS + ks_off
+
+    mbarrier.wait(q_bar, 0)
+    it = 0
+    # masked left edge, unmasked middle, masked right edge (the ranges of the program's 128 rows)
+    acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows, q_scale,
+                                 lo, full_lo, seqlen_q, seqlen_k, window_left, window_right,
+                                 True, MASK_LEFT, MASK_RIGHT, s_layout, o_layout, p_layout)
+    acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows, q_scale,
+                                 full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right,
+                                 False, MASK_LEFT, MASK_RIGHT, s_layout, o_layout, p_layout)
+    acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows, q_scale,
+                                 full_hi, hi, seqlen_q, seqlen_k, window_left, window_right,
+                                 True, MASK_LEFT, MASK_RIGHT, s_layout, o_layout, p_layout)
+
+    has_keys = l_i > 0
+    lse = gl.where(has_keys, m_i + gl.log2(l_i), float("inf"))   # +inf: the backward's exp2(s - lse) is 0
+    gl.store(LSE + lse_off + rows, lse, mask=m_ok)
+    inv_l = gl.convert_layout(gl.where(has_keys, 1.0 / l_i, 0.0), gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    v_scale = gl.load(VS + vs_off + offs_d)
+    out = acc * inv_l[:, None] * v_scale[None, :]
+    rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
+    # 64-bit token offsets: a [B, H, N, D] output can pass 2^31 elements
+    ptrs = O + o_off + rows_o.to(gl.int64)[:, None] * s_ot + offs_d[None, :]
+    gl.store(ptrs, out.to(O.dtype.element_ty), mask=(rows_o < seqlen_q)[:, None])
+
+
+@gluon.jit
+def _attn_fwd_hopper_kernel(
+    q_desc, k_desc, vt_desc, QS, KS, VS, O, LSE, CU_Q, CU_K,
+    s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
+    n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right,
+    IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    hk = h // group
+    if IS_VARLEN:
+        q0 = gl.load(CU_Q + b)
+        seqlen_q = gl.load(CU_Q + b + 1) - q0
+        k0 = gl.load(CU_K + b)
+        seqlen_k = gl.load(CU_K + b + 1) - k0
+        bq = b * 0
+        bk = b * 0
+    else:
+        q0 = b * 0            # tensors, not constants: both branches must give one type
+        seqlen_q = n_q + q0
+        k0 = b * 0
+        seqlen_k = n_k + k0
+        bq = b
+        bk = b
+    start_m = pid_m * BLOCK_M
+    if start_m < seqlen_q:
+        lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                              BLOCK_M, MASK_LEFT, MASK_RIGHT)
+        # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], K8 [B*Hk*Nk, D], V8T [B*Hk*D, Nk_pad]
+        q_row = (bq * num_heads + h) * n_q + q0 + start_m
+        k_row = (bk * num_kv_heads + hk) * n_k + k0
+        v_row = (bk * num_kv_heads + hk) * HEAD_DIM
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES] + vt_desc.block_type.shape, vt_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)     # both consumers release a buffer
+
+        qs_off = bq.to(gl.int64) * s_qsb + h * s_qsh + q0
+        ks_off = bk.to(gl.int64) * s_ksb + hk * s_ksh + k0
+        vs_off = b.to(gl.int64) * s_vsb + hk * s_vsh
+        o_off = bq.to(gl.int64) * s_ob + h.to(gl.int64) * s_oh + q0.to(gl.int64) * s_ot
+        lse_off = bq.to(gl.int64) * s_lb + h * s_lh + q0
+        # (constexprs go into each tuple literally: a tuple built beforehand turns them into tensors)
+        gl.warp_specialize([
+            (_consumer, (q_smem.index(0), start_m, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
+                         qs_off, ks_off, vs_off, o_off, lse_off, s_ot, seqlen_q, seqlen_k, window_left,
+                         window_right, lo, full_lo, full_hi, hi, HEAD_DIM, MASK_LEFT, MASK_RIGHT)),
+            (_consumer, (q_smem.index(1), start_m + HALF_M, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS, O,
+                         LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot, seqlen_q, seqlen_k, window_left,
+                         window_right, lo, full_lo, full_hi, hi, HEAD_DIM, MASK_LEFT, MASK_RIGHT)),
+            (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
+                       q_row, k_row, v_row, k0, lo, hi)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def _int8_desc(x2d, block_shape):
+    layout = gl.NVMMASharedLayout.get_default_for(block_shape, gl.int8)
+    return TensorDescriptor(x2d, list(x2d.shape), list(x2d.stride()), block_shape, layout)
+
+
+def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
+                        window, consumer_regs=232, loader_regs=40):
+    """(grid, args, kwargs) of the kernel for forward.launch_forward's contract."""
+    import triton
+
+    q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]
+    assert quant["q_mean"] is None and head_dim in (64, 128) and out4.stride(3) == 1
+    bsz, hq, n_q, d = q8.shape
+    hk, n_k = k8.shape[1], k8.shape[2]
+    q_desc = _int8_desc(q8.view(-1, d), [HALF_M.value, d])
+    k_desc = _int8_desc(k8.view(-1, d), [BLOCK_N.value, d])
+    vt_desc = _int8_desc(v8t.view(-1, v8t.shape[-1]), [d, BLOCK_N.value])
+    cu_q = layout_q.cu_seqlens if layout_q.is_varlen else q_scale
+    cu_k = layout_k.cu_seqlens if layout_k.is_varlen else q_scale
+    grid = (triton.cdiv(layout_q.max_len, BLOCK_M.value), layout_q.num_seqs * num_heads)
+    return grid, (
+        q_desc, k_desc, vt_desc, q_scale, k_scale, v_scale, out4, lse, cu_q, cu_k,
+        q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
+        v_scale.stride(0), v_scale.stride(1), *out4.stride()[:3], lse.stride(0), lse.stride(1),
+        n_q, n_k, num_heads, hk, group, window[0], window[1],
+    ), dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
+            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4)
+
+
+def launch_forward_hopper(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim, window,
+                          **tuning):
+    """forward.launch_forward's contract on the Gluon kernel: ``out4`` ``[B, Hq, N, D]`` (any strides) and
+    ``lse`` ``[B, Hq, N]`` fp32 are written. Needs head_dim 64 or 128 and no Q-smoothing."""
+    grid, args, kwargs = forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group,
+                                             head_dim, window, **tuning)
+    return _attn_fwd_hopper_kernel[grid](*args, **kwargs)

@@ -1,0 +1,158 @@
+"""Which kernels run (kernels/dispatch.py), and the Gluon (Hopper) forward against the reference.
+
+CPU: the choice, the environment switch and its errors. GPU (``-m gpu``): the Gluon forward over the op's
+feature grid against the PyTorch reference of the same quantized algorithm and against the portable kernel,
+with poisoned outputs (conftest sets SAGEBWD_POISON=1), and the dispatch choosing each path."""
+import pytest
+import torch
+
+from sagebwd_hf import attention_stats, reset_attention_stats, sagebwd_attn_func, sagebwd_attn_varlen_func
+from sagebwd_hf.kernels import dispatch
+from sagebwd_hf.testing import error_stats, make_qkv
+
+HAS_CUDA = torch.cuda.is_available()
+IS_SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+
+
+def test_env_choice_is_validated(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_VAR, "cudnn")
+    with pytest.raises(ValueError, match="SAGEBWD_KERNELS must be one of .*'auto', 'gluon', 'triton'.*'cudnn'"):
+        dispatch.requested()
+    monkeypatch.setenv(dispatch.ENV_VAR, " Gluon ")
+    assert dispatch.requested() == "gluon"
+    monkeypatch.delenv(dispatch.ENV_VAR)
+    assert dispatch.requested() == "auto"
+
+
+def test_cpu_never_takes_gluon(monkeypatch):
+    cpu = torch.device("cpu")
+    for choice in ("auto", "triton"):
+        monkeypatch.setenv(dispatch.ENV_VAR, choice)
+        assert not dispatch.use_gluon(cpu, 128, False)
+    monkeypatch.setenv(dispatch.ENV_VAR, "gluon")
+    with pytest.raises(ValueError, match="SAGEBWD_KERNELS=gluon, but the Gluon kernels cannot run here: cpu"):
+        dispatch.use_gluon(cpu, 128, False)
+
+
+def test_untested_triton_or_call_shape_keeps_portable_kernels(monkeypatch):
+    """auto takes Gluon only where all of it holds: sm_90, a tested Triton, a head dim and options it takes."""
+    monkeypatch.setattr(dispatch, "gluon_unavailable", lambda device: None)   # as on an H100
+    dev = torch.device("cuda")
+    monkeypatch.setattr(dispatch, "_triton_minor", lambda: dispatch.GLUON_TESTED[0])
+    assert dispatch.use_gluon(dev, 128, False) and dispatch.use_gluon(dev, 64, False)
+    assert not dispatch.use_gluon(dev, 96, False) and not dispatch.use_gluon(dev, 128, True)
+    monkeypatch.setattr(dispatch, "_triton_minor", lambda: "99.0")
+    assert not dispatch.use_gluon(dev, 128, False)
+    monkeypatch.setenv(dispatch.ENV_VAR, "gluon")          # forcing it tries the untested release
+    assert dispatch.use_gluon(dev, 128, False)
+    with pytest.warns(UserWarning, match="head dim 96"):
+        assert not dispatch.use_gluon(dev, 96, False)
+
+
+def test_stats_say_which_kernels_ran():
+    reset_attention_stats()
+    q, k, v, do = (x.requires_grad_() for x in make_qkv(1, 2, 2, 9, 9, 16, torch.bfloat16, "cpu"))
+    sagebwd_attn_func(q, k, v, causal=True, backend="naive").backward(do)
+    kernels = attention_stats()["kernels"]
+    assert kernels == {"fwd_naive": 1, "bwd_naive": 1}
+    reset_attention_stats()
+    assert attention_stats()["kernels"] == {}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: the Gluon forward
+# ---------------------------------------------------------------------------------------------------------
+
+needs_sm90 = pytest.mark.skipif(not IS_SM90, reason="the Gluon kernels need an sm_90 GPU")
+# Same algorithm, same tiles: the kernels differ from the reference only by fp32 rounding order and the
+# hardware exp2, which flip a rare INT8 rounding of P (see test_kernels.ORACLE_REL_GPU).
+ORACLE_REL = 6e-3
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, window)
+GLUON_CASES = [
+    (2, 4, 4, 300, 300, 128, False, (-1, -1)),      # N not a multiple of the 128-row / 128-key tiles
+    (1, 8, 2, 1000, 1000, 128, True, (-1, -1)),     # GQA 4, causal
+    (1, 4, 1, 517, 517, 64, True, (-1, -1)),        # MQA
+    (1, 4, 4, 1, 700, 128, True, (-1, -1)),         # one-token decode: bottom-right causal
+    (2, 2, 1, 100, 900, 64, True, (-1, -1)),        # q shorter than k
+    (1, 2, 2, 700, 200, 128, True, (-1, -1)),       # q longer than k: the first rows see no key
+    (1, 4, 2, 1100, 1100, 64, True, (200, 0)),      # sliding window
+    (1, 2, 2, 600, 800, 128, False, (130, 77)),     # two-sided window
+    (3, 2, 2, 2048, 2048, 128, False, (-1, -1)),
+]
+
+
+def _case_id(case):
+    b, h, hk, nq, nk, d, causal, window = case
+    return f"b{b}h{h}kv{hk}-q{nq}k{nk}-d{d}-{'causal' if causal else 'full'}-w{window[0]}_{window[1]}"
+
+
+def _forward(monkeypatch, choice, fn, *args, **kwargs):
+    monkeypatch.setenv(dispatch.ENV_VAR, choice)
+    reset_attention_stats()
+    with torch.no_grad():
+        out = fn(*args, **kwargs)
+    ran = attention_stats()["kernels"]
+    assert ran.get(f"fwd_{'gluon' if choice == 'gluon' else 'triton'}") == 1, ran
+    return out
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", GLUON_CASES, ids=_case_id)
+def test_gluon_forward_matches_reference(case, dtype, monkeypatch):
+    b, h, hk, nq, nk, d, causal, window = case
+    q, k, v, _ = make_qkv(b, h, hk, nq, nk, d, dtype, "cuda")
+    kw = dict(causal=causal, window_size=window, return_lse=True)
+    out, lse = _forward(monkeypatch, "gluon", sagebwd_attn_func, q, k, v, **kw)
+    assert torch.isfinite(out).all(), "NaN/inf in O: an element the Gluon kernel never wrote, or a bad row"
+    portable, lse_portable = _forward(monkeypatch, "triton", sagebwd_attn_func, q, k, v, **kw)
+    with torch.no_grad():
+        ref, lse_ref = sagebwd_attn_func(q, k, v, backend="naive", **kw)
+    cos, rel = error_stats(out, ref)
+    print(f"{_case_id(case)} {dtype}: gluon vs reference cos {cos:.6f} rel {rel:.2e}; "
+          f"vs portable rel {error_stats(out, portable)[1]:.2e}")
+    assert rel <= ORACLE_REL and cos >= 0.9999
+    assert error_stats(out, portable)[1] <= ORACLE_REL
+    seen = torch.isfinite(lse_ref)              # rows that see no key have lse -inf in both
+    assert torch.equal(seen, torch.isfinite(lse))
+    torch.testing.assert_close(lse[seen], lse_ref[seen], rtol=0, atol=2e-3)
+    if causal and nq > nk:                      # rows that see nothing are zeros, not NaN
+        assert (out[:, :, : nq - nk] == 0).all()
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gluon_varlen_uneven_and_empty_sequences(monkeypatch):
+    lengths = [300, 0, 1, 129, 128, 517]
+    h, hk, d = 4, 2, 128
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    total, longest = int(cu[-1]), max(lengths)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(total, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(total, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out = _forward(monkeypatch, "gluon", sagebwd_attn_varlen_func, q, k, v, cu, cu, longest, longest, causal=True)
+    assert torch.isfinite(out).all()
+    with torch.no_grad():
+        ref = sagebwd_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True, backend="naive")
+    for i in range(len(lengths)):                # each sequence on its own: no token sees another sequence
+        a, z = int(cu[i]), int(cu[i + 1])
+        if z > a:
+            cos, rel = error_stats(out[a:z], ref[a:z])
+            assert rel <= ORACLE_REL, f"sequence {i} (length {lengths[i]}): rel L2 {rel:.2e}"
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_dispatch_picks_each_path_on_hopper(monkeypatch):
+    q, k, v, do = (x.requires_grad_() for x in make_qkv(1, 2, 2, 256, 256, 128, torch.bfloat16, "cuda"))
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    reset_attention_stats()
+    sagebwd_attn_func(q, k, v, causal=True).backward(do)
+    expected = "fwd_gluon" if dispatch._triton_minor() in dispatch.GLUON_TESTED else "fwd_triton"
+    assert attention_stats()["kernels"] == {expected: 1, "bwd_triton": 1}
+    q96, k96, v96, _ = make_qkv(1, 2, 2, 64, 64, 96, torch.bfloat16, "cuda")
+    reset_attention_stats()
+    sagebwd_attn_func(q96, k96, v96)                   # head dim 96: the portable kernel
+    assert attention_stats()["kernels"] == {"fwd_triton": 1}

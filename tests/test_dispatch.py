@@ -114,9 +114,13 @@ def test_gluon_forward_matches_reference(case, dtype, monkeypatch):
           f"vs portable rel {error_stats(out, portable)[1]:.2e}")
     assert rel <= ORACLE_REL and cos >= 0.9999
     assert error_stats(out, portable)[1] <= ORACLE_REL
-    seen = torch.isfinite(lse_ref)              # rows that see no key have lse -inf in both
-    assert torch.equal(seen, torch.isfinite(lse))
-    torch.testing.assert_close(lse[seen], lse_ref[seen], rtol=0, atol=2e-3)
+    seen = torch.isfinite(lse_ref)              # rows that see no key have lse -inf in all three
+    assert torch.equal(seen, torch.isfinite(lse)) and torch.equal(seen, torch.isfinite(lse_portable))
+    # The portable kernel shares the quantization kernels: the same INT8 bytes, so only fp32 rounding and exp2
+    # differ. The reference quantizes in PyTorch (its K mean rounds differently and can flip an INT8 code,
+    # ~3e-3 on a row that sees one key): checked looser, and through O above.
+    torch.testing.assert_close(lse[seen], lse_portable[seen], rtol=0, atol=1e-4)
+    torch.testing.assert_close(lse[seen], lse_ref[seen], rtol=0, atol=1e-2)
     if causal and nq > nk:                      # rows that see nothing are zeros, not NaN
         assert (out[:, :, : nq - nk] == 0).all()
 

@@ -1,0 +1,111 @@
+"""Forward kernels alone, on the same quantized inputs: the portable tl.dot kernel and the Gluon (Hopper) kernel's
+schedules, plus the quantization pass before them. Needs an sm_90 GPU for the Gluon rows.
+
+Kernel-only TFLOP/s-equivalent (4*B*H*N^2*D, halved when causal), median of CUDA-event timings; every variant's
+output is checked against the portable kernel's (relative L2) before it is timed, and a varlen batch with
+uneven and empty sequences runs through each Gluon schedule first.
+
+    python benchmarks/forward_kernels.py [--seqlens 4096] [--head-dims 128 64]
+"""
+import argparse
+import statistics
+
+import torch
+
+from sagebwd_hf.interface import tile_configs
+from sagebwd_hf.kernels.forward import launch_forward
+from sagebwd_hf.kernels.layout import SeqLayout
+from sagebwd_hf.kernels.quantize import quantize_qk, quantize_v
+from sagebwd_hf.testing import error_stats
+
+
+def median_ms(fn, reps=30, warmup=3):
+    for _ in range(warmup):
+        fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+
+def prepare(q, k, v, layout_q, layout_k):
+    quant = quantize_qk(q, k, layout_q, layout_k, q.shape[-1] ** -0.5, True, False)
+    v8t, v_scale = quantize_v(v, layout_k)
+    return quant, v8t, v_scale
+
+
+def check_varlen(variants):
+    """A varlen batch with uneven and empty sequences through every Gluon schedule (a crash or a mismatch)."""
+    from sagebwd_hf.kernels import forward_hopper as fh
+
+    lengths = [300, 0, 1, 129, 128, 517]
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    total, h, hk, d = int(cu[-1]), 4, 2, 128
+    q, k, v = (torch.randn(1, n, total, d, device="cuda", dtype=torch.bfloat16) for n in (h, hk, hk))
+    lay = SeqLayout(len(lengths), max(lengths), cu)
+    quant, v8t, v_scale = prepare(q, k, v, lay, lay)
+    ref = torch.full_like(q, float("nan"))
+    lse = torch.empty(q.shape[:3], device="cuda")
+    launch_forward(quant, v8t, v_scale, ref, lse, lay, lay, h, h // hk, d, (-1, 0), tile_configs(d, q.device)["fwd"])
+    for name, kw in variants.items():
+        out = torch.full_like(q, float("nan"))
+        fh.launch_forward_hopper(quant, v8t, v_scale, out, lse, lay, lay, h, h // hk, d, (-1, 0), **kw)
+        torch.cuda.synchronize()
+        print(f"varlen {name}: rel L2 vs portable {error_stats(out, ref)[1]:.2e}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlens", type=int, nargs="+", default=[4096])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--varlen", choices=["only", "skip", "first"], default="first",
+                   help="the varlen check alone (a crash then takes no timing with it), not at all, or first")
+    p.add_argument("--variants", nargs="+", default=None, help="Gluon schedules to run (default: all)")
+    args = p.parse_args()
+    from sagebwd_hf.kernels import forward_hopper as fh
+
+    variants = {"gluon_serial": dict(serial=True), "gluon_pipelined": dict(serial=False)}
+    variants = {k: v for k, v in variants.items() if args.variants is None or k in args.variants}
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {__import__('triton').__version__}")
+
+    if args.varlen != "skip":
+        check_varlen(variants)
+    if args.varlen == "only":
+        return
+
+    print(f"{'shape':<22} {'quant ms':>8} | {'kernel':<16} {'ms':>7} {'TFLOP/s':>8} {'x port':>6} {'relL2':>8}")
+    for d in args.head_dims:
+        for n in args.seqlens:
+            for causal in (False, True):
+                b, h = max(1, args.tokens // n), args.width // d
+                q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                lay = SeqLayout(b, n, None)
+                quant_ms = median_ms(lambda: prepare(q, k, v, lay, lay))
+                quant, v8t, v_scale = prepare(q, k, v, lay, lay)
+                lse = torch.empty(b, h, n, device="cuda")
+                window = (-1, 0) if causal else (-1, -1)
+                flops = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
+                ref = torch.empty_like(q)
+                cfg = tile_configs(d, q.device)["fwd"]
+                port = lambda: launch_forward(quant, v8t, v_scale, ref, lse, lay, lay, h, 1, d, window, cfg)  # noqa
+                port_ms = median_ms(port)
+                shape = f"d{d}_n{n // 1024}k_{'causal' if causal else 'full'}"
+                print(f"{shape:<22} {quant_ms:8.3f} | {'portable':<16} {port_ms:7.3f} {flops / port_ms * 1e-9:8.0f}")
+                for name, kw in variants.items():
+                    out = torch.full_like(q, float("nan"))
+                    run = lambda: fh.launch_forward_hopper(quant, v8t, v_scale, out, lse, lay, lay, h, 1, d,  # noqa
+                                                           window, **kw)
+                    run()
+                    rel = error_stats(out, ref)[1]
+                    ms = median_ms(run)
+                    print(f"{'':<22} {'':>8} | {name:<16} {ms:7.3f} {flops / ms * 1e-9:8.0f} {port_ms / ms:6.2f} "
+                          f"{rel:8.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

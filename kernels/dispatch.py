@@ -2,14 +2,12 @@
 
 ``SAGEBWD_KERNELS`` (read on every call) forces a choice:
 
-* ``auto`` (default): Gluon on an sm_90 GPU (H100, H200) when the installed Triton is one whose Gluon API the
-  Hopper kernels are tested on (``GLUON_TESTED``) and the call is one they take (head dim 64 or 128, no
-  Q-smoothing); the portable kernels everywhere else (Ampere, Ada, Blackwell, other Triton releases, the
-  interpreter).
-* ``triton``: always the portable kernels.
-* ``gluon``: the Gluon kernels wherever the hardware and Triton can run them, also on an untested Triton
-  release; a call they do not take (another head dim, Q-smoothing) runs the portable kernels, with one
-  warning. On a GPU that is not sm_90, or without Gluon, it raises.
+* ``auto`` (default): the portable kernels, until the Gluon ones are faster (``GLUON_BY_DEFAULT``; then: Gluon
+  on an sm_90 GPU with a Triton whose Gluon API they are tested on, ``GLUON_TESTED``, for the calls they take).
+* ``triton``: always the portable kernels (Ampere, Ada, Hopper, Blackwell, the interpreter).
+* ``gluon``: the Gluon forward on an sm_90 GPU (H100, H200), also on an untested Triton release, for the calls
+  it takes (head dim 64 or 128, no Q-smoothing, padded batches); any other call runs the portable kernels,
+  with one warning. On a GPU that is not sm_90, or without Gluon, it raises.
 
 ``kernel_counts()`` says which ran (``sagebwd_hf.attention_stats()["kernels"]`` too).
 """
@@ -24,6 +22,9 @@ ENV_VAR = "SAGEBWD_KERNELS"
 CHOICES = ("auto", "gluon", "triton")
 GLUON_TESTED = ("3.6",)            # Triton major.minor releases the Gluon kernels were run and checked on
 GLUON_HEAD_DIMS = (64, 128)
+# Off: measured on an H100 (docs/speed_notes.md) the Gluon forward runs at 1.01-1.05x the portable kernel at
+# D=128 and 0.86-0.95x at D=64, and it faults on packed batches.
+GLUON_BY_DEFAULT = False
 
 _counts = collections.Counter()    # "fwd_gluon", "fwd_triton", ... -> launches
 _warned = set()
@@ -69,24 +70,26 @@ def gluon_unavailable(device: torch.device):
     return None
 
 
-def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool) -> bool:
+def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bool = False) -> bool:
     """True when this call runs the Gluon (Hopper) kernels."""
     choice = requested()
     if choice == "triton":
         return False
-    takes_call = head_dim in GLUON_HEAD_DIMS and not q_smoothing
+    takes_call = head_dim in GLUON_HEAD_DIMS and not q_smoothing and not varlen
     if choice == "auto":
-        return takes_call and _triton_minor() in GLUON_TESTED and gluon_unavailable(device) is None
+        return (GLUON_BY_DEFAULT and takes_call and _triton_minor() in GLUON_TESTED
+                and gluon_unavailable(device) is None)
     reason = gluon_unavailable(device)
     if reason is not None:
         raise ValueError(f"{ENV_VAR}=gluon, but the Gluon kernels cannot run here: {reason}. "
                          f"Use {ENV_VAR}=auto or triton.")
     if not takes_call:
-        key = (head_dim, q_smoothing)
+        key = (head_dim, q_smoothing, varlen)
         if key not in _warned:
             _warned.add(key)
-            warnings.warn(f"{ENV_VAR}=gluon: the Gluon kernels take head dims {GLUON_HEAD_DIMS} without "
-                          f"Q-smoothing; this call (head dim {head_dim}, q_smoothing={q_smoothing}) runs the "
-                          "portable Triton kernels", stacklevel=4)
+            warnings.warn(f"{ENV_VAR}=gluon: the Gluon kernels take padded batches with head dims "
+                          f"{GLUON_HEAD_DIMS} and no Q-smoothing; this call (head dim {head_dim}, "
+                          f"q_smoothing={q_smoothing}, packed={varlen}) runs the portable Triton kernels",
+                          stacklevel=4)
         return False
     return True

@@ -8,13 +8,18 @@ per-channel V scales applied at the end. Only the schedule differs, FlashAttenti
   once and the K / V^T int8 tiles through a ring of ``STAGES`` shared-memory buffers by TMA (an mbarrier
   pair per buffer: ``ready`` when the bytes landed, ``empty`` when both consumers are done with it), and two
   consumer warpgroups of 64 query rows each. Each consumer runs ``S = Q K^T`` and ``O += P V`` as async
-  wgmma; while one warpgroup does its softmax the other's products keep the tensor cores busy.
+  wgmma; while one warpgroup does its softmax the other's products can use the tensor cores.
 * ``P`` goes to ``P V`` from registers (wgmma's A operand); V^T tiles are token-contiguous, as 8-bit wgmma
   wants its B operand K-major.
 
-Head dims 64 and 128, no Q-smoothing: the dispatch (``dispatch.py``) sends everything else to the portable
-kernels. Gluon's API moves between Triton releases; this file is tested on the versions listed in
-``dispatch.GLUON_TESTED``.
+Status (docs/speed_notes.md): correct on padded batches, about as fast as the portable kernel (1.01-1.05x at
+D=128, 0.86-0.95x at D=64 on an H100), and it faults on packed (varlen) batches. So it is opt-in
+(``SAGEBWD_KERNELS=gluon``) and takes padded batches only; ``dispatch.py`` sends the rest to the portable
+kernels. A schedule that issues the next tile's ``Q K^T`` before this tile's softmax (FlashAttention 3's
+in-warpgroup pipeline) measured 0.60-0.88x of the portable kernel and was taken out.
+
+Head dims 64 and 128, no Q-smoothing. Gluon's API moves between Triton releases; this file is tested on the
+versions listed in ``dispatch.GLUON_TESTED``.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -91,57 +96,7 @@ def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
 
 
 @gluon.jit
-def _issue_scores(q, k_smem, ready, it, s_zero):
-    """Wait for key tile ``it`` and start ``S = Q K^T`` on it (async: the caller waits for the token)."""
-    s = it % STAGES
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    return warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _softmax_pv(acc, m_i, l_i, s_int, v_buf, release, ks_ptr, start_n, rows, q_scale, masked,
-                seqlen_q, seqlen_k, window_left, window_right,
-                MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """One key tile of forward._fwd_tile: online softmax of the int32 scores, P quantized per row of the tile,
-    ``P V`` on the tensor cores. ``release``: the ring buffer's empty barrier, arrived once V is read."""
-    cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    k_scale = gl.load(ks_ptr + cols, mask=cols < seqlen_k, other=0.0)
-    t = _int32_times(s_int, k_scale[None, :])
-    if masked:      # tiles on the causal/window band or past the last key (uniform across the program)
-        r2 = rows[:, None]
-        c2 = cols[None, :]
-        diag = seqlen_k - seqlen_q
-        valid = (r2 < seqlen_q) & (c2 < seqlen_k)
-        if MASK_RIGHT:
-            valid = valid & (c2 <= r2 + diag + window_right)
-        if MASK_LEFT:
-            valid = valid & (c2 >= r2 + diag - window_left)
-        t = gl.where(valid, t, float("-inf"))
-    tile_max = gl.max(t, 1) * q_scale
-    m_new = gl.maximum(m_i, tile_max)
-    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_ref)
-    # one exp2 per score gives P pre-scaled for INT8: the row's largest p of the tile maps to 127
-    e_ref = gl.where(tile_max == float("-inf"), 0.0, tile_max - LOG2_127)
-    e = gl.exp2(gl.fma(t, q_scale[:, None], -e_ref[:, None]))
-    p_scale = gl.exp2(tile_max - m_ref) * (1.0 / 127.0)
-    p8 = gl.convert_layout(_round_to_int8(e), p_layout)
-    pv_tok = warpgroup_mma(p8, v_buf.permute((1, 0)), gl.zeros(acc.shape, gl.int32, o_layout), use_acc=False,
-                           is_async=True)
-    # while P V runs: the row sum, and the rescaled accumulator less the int32_times offset
-    l_i = l_i * alpha + gl.sum(e, 1) * p_scale
-    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-    p_scale_o = gl.convert_layout(p_scale, gl.SliceLayout(1, o_layout))
-    acc = gl.fma(acc, alpha_o[:, None], (p_scale_o * -12582912.0)[:, None])
-    pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok, ))
-    mbarrier.arrive(release, count=1)
-    acc = gl.fma((pv + 0x4B400000).to(gl.float32, bitcast=True), p_scale_o[:, None], acc)
-    return acc, m_new, l_i
-
-
-@gluon.jit
-def _consume_serial(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows, q_scale,
+def _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows, q_scale,
              lo, hi, seqlen_q, seqlen_k, window_left, window_right,
              MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
@@ -193,7 +148,7 @@ def _consume_serial(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, 
 def _consumer(q, first, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
               qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
               seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi,
-              HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SERIAL: gl.constexpr):
+              HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
     """One warpgroup: query rows ``[first, first + 64)`` (their int8 Q in ``q``) against all key tiles."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
@@ -211,43 +166,18 @@ def _consumer(q, first, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
     acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
     ks_ptr = KS + ks_off
 
-    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.int32, s_layout)
     mbarrier.wait(q_bar, 0)
-    if SERIAL:   # masked left edge, unmasked middle, masked right edge
-        it = 0
-        acc, m_i, l_i, it = _consume_serial(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows,
-                                            q_scale, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right,
-                                            True, MASK_LEFT, MASK_RIGHT, s_layout, o_layout, p_layout)
-        acc, m_i, l_i, it = _consume_serial(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows,
-                                            q_scale, full_lo, full_hi, seqlen_q, seqlen_k, window_left,
-                                            window_right, False, MASK_LEFT, MASK_RIGHT, s_layout, o_layout,
-                                            p_layout)
-        acc, m_i, l_i, it = _consume_serial(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows,
-                                            q_scale, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right,
-                                            True, MASK_LEFT, MASK_RIGHT, s_layout, o_layout, p_layout)
-    else:
-        n_tiles = (hi - lo) // BLOCK_N
-        # FlashAttention 3's in-warpgroup pipeline: the next tile's Q K^T runs on the tensor cores during this
-        # tile's softmax. Masks only on tiles outside [full_lo, full_hi) (the band's edges, the last keys).
-        if n_tiles > 0:
-            s_tok = _issue_scores(q, k_smem, ready, 0, s_zero)
-            for it in range(n_tiles - 1):
-                s_int = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-                s_tok = _issue_scores(q, k_smem, ready, it + 1, s_zero)
-                start_n = lo + it * BLOCK_N
-                buf = it % STAGES
-                acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s_int, v_smem.index(buf), empty.index(buf), ks_ptr,
-                                            start_n, rows, q_scale, (start_n < full_lo) | (start_n >= full_hi),
-                                            seqlen_q, seqlen_k, window_left, window_right, MASK_LEFT, MASK_RIGHT,
-                                            s_layout, o_layout, p_layout)
-            last = n_tiles - 1
-            s_int = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-            start_n = lo + last * BLOCK_N
-            buf = last % STAGES
-            acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s_int, v_smem.index(buf), empty.index(buf), ks_ptr,
-                                        start_n, rows, q_scale, (start_n < full_lo) | (start_n >= full_hi),
-                                        seqlen_q, seqlen_k, window_left, window_right, MASK_LEFT, MASK_RIGHT,
-                                        s_layout, o_layout, p_layout)
+    it = 0
+    # masked left edge, unmasked middle, masked right edge
+    acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows, q_scale,
+                                 lo, full_lo, seqlen_q, seqlen_k, window_left, window_right,
+                                 True, MASK_LEFT, MASK_RIGHT, s_layout, o_layout, p_layout)
+    acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows, q_scale,
+                                 full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right,
+                                 False, MASK_LEFT, MASK_RIGHT, s_layout, o_layout, p_layout)
+    acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows, q_scale,
+                                 full_hi, hi, seqlen_q, seqlen_k, window_left, window_right,
+                                 True, MASK_LEFT, MASK_RIGHT, s_layout, o_layout, p_layout)
 
     has_keys = l_i > 0
     lse = gl.where(has_keys, m_i + gl.log2(l_i), float("inf"))   # +inf: the backward's exp2(s - lse) is 0
@@ -268,7 +198,7 @@ def _attn_fwd_hopper_kernel(
     s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right,
     IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, SERIAL: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -318,10 +248,10 @@ def _attn_fwd_hopper_kernel(
         gl.warp_specialize([
             (_consumer, (q_smem.index(0), start_m, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
                          qs_off, ks_off, vs_off, o_off, lse_off, s_ot, seqlen_q, seqlen_k, window_left,
-                         window_right, lo, full_lo, full_hi, hi, HEAD_DIM, MASK_LEFT, MASK_RIGHT, SERIAL)),
+                         window_right, lo, full_lo, full_hi, hi, HEAD_DIM, MASK_LEFT, MASK_RIGHT)),
             (_consumer, (q_smem.index(1), start_m + HALF_M, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS, O,
                          LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot, seqlen_q, seqlen_k, window_left,
-                         window_right, lo, full_lo, full_hi, hi, HEAD_DIM, MASK_LEFT, MASK_RIGHT, SERIAL)),
+                         window_right, lo, full_lo, full_hi, hi, HEAD_DIM, MASK_LEFT, MASK_RIGHT)),
             (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
                        q_row, k_row, v_row, k0, lo, hi)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -333,7 +263,7 @@ def _int8_desc(x2d, block_shape):
 
 
 def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
-                        window, consumer_regs=240, loader_regs=24, serial=True):
+                        window, consumer_regs=240, loader_regs=24):
     """(grid, args, kwargs) of the kernel for forward.launch_forward's contract."""
     import triton
 
@@ -353,7 +283,7 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
         v_scale.stride(0), v_scale.stride(1), *out4.stride()[:3], lse.stride(0), lse.stride(1),
         n_q, n_k, num_heads, hk, group, window[0], window[1],
     ), dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
-            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, SERIAL=serial, num_warps=4)
+            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4)
 
 
 def launch_forward_hopper(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim, window,

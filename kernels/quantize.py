@@ -25,6 +25,7 @@ from .layout import SeqLayout, strides3, strides4
 LOG2E = 1.4426950408889634
 TOKEN_ALIGN = 16        # transposed copies pad the token axis so every row starts 16-byte aligned
 Q_SMOOTH_BLOCK = 128    # tokens per Q-smoothing mean; every kernel's query tile divides it
+STATS_CHUNK = 512       # tokens per program for a whole sequence's mean or max (padded batches)
 _ROUND_MAGIC = 12582912.0   # 1.5 * 2^23
 
 
@@ -164,6 +165,20 @@ def token_stats(x4: torch.Tensor, layout: SeqLayout, abs_max: bool, block_tokens
     Returns (``[H, blocks, D]`` fp32, ``cu_blocks`` int32 [S + 1])."""
     h, d = x4.shape[1], x4.shape[3]
     whole = block_tokens is None
+    if whole and not layout.is_varlen and layout.max_len > STATS_CHUNK:
+        # One program per sequence would walk all its tokens alone (32 programs at B=2, H=16, N=16K: 1.8 ms
+        # on an H100): statistics per chunk in parallel, then a fixed-order reduction (no atomics, so every
+        # call gives the same bytes).
+        part, _ = token_stats(x4, layout, abs_max, block_tokens=STATS_CHUNK)
+        n, chunks = layout.max_len, -(-layout.max_len // STATS_CHUNK)
+        part = part.view(h, layout.num_seqs, chunks, d)
+        if abs_max:
+            stats = part.amax(2)
+        else:   # chunk means back to sums: every chunk holds STATS_CHUNK tokens but the last
+            weight = torch.full((chunks, 1), float(STATS_CHUNK), device=x4.device)
+            weight[-1] = n - (chunks - 1) * STATS_CHUNK
+            stats = (part * weight).sum(2) / n
+        return stats, torch.arange(layout.num_seqs + 1, dtype=torch.int32, device=x4.device)
     block_tokens = max(layout.max_len, 1) if whole else block_tokens
     cu_blocks = (torch.arange(layout.num_seqs + 1, dtype=torch.int32, device=x4.device) if whole
                  else _blocks_cu(layout, block_tokens, x4.device))

@@ -112,7 +112,7 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_sm
     _poisoned(out, lse)
     args = (quant, v8t, v_scale, as_bhnd(out, varlen), lse, lay_q, lay_k, q4.shape[1], q4.shape[1] // k4.shape[1],
             q4.shape[3], window)
-    if dispatch.use_gluon(q.device, q4.shape[3], q_smoothing):
+    if dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen):
         from .kernels.forward_hopper import launch_forward_hopper   # imports Gluon: only where it runs
         launch_forward_hopper(*args)
         dispatch.count("fwd_gluon")

@@ -175,9 +175,8 @@ def token_stats(x4: torch.Tensor, layout: SeqLayout, abs_max: bool, block_tokens
         if abs_max:
             stats = part.amax(2)
         else:   # chunk means back to sums: every chunk holds STATS_CHUNK tokens but the last
-            weight = torch.full((chunks, 1), float(STATS_CHUNK), device=x4.device)
-            weight[-1] = n - (chunks - 1) * STATS_CHUNK
-            stats = (part * weight).sum(2) / n
+            last = n - (chunks - 1) * STATS_CHUNK
+            stats = (part[:, :, :-1].sum(2) * STATS_CHUNK + part[:, :, -1] * last) / n
         return stats, torch.arange(layout.num_seqs + 1, dtype=torch.int32, device=x4.device)
     block_tokens = max(layout.max_len, 1) if whole else block_tokens
     cu_blocks = (torch.arange(layout.num_seqs + 1, dtype=torch.int32, device=x4.device) if whole

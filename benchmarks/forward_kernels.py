@@ -69,7 +69,7 @@ def main():
     args = p.parse_args()
     from sagebwd_hf.kernels import forward_hopper as fh
 
-    variants = {"gluon": {}, "gluon_3wg": {"consumers": 3}}
+    variants = {"gluon": {}}
     variants = {k: v for k, v in variants.items() if args.variants is None or k in args.variants}
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {__import__('triton').__version__}")
 

@@ -27,6 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 HALF_M = gl.constexpr(64)     # query rows per consumer warpgroup (one wgmma M)
+BLOCK_M = gl.constexpr(128)   # query rows per program: two consumers
 BLOCK_N = gl.constexpr(128)   # keys per tile: part of the numerics (P's per-row scale is per tile), as forward.py
 STAGES = gl.constexpr(2)      # K / V^T buffers in flight
 LOG2_127 = gl.constexpr(6.988684686772166)
@@ -78,11 +79,10 @@ def _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
 @gluon.jit
 def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
             q_row, k_row, v_row, k0, lo, hi):
-    """One warp: every consumer's Q rows once, then every K / V^T tile of ``[lo, hi)`` into the ring."""
-    CONSUMERS: gl.constexpr = q_smem.shape[0]
-    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
-    for c in gl.static_range(CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [q_row + c * HALF_M, 0], q_bar, q_smem.index(c))
+    """One warp: Q's two halves once, then every K / V^T tile of ``[lo, hi)`` into the ring."""
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, 0], q_bar, q_smem.index(1))
     nbytes: gl.constexpr = k_desc.block_type.nbytes + vt_desc.block_type.nbytes
     i = 0
     for start_n in range(lo, hi, BLOCK_N):
@@ -198,7 +198,7 @@ def _attn_fwd_hopper_kernel(
     s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right,
     IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
-    CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -219,7 +219,6 @@ def _attn_fwd_hopper_kernel(
         seqlen_k = n_k + k0
         bq = b
         bk = b
-    BLOCK_M: gl.constexpr = CONSUMERS * HALF_M
     start_m = pid_m * BLOCK_M
     if start_m < seqlen_q:
         lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
@@ -229,7 +228,7 @@ def _attn_fwd_hopper_kernel(
         k_row = (bk * num_kv_heads + hk) * n_k + k0
         v_row = (bk * num_kv_heads + hk) * HEAD_DIM
 
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES] + vt_desc.block_type.shape, vt_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -238,7 +237,7 @@ def _attn_fwd_hopper_kernel(
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=CONSUMERS)     # every consumer releases a buffer
+            mbarrier.init(empty.index(i), count=2)     # both consumers release a buffer
 
         qs_off = bq.to(gl.int64) * s_qsb + h * s_qsh + q0
         ks_off = bk.to(gl.int64) * s_ksb + hk * s_ksh + k0
@@ -246,35 +245,16 @@ def _attn_fwd_hopper_kernel(
         o_off = bq.to(gl.int64) * s_ob + h.to(gl.int64) * s_oh + q0.to(gl.int64) * s_ot
         lse_off = bq.to(gl.int64) * s_lb + h * s_lh + q0
         # (constexprs go into each tuple literally: a tuple built beforehand turns them into tensors)
-        if CONSUMERS == 2:
-            gl.warp_specialize([
-                (_consumer, (q_smem.index(0), start_m, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
-                             qs_off, ks_off, vs_off, o_off, lse_off, s_ot, seqlen_q, seqlen_k, window_left,
-                             window_right, lo, full_lo, full_hi, hi, HEAD_DIM, MASK_LEFT, MASK_RIGHT)),
-                (_consumer, (q_smem.index(1), start_m + HALF_M, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS,
-                             O, LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot, seqlen_q, seqlen_k,
-                             window_left, window_right, lo, full_lo, full_hi, hi, HEAD_DIM, MASK_LEFT,
-                             MASK_RIGHT)),
-                (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
-                           q_row, k_row, v_row, k0, lo, hi)),
-            ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-        else:
-            gl.static_assert(CONSUMERS == 3, "2 or 3 consumer warpgroups")
-            gl.warp_specialize([
-                (_consumer, (q_smem.index(0), start_m, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
-                             qs_off, ks_off, vs_off, o_off, lse_off, s_ot, seqlen_q, seqlen_k, window_left,
-                             window_right, lo, full_lo, full_hi, hi, HEAD_DIM, MASK_LEFT, MASK_RIGHT)),
-                (_consumer, (q_smem.index(1), start_m + HALF_M, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS,
-                             O, LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot, seqlen_q, seqlen_k,
-                             window_left, window_right, lo, full_lo, full_hi, hi, HEAD_DIM, MASK_LEFT,
-                             MASK_RIGHT)),
-                (_consumer, (q_smem.index(2), start_m + 2 * HALF_M, k_smem, v_smem, q_bar, ready, empty, QS, KS,
-                             VS, O, LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot, seqlen_q, seqlen_k,
-                             window_left, window_right, lo, full_lo, full_hi, hi, HEAD_DIM, MASK_LEFT,
-                             MASK_RIGHT)),
-                (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
-                           q_row, k_row, v_row, k0, lo, hi)),
-            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+        gl.warp_specialize([
+            (_consumer, (q_smem.index(0), start_m, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
+                         qs_off, ks_off, vs_off, o_off, lse_off, s_ot, seqlen_q, seqlen_k, window_left,
+                         window_right, lo, full_lo, full_hi, hi, HEAD_DIM, MASK_LEFT, MASK_RIGHT)),
+            (_consumer, (q_smem.index(1), start_m + HALF_M, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS, O,
+                         LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot, seqlen_q, seqlen_k, window_left,
+                         window_right, lo, full_lo, full_hi, hi, HEAD_DIM, MASK_LEFT, MASK_RIGHT)),
+            (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
+                       q_row, k_row, v_row, k0, lo, hi)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 def _int8_desc(x2d, block_shape):
@@ -283,7 +263,7 @@ def _int8_desc(x2d, block_shape):
 
 
 def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
-                        window, consumers=2, consumer_regs=None, loader_regs=24):
+                        window, consumer_regs=240, loader_regs=24):
     """(grid, args, kwargs) of the kernel for forward.launch_forward's contract."""
     import triton
 
@@ -296,16 +276,14 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     vt_desc = _int8_desc(v8t.view(-1, v8t.shape[-1]), [d, BLOCK_N.value])
     cu_q = layout_q.cu_seqlens if layout_q.is_varlen else q_scale
     cu_k = layout_k.cu_seqlens if layout_k.is_varlen else q_scale
-    if consumer_regs is None:   # what one SM's 64K registers give each consumer warpgroup
-        consumer_regs = {2: 240, 3: 160}[consumers]
-    grid = (triton.cdiv(layout_q.max_len, consumers * HALF_M.value), layout_q.num_seqs * num_heads)
+    grid = (triton.cdiv(layout_q.max_len, BLOCK_M.value), layout_q.num_seqs * num_heads)
     return grid, (
         q_desc, k_desc, vt_desc, q_scale, k_scale, v_scale, out4, lse, cu_q, cu_k,
         q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
         v_scale.stride(0), v_scale.stride(1), *out4.stride()[:3], lse.stride(0), lse.stride(1),
         n_q, n_k, num_heads, hk, group, window[0], window[1],
     ), dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
-            CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4)
+            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4)
 
 
 def launch_forward_hopper(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim, window,

@@ -144,7 +144,7 @@ def _attn_bwd_dkdv_kernel(
     DO_DK: tl.constexpr, DO_DV: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
     b = pid_bh // num_kv_heads
     hk = pid_bh % num_kv_heads
     bq, q0, seqlen_q = _seq_bounds(CU_Q, b, n_q, IS_VARLEN)
@@ -287,7 +287,7 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     hk = h // group

@@ -49,13 +49,17 @@ def int32_times(x, scale):
 
 @triton.jit
 def _seq_bounds(CU, b, n_dense, IS_VARLEN: tl.constexpr):
-    """(batch index into the tensors, first token, length) of sequence ``b``."""
+    """(batch index into the tensors, first token, length) of sequence ``b`` (an int64 index).
+
+    The batch index and first token come back as int64, so every offset built from them is 64-bit: a
+    ``[B, H, N, D]`` tensor or a packed batch can pass 2^31 elements (int32 offsets wrapped and faulted)."""
     if IS_VARLEN:
-        start = tl.load(CU + b)
-        length = tl.load(CU + b + 1) - start
-        batch = 0
+        first = tl.load(CU + b)
+        length = tl.load(CU + b + 1) - first
+        start = first.to(tl.int64)
+        batch = b * 0
     else:
-        start = 0
+        start = b * 0
         length = n_dense
         batch = b
     return batch, start, length
@@ -70,7 +74,7 @@ def _token_stats_kernel(
 ):
     """Mean (or max |x|) over each run of ``block_tokens`` tokens of every sequence -> ``OUT[h, blk, :]``."""
     pid_blk = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     bx, t0, seqlen = _seq_bounds(CU, b, n_dense, IS_VARLEN)
@@ -111,7 +115,7 @@ def _quantize_kernel(
     WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     bx, t0, seqlen = _seq_bounds(CU, b, n_dense, IS_VARLEN)

@@ -297,8 +297,9 @@ def _check_options(window_size, softmax_scale, head_dim, causal):
         right = 0
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5
-    elif not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
-        raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
+    elif (not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool)
+          or not 0 < softmax_scale < float("inf")):
+        raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
     return (left, right), float(softmax_scale)
 
 

@@ -43,6 +43,10 @@ def test_type_errors():
     (dict(window_size=(-2, 0)), "window_size"),
     (dict(causal=True, window_size=(4, 5)), "right must be -1 or 0 with causal"),
     (dict(softmax_scale=0.0), "softmax_scale"),
+    (dict(softmax_scale=float("inf")), "softmax_scale must be a positive finite number"),
+    (dict(softmax_scale=-float("inf")), "softmax_scale"),
+    (dict(softmax_scale=float("nan")), "softmax_scale"),
+    (dict(softmax_scale=True), "softmax_scale"),
     (dict(backend="cuda"), "backend"),
 ])
 def test_option_errors(kwargs, match):

@@ -95,7 +95,11 @@ def load_tokenizer(name_or_path):
     if name_or_path in (None, "embedded"):
         tokenizer = train_embedded_tokenizer()
     else:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"error: cannot load a tokenizer from {name_or_path!r} (--tokenizer_name or "
+                             f"--model_name_or_path): {str(exc).splitlines()[0]}") from None
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer {name_or_path!r} has neither a pad token nor an EOS token")
@@ -139,24 +143,25 @@ def load_raw_datasets(args):
             files["validation"] = args.validation_file
         extensions = {Path(f).suffix.lower() for f in files.values()}
         if len(extensions) != 1:
-            raise ValueError(f"--train_file and --validation_file must have the same extension, got {sorted(extensions)}")
+            raise SystemExit(f"error: --train_file and --validation_file must have the same extension, got "
+                             f"{sorted(extensions)}")
         extension = extensions.pop()
         if extension == ".txt":
             raw = load_dataset("text", data_files=files, sample_by=args.text_sample_by)
         elif extension in (".json", ".jsonl"):
             raw = load_dataset("json", data_files=files)
         else:
-            raise ValueError(f"--train_file: unsupported extension {extension!r}; allowed: .txt, .json, .jsonl")
+            raise SystemExit(f"error: --train_file: unsupported extension {extension!r}; allowed: .txt, .json, .jsonl")
     if "train" not in raw:
-        raise ValueError(f"dataset has no 'train' split (splits: {list(raw)})")
+        raise SystemExit(f"error: --dataset_name {args.dataset_name}: no 'train' split (splits: {list(raw)})")
     if "validation" not in raw:
         if not 0 < args.validation_split_percentage < 100:
-            raise ValueError("--validation_split_percentage must be in (0, 100), got "
+            raise SystemExit("error: --validation_split_percentage must be in (0, 100), got "
                              f"{args.validation_split_percentage}")
         split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, shuffle=False)
         raw = DatasetDict(train=split["train"], validation=split["test"])
     if args.text_column not in raw["train"].column_names:
-        raise ValueError(f"--text_column {args.text_column!r} is not a column of the dataset; columns: "
+        raise SystemExit(f"error: --text_column {args.text_column!r} is not a column of the dataset; columns: "
                          f"{raw['train'].column_names}")
     if args.max_train_samples is not None:
         raw["train"] = raw["train"].select(range(min(args.max_train_samples, len(raw["train"]))))
@@ -380,6 +385,23 @@ def add_training_arguments(parser, *, output_dir, lr, max_steps, batch_size, seq
     return group
 
 
+def check_files(args, *names):
+    """Local files named by flags exist: a one-line error naming the flag before anything is loaded."""
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and not Path(value).exists():
+            raise SystemExit(f"error: --{name} {value}: no such file or folder")
+
+
+def check_fits_positions(config, seq_len, flag):
+    """``--seq_len`` within the model's positions (RoPE models would run past what they were trained on; learned
+    position tables would index out of range)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and seq_len > limit:
+        raise SystemExit(f"error: --seq_len {seq_len} is longer than the model's max_position_embeddings "
+                         f"({limit}, from {flag})")
+
+
 def check_positive(args, *names):
     for name in names:
         value = getattr(args, name)
@@ -436,12 +458,16 @@ class CSVLogger:
             source = self.path if self.path.exists() else (Path(restore_from) if restore_from else None)
             if source is not None and source.exists():
                 rows = [r for r in read_metrics(source) if int(r["step"]) <= resume_step]
-        self.file = open(self.path, "w", newline="")
+        # the kept rows go to a new file that replaces the old one in one step: a kill here loses no row
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        self.file = open(tmp, "w", newline="")
         self.writer = csv.DictWriter(self.file, fieldnames=METRIC_COLUMNS)
         self.writer.writeheader()
         for row in rows:
             self.writer.writerow({k: row.get(k, "") for k in METRIC_COLUMNS})
         self.file.flush()
+        os.fsync(self.file.fileno())
+        os.replace(tmp, self.path)
 
     def log(self, **values):
         if not self.enabled:
@@ -502,15 +528,55 @@ TRAINING_STATE = "training_state.json"
 
 
 def save_checkpoint(accelerator, output_dir, step, state, metrics_path=None):
-    """``accelerator.save_state`` (model, optimizer, scheduler, RNG states, sampler) plus where the loop was."""
-    path = Path(output_dir) / f"checkpoint-{step}"
-    accelerator.save_state(str(path))
-    if accelerator.is_main_process:
-        (path / TRAINING_STATE).write_text(json.dumps(dict(state, step=step), indent=1))
-        if metrics_path is not None and Path(metrics_path).exists():
-            shutil.copy(metrics_path, path / "metrics.csv")
+    """``accelerator.save_state`` (model, optimizer, scheduler, RNG states, sampler) plus where the loop was.
+
+    Written under a hidden name (``.checkpoint-N.partial``) and renamed to ``checkpoint-N`` only once every
+    file is in, ``training_state.json`` last: a run killed while saving leaves no half-written checkpoint-N,
+    only a hidden folder that ``find_checkpoint`` never picks and the next save of that step replaces."""
+    out = Path(output_dir)
+    final, partial = out / f"checkpoint-{step}", out / f".checkpoint-{step}.partial"
+    if accelerator.is_main_process and partial.exists():
+        shutil.rmtree(partial)                       # left by a save that was killed
     accelerator.wait_for_everyone()
-    return path
+    accelerator.save_state(str(partial))
+    fault_point("save", step)
+    accelerator.wait_for_everyone()                  # every process's files are in
+    if accelerator.is_main_process:
+        if metrics_path is not None and Path(metrics_path).exists():
+            shutil.copy(metrics_path, partial / "metrics.csv")
+        write_atomic(partial / TRAINING_STATE, json.dumps(dict(state, step=step), indent=1))
+        old = out / f".checkpoint-{step}.old"
+        if final.exists():                           # the same step saved again after a resume
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(partial, final)
+        shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def write_atomic(path, text):
+    """Replace ``path``'s contents all at once: a kill leaves the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+FAULT_ENV = "SAGEBWD_EXAMPLES_KILL_AT"
+
+
+def fault_point(where, step):
+    """Test hook: ``SAGEBWD_EXAMPLES_KILL_AT=save:4`` (or ``step:7``) makes the process SIGKILL itself in the
+    middle of saving checkpoint 4 (after the model and optimizer files, before it is complete), or in the
+    middle of optimizer step 7 (after the backward, before the update): a crash at a chosen moment, for
+    tests/test_examples.py. Unset, it does nothing."""
+    if os.environ.get(FAULT_ENV) == f"{where}:{step}":
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def find_checkpoint(resume_from_checkpoint, output_dir):
@@ -529,7 +595,14 @@ def find_checkpoint(resume_from_checkpoint, output_dir):
 
 
 def load_checkpoint(accelerator, path):
-    accelerator.load_state(str(path))
+    try:
+        accelerator.load_state(str(path))
+    except (RuntimeError, ValueError, KeyError) as exc:   # another model's or optimizer's tensors
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        detail = next((line for line in lines if "size mismatch" in line or "Missing" in line or "Unexpected" in line),
+                      lines[0] if lines else type(exc).__name__)
+        raise SystemExit(f"error: --resume_from_checkpoint {path}: it does not fit this model (same --size, "
+                         f"--model_type, --qk_norm and LoRA settings?): {detail[:300]}") from None
     return json.loads((Path(path) / TRAINING_STATE).read_text())
 
 
@@ -610,6 +683,8 @@ def train(accelerator, args, model, optimizer, scheduler, train_dataloader, eval
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    fault_point("step", step + 1)
                 grad_norm = None
                 if accelerator.sync_gradients and args.max_grad_norm > 0:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)

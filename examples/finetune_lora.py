@@ -85,6 +85,7 @@ def parse_args(argv=None):
         args.learning_rate = DEMO_LR if args.model_name_or_path is None else DEFAULT_LR
     if not 0 <= args.lora_dropout < 1:
         parser.error(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
+    common.check_files(args, "train_file", "validation_file")
     return args
 
 
@@ -166,8 +167,13 @@ def main(argv=None):
     # Re-seed: the LoRA initialisation and dropout then do not depend on whether the demo base model was
     # trained in this process or found in the cache.
     set_seed(args.seed)
-    model = sagebwd_hf.load_with_qk_norm(model_path, attn_implementation=args.attn_implementation,
-                                         dtype=DTYPES[args.model_dtype])
+    try:
+        model = sagebwd_hf.load_with_qk_norm(model_path, attn_implementation=args.attn_implementation,
+                                             dtype=DTYPES[args.model_dtype])
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"error: --model_name_or_path {model_path}: cannot load a causal LM: "
+                         f"{str(exc).splitlines()[0]}") from None
+    common.check_fits_positions(model.config, args.seq_len, "--model_name_or_path")
     model.config.use_cache = False
     if args.gradient_checkpointing:
         # Non-reentrant checkpointing also works with a frozen embedding (no enable_input_require_grads).

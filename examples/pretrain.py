@@ -80,6 +80,7 @@ def parse_args(argv=None):
         args.warmup_steps = max(1, args.max_steps // 20)
     if args.init_from and args.save_init:
         parser.error("--init_from and --save_init: give one of them")
+    common.check_files(args, "train_file", "validation_file", "init_from")
     return args
 
 
@@ -91,6 +92,7 @@ def build_model(args, tokenizer):
         if getattr(config, "vocab_size", 0) < len(tokenizer):
             raise SystemExit(f"error: --config_name vocab_size {config.vocab_size} is smaller than the "
                              f"tokenizer's {len(tokenizer)} tokens")
+        common.check_fits_positions(config, args.seq_len, "--config_name")
     else:
         config = common.preset_config(args.model_type, args.size, tokenizer, args.seq_len)
     # Same seed, same config -> same weights, whatever the attention implementation.

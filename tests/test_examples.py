@@ -101,6 +101,39 @@ def test_pretrain_checkpoint_and_resume(tmp_path, env):
     assert float(resumed[-1]["eval_loss"]) == pytest.approx(float(rows[-1]["eval_loss"]), abs=1e-5)
 
 
+def test_pretrain_survives_sigkill_while_saving_and_mid_step(tmp_path, env):
+    """Killed (SIGKILL, at chosen moments through the examples' fault hook) while saving checkpoint 4 and
+    later in the middle of step 7, then resumed with --resume_from_checkpoint latest: each resume starts from
+    the last complete checkpoint (2, then 6), never from the half-written one, and the losses of the whole run
+    match an uninterrupted run's."""
+    args = SMALL + ["--max_steps", "8", "--checkpointing_steps", "2", "--no_save_model"]
+    whole = tmp_path / "whole"
+    launch("pretrain.py", args + ["--output_dir", whole], env, tmp_path)
+    expected = train_rows(whole)
+    assert [int(r["step"]) for r in expected] == list(range(1, 9))
+
+    run_dir = tmp_path / "killed"
+    cmd = LAUNCH + [EXAMPLES / "pretrain.py"] + args + ["--output_dir", run_dir]
+    killed = run(cmd, dict(env, **{common.FAULT_ENV: "save:4"}), tmp_path, expect_ok=False)
+    assert killed.returncode != 0
+    assert (run_dir / "checkpoint-2" / "training_state.json").exists()
+    assert not (run_dir / "checkpoint-4").exists() and (run_dir / ".checkpoint-4.partial").exists()
+
+    resume = ["--resume_from_checkpoint", "latest"]
+    killed = run(cmd + resume, dict(env, **{common.FAULT_ENV: "step:7"}), tmp_path, expect_ok=False)
+    assert killed.returncode != 0 and "resumed from" in killed.stdout and "at step 2" in killed.stdout
+    assert not (run_dir / ".checkpoint-4.partial").exists()          # replaced by the complete checkpoint-4
+    assert [int(r["step"]) for r in train_rows(run_dir)] == list(range(1, 7))
+
+    out = run(cmd + resume, env, tmp_path).stdout
+    assert "at step 6" in out
+    rows = train_rows(run_dir)
+    assert [int(r["step"]) for r in rows] == list(range(1, 9))
+    for a, b in zip(expected, rows):
+        assert float(b["loss"]) == pytest.approx(float(a["loss"]), abs=1e-5), (a, b)
+    assert sorted(p.name for p in run_dir.glob("*checkpoint-*")) == [f"checkpoint-{s}" for s in (2, 4, 6, 8)]
+
+
 def test_pretrain_ddp_two_processes_match_one(tmp_path, env):
     """Two processes (DDP on CPU through gloo; `accelerate launch --cpu` starts only one, so torchrun with
     ACCELERATE_USE_CPU) with two sequences each train exactly as one process accumulating the same two
@@ -279,6 +312,48 @@ def test_compare_runs_from_diverging_csvs(tmp_path):
     assert runs[1]["mean_gap"] == pytest.approx(0.5) and runs[1]["mean_abs_gap"] == pytest.approx(0.5)
     assert runs[0]["tokens_per_s"] == pytest.approx(200) and runs[1]["speed_vs_ref"] == pytest.approx(0.5)
     assert runs[0]["final_loss"] == pytest.approx(5.0 - 35.5 / 40)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad inputs: one line that names the flag, before any training step
+# ---------------------------------------------------------------------------------------------------------
+
+def _fails_before_training(script, argv, env, cwd, expected):
+    result = run([sys.executable, EXAMPLES / script] + [str(a) for a in argv], env, cwd, expect_ok=False)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and expected in errors[0], result.stderr[-3000:]
+    assert "step 1/" not in result.stdout
+
+
+def test_bad_inputs_fail_before_training(tmp_path, env):
+    from transformers import LlamaConfig
+
+    base = ["--seq_len", "64", "--max_steps", "2", "--output_dir", tmp_path / "run"]
+    _fails_before_training("pretrain.py", base + ["--train_file", tmp_path / "missing.txt"], env, tmp_path,
+                           "--train_file")
+    _fails_before_training("finetune_lora.py", base + ["--validation_file", tmp_path / "missing.txt"], env,
+                           tmp_path, "--validation_file")
+    data = tmp_path / "docs.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"document {i} " * 40}) for i in range(40)) + "\n")
+    _fails_before_training("pretrain.py", base + ["--train_file", data, "--text_column", "body"], env, tmp_path,
+                           "--text_column 'body' is not a column")
+    config = tmp_path / "short_positions"
+    LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, max_position_embeddings=32).save_pretrained(config)
+    _fails_before_training("pretrain.py", base + ["--config_name", config], env, tmp_path,
+                           "--seq_len 64 is longer than the model's max_position_embeddings (32")
+    _fails_before_training("finetune_lora.py", base + ["--model_name_or_path", tmp_path / "no_model"], env, tmp_path,
+                           "--model_name_or_path")
+
+
+def test_resume_from_another_models_checkpoint_fails_before_training(tmp_path, env):
+    args = SMALL + ["--max_steps", "1", "--checkpointing_steps", "1", "--no_save_model"]
+    launch("pretrain.py", args + ["--output_dir", tmp_path / "tiny"], env, tmp_path)
+    _fails_before_training("pretrain.py", args + ["--output_dir", tmp_path / "other", "--qk_norm",
+                                                  "--resume_from_checkpoint", tmp_path / "tiny" / "checkpoint-1"],
+                           env, tmp_path, "--resume_from_checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------------------

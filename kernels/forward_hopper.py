@@ -33,6 +33,9 @@ STAGES = gl.constexpr(2)      # K / V^T buffers in flight
 LOG2_127 = gl.constexpr(6.988684686772166)
 
 
+# _int32_times, _round_to_int8 and _key_tiles repeat quantize.py's and forward.py's arithmetic: a Gluon kernel
+# cannot call @triton.jit functions.
+
 @gluon.jit
 def _int32_times(x, scale):
     """``float(x) * scale`` in an integer add and one FMA (quantize.int32_times, in Gluon)."""

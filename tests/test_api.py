@@ -131,3 +131,17 @@ def test_cpu_path_varlen_with_empty_sequences():
     out.float().sum().backward()
     assert torch.isfinite(out).all() and (out[5:] == 0).all() and (out[:5].abs().sum(-1) > 0).all()
     assert (q.grad[5:] == 0).all() and (k.grad[5:] == 0).all() and torch.isfinite(k.grad).all()
+
+
+def test_environment_report_runs_as_a_module():
+    """`python -m sagebwd_hf` prints versions, the kernel path and the Transformers registration."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "sagebwd_hf"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for text in ("sagebwd-hf ", "torch ", "triton ", "transformers ", "accelerate ", "peft ",
+                 "Transformers registration: attention function yes, mask function yes"):
+        assert text in out, out
+    assert ("GPU 0:" in out) if __import__("torch").cuda.is_available() else ("GPU: none" in out)

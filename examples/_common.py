@@ -338,6 +338,55 @@ def preset_config(model_type, size, tokenizer, seq_len):
     return config
 
 
+def demo_base_model(accelerator, tokenizer, base_docs, steps, seed, seq_len=128, batch_size=8):
+    """The offline stand-in for a pre-trained checkpoint: a tiny Llama pre-trained for ``steps`` steps with
+    SDPA on ``base_docs`` (tokenized documents). Cached by the exact training tokens and settings, so a second
+    run (or the other processes of this one, or another example's run) loads it instead of training it again.
+    Returns the folder (model and tokenizer). ``accelerator``: an ``Accelerator`` or ``accelerate.PartialState``
+    (what is used: ``.print`` and ``.device``). Used by finetune_lora.py and finetune_trainer.py."""
+    from accelerate.utils import set_seed
+    from datasets import DatasetDict
+    from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+
+    key = hashlib.sha256()
+    for ids in base_docs["input_ids"]:
+        key.update(torch.tensor(ids, dtype=torch.int32).numpy().tobytes())
+    key.update(json.dumps([steps, seed, seq_len, batch_size, len(tokenizer), MODEL_PRESETS["tiny"]]).encode())
+    path = cache_dir() / f"demo-base-llama-tiny-{key.hexdigest()[:12]}"
+    if (path / "config.json").exists():
+        accelerator.print(f"demo base model: {path} (cached)")
+        return path
+
+    accelerator.print(f"demo base model: pre-training a tiny Llama for {steps} steps on {len(base_docs)} "
+                      f"documents (cached afterwards in {path})")
+    rows = build_lm_dataset(DatasetDict(train=base_docs), "packed", seq_len, batch_size)["train"]
+    set_seed(seed)
+    config = preset_config("llama", "tiny", tokenizer, seq_len)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(accelerator.device)
+    optimizer = adamw(model, 3e-3, 0.1)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, steps // 20), steps)
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.tensor(rows["input_ids"], dtype=torch.long)
+    model.train()
+    for step in range(1, steps + 1):
+        batch = data[torch.randint(len(data), (batch_size,), generator=generator)].to(accelerator.device)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step == 1 or step % max(1, steps // 5) == 0:
+            accelerator.print(f"  demo base step {step}/{steps} loss {loss.item():.4f}")
+    model.config.use_cache = True
+
+    def write(folder):
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    _atomic_save_dir(path, write)
+    return path
+
+
 def count_parameters(model, trainable_only=False) -> int:
     seen, total = set(), 0
     for p in model.parameters():

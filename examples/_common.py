@@ -696,6 +696,15 @@ def resume(accelerator, args, out):
     return state, metrics, resume_path
 
 
+def release_process_group():
+    """For scripts whose loop is not ours (Trainer): once the caller has dropped its references to the model,
+    free what is left of the DDP wrapper, then destroy the process group through its Python handle; see
+    ``end_training`` for why the order matters."""
+    gc.collect()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def end_training(accelerator):
     """Close the trackers and destroy the process group, after the prepared model is gone.
 

@@ -454,6 +454,8 @@ def main(argv=None):
               + (f"{base_eval:.4f} -> " if base_eval is not None else "") + f"{final_eval:.4f}, "
               f"{args.attn_implementation} ({'LoRA' if args.lora else 'full'}), SageBwd attention calls: {paths}"
               f"{fallback}; {wall:.0f} s; saved {save_dir}, summary {out / 'run_summary.json'}", flush=True)
+    del trainer, model                  # the DDP wrapper before the process group: see common.end_training
+    common.release_process_group()
 
 
 if __name__ == "__main__":

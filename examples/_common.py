@@ -338,6 +338,44 @@ def preset_config(model_type, size, tokenizer, seq_len):
     return config
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def finetune_documents(args, process):
+    """The fine-tuning scripts' data: (tokenizer, tokenized documents, base model path). Without
+    ``--model_name_or_path`` the demo base model learns from the first half of the documents and the
+    fine-tuning from the second (one cache entry for every fine-tuning script). Call it under
+    ``main_process_first``; ``process`` is the Accelerator or PartialState."""
+    tokenizer = load_tokenizer(args.tokenizer_name or args.model_name_or_path)
+    raw = load_raw_datasets(args)
+    tokenized = tokenize_documents(raw, tokenizer, args.text_column)
+    model_path = args.model_name_or_path
+    if model_path is None:
+        half = len(tokenized["train"]) // 2
+        base_docs = tokenized["train"].select(range(half))
+        tokenized["train"] = tokenized["train"].select(range(half, len(tokenized["train"])))
+        model_path = demo_base_model(process, tokenizer, base_docs, args.demo_base_steps, args.seed)
+    return tokenizer, tokenized, model_path
+
+
+def load_base_model(args, model_path):
+    """The causal LM to fine-tune, with ``--attn_implementation`` and ``--model_dtype``. load_with_qk_norm: a plain
+    from_pretrained for ordinary checkpoints; it restores the QK-norm gains of a model saved after
+    sagebwd_hf.add_qk_norm. A model that does not load, or whose positions are shorter than ``--seq_len``, stops
+    with one line naming the flag."""
+    import sagebwd_hf
+
+    try:
+        model = sagebwd_hf.load_with_qk_norm(model_path, attn_implementation=args.attn_implementation,
+                                             dtype=DTYPES[args.model_dtype])
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"error: --model_name_or_path {model_path}: cannot load a causal LM: "
+                         f"{str(exc).splitlines()[0]}") from None
+    check_fits_positions(model.config, args.seq_len, "--model_name_or_path")
+    model.config.use_cache = False
+    return model
+
+
 def demo_base_model(accelerator, tokenizer, base_docs, steps, seed, seq_len=128, batch_size=8):
     """The offline stand-in for a pre-trained checkpoint: a tiny Llama pre-trained for ``steps`` steps with
     SDPA on ``base_docs`` (tokenized documents). Cached by the exact training tokens and settings, so a second

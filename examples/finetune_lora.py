@@ -28,7 +28,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 from accelerate.utils import set_seed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +35,6 @@ import _common as common  # noqa: E402
 
 import sagebwd_hf  # noqa: E402  (registers attn_implementation="sagebwd" with Transformers)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DEFAULT_LR, DEMO_LR = 2e-4, 3e-3       # --learning_rate default with --model_name_or_path / with the demo base
 
@@ -49,7 +47,7 @@ def parse_args(argv=None):
                        help="base model: hub name or local folder (default: the cached demo base model)")
     model.add_argument("--tokenizer_name", default=None, help="default: the base model's tokenizer")
     model.add_argument("--attn_implementation", default="sagebwd", choices=common.ATTN_IMPLEMENTATIONS)
-    model.add_argument("--model_dtype", default="float32", choices=tuple(DTYPES),
+    model.add_argument("--model_dtype", default="float32", choices=tuple(common.DTYPES),
                        help="dtype of the frozen base weights (LoRA weights stay float32)")
     model.add_argument("--demo_base_steps", type=int, default=300,
                        help="pre-training steps of the demo base model (only without --model_name_or_path)")
@@ -100,33 +98,15 @@ def main(argv=None):
     mode = "packed" if args.packing else "padding_free" if args.padding_free else "padded"
 
     with accelerator.main_process_first():
-        tokenizer = common.load_tokenizer(args.tokenizer_name or args.model_name_or_path)
-        raw = common.load_raw_datasets(args)
-        tokenized = common.tokenize_documents(raw, tokenizer, args.text_column)
-        model_path = args.model_name_or_path
-        if model_path is None:
-            # Demo: the base model learns from the first half of the documents, the LoRA from the second.
-            half = len(tokenized["train"]) // 2
-            base_docs = tokenized["train"].select(range(half))
-            tokenized["train"] = tokenized["train"].select(range(half, len(tokenized["train"])))
-            model_path = common.demo_base_model(accelerator, tokenizer, base_docs, args.demo_base_steps, args.seed)
+        tokenizer, tokenized, model_path = common.finetune_documents(args, accelerator)
         lm_datasets = common.build_lm_dataset(tokenized, mode, args.seq_len, args.per_device_batch_size)
     train_dataloader, eval_dataloader = common.make_dataloaders(lm_datasets, mode, tokenizer,
                                                                 args.per_device_batch_size)
 
-    # load_with_qk_norm: a plain from_pretrained for ordinary checkpoints; restores the QK-norm gains of a
-    # model saved after sagebwd_hf.add_qk_norm (a plain from_pretrained would drop them).
     # Re-seed: the LoRA initialisation and dropout then do not depend on whether the demo base model was
     # trained in this process or found in the cache.
     set_seed(args.seed)
-    try:
-        model = sagebwd_hf.load_with_qk_norm(model_path, attn_implementation=args.attn_implementation,
-                                             dtype=DTYPES[args.model_dtype])
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"error: --model_name_or_path {model_path}: cannot load a causal LM: "
-                         f"{str(exc).splitlines()[0]}") from None
-    common.check_fits_positions(model.config, args.seq_len, "--model_name_or_path")
-    model.config.use_cache = False
+    model = common.load_base_model(args, model_path)
     if args.gradient_checkpointing:
         # Non-reentrant checkpointing also works with a frozen embedding (no enable_input_require_grads).
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

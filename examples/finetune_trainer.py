@@ -58,7 +58,6 @@ import _common as common  # noqa: E402
 
 import sagebwd_hf  # noqa: E402  (registers attn_implementation="sagebwd" with Transformers)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 # --learning_rate defaults: (full fine-tuning, LoRA) for the tiny demo base model / a real pre-trained model.
 DEMO_LR, MODEL_LR = (1e-3, 3e-3), (2e-5, 2e-4)
@@ -74,7 +73,7 @@ def parse_args(argv=None):
                        help="base model: hub name or local folder (default: the cached demo base model)")
     model.add_argument("--tokenizer_name", default=None, help="default: the base model's tokenizer")
     model.add_argument("--attn_implementation", default="sagebwd", choices=common.ATTN_IMPLEMENTATIONS)
-    model.add_argument("--model_dtype", default="float32", choices=tuple(DTYPES),
+    model.add_argument("--model_dtype", default="float32", choices=tuple(common.DTYPES),
                        help="dtype of the loaded weights (keep float32 for full fine-tuning; with --lora the "
                             "frozen base may be bfloat16)")
     model.add_argument("--demo_base_steps", type=int, default=300,
@@ -319,17 +318,7 @@ def main(argv=None):
         out.mkdir(parents=True, exist_ok=True)
 
     with training_args.main_process_first(desc="tokenizer, data and demo base model"):
-        tokenizer = common.load_tokenizer(args.tokenizer_name or args.model_name_or_path)
-        raw = common.load_raw_datasets(args)
-        tokenized = common.tokenize_documents(raw, tokenizer, args.text_column)
-        model_path = args.model_name_or_path
-        if model_path is None:
-            # Demo: the base model learns from the first half of the documents, the fine-tuning from the second
-            # (the same split and cache entry as finetune_lora.py).
-            half = len(tokenized["train"]) // 2
-            base_docs = tokenized["train"].select(range(half))
-            tokenized["train"] = tokenized["train"].select(range(half, len(tokenized["train"])))
-            model_path = common.demo_base_model(state, tokenizer, base_docs, args.demo_base_steps, args.seed)
+        tokenizer, tokenized, model_path = common.finetune_documents(args, state)
         # One example per document piece (<= seq_len tokens); DataCollatorWithFlattening then lays the examples
         # of each micro-batch end to end. ("padded" rows are exactly those pieces; the mask is not needed.)
         lm_datasets = common.build_lm_dataset(tokenized, "padded", args.seq_len, args.per_device_batch_size)
@@ -358,18 +347,10 @@ def main(argv=None):
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, max_steps // 20)
     training_args.max_steps, training_args.warmup_steps = max_steps, warmup
 
-    # load_with_qk_norm: a plain from_pretrained for ordinary checkpoints; restores the QK-norm gains of a model
-    # saved after sagebwd_hf.add_qk_norm. Re-seed: the LoRA initialisation does not depend on whether the demo
-    # base model was trained in this process or found in the cache.
+    # Re-seed: the LoRA initialisation does not depend on whether the demo base model was trained in this
+    # process or found in the cache.
     set_seed(args.seed)
-    try:
-        model = sagebwd_hf.load_with_qk_norm(model_path, attn_implementation=args.attn_implementation,
-                                             dtype=DTYPES[args.model_dtype])
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"error: --model_name_or_path {model_path}: cannot load a causal LM: "
-                         f"{str(exc).splitlines()[0]}") from None
-    common.check_fits_positions(model.config, args.seq_len, "--model_name_or_path")
-    model.config.use_cache = False
+    model = common.load_base_model(args, model_path)
     n_params = common.count_parameters(model)
     if args.lora:
         from peft import LoraConfig, get_peft_model

@@ -666,18 +666,21 @@ def fault_point(where, step):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def find_checkpoint(resume_from_checkpoint, output_dir):
-    """The folder to resume from: the path given, or with 'latest' the newest checkpoint-N in output_dir."""
+def find_checkpoint(resume_from_checkpoint, output_dir, marker=TRAINING_STATE):
+    """The folder to resume from: the path given, or with 'latest' the newest complete checkpoint-N in output_dir
+    (complete: it holds ``marker``, the file written last; Trainer's checkpoints mark with trainer_state.json)."""
     if resume_from_checkpoint == "latest":
-        candidates = [p for p in Path(output_dir).glob("checkpoint-*")
-                      if p.name.split("-")[-1].isdigit() and (p / TRAINING_STATE).exists()]
+        folder = Path(output_dir)
+        candidates = [p for p in folder.glob("checkpoint-*")
+                      if p.name.split("-")[-1].isdigit() and (p / marker).exists()] if folder.is_dir() else []
         if not candidates:
-            raise SystemExit(f"error: --resume_from_checkpoint latest: no checkpoint-N folder in {output_dir}")
+            raise SystemExit(f"error: --resume_from_checkpoint latest: no checkpoint-N folder with {marker} in "
+                             f"{output_dir} (--output_dir)")
         return max(candidates, key=lambda p: int(p.name.split("-")[-1]))
     path = Path(resume_from_checkpoint)
-    if not (path / TRAINING_STATE).exists():
+    if not (path / marker).exists():
         raise SystemExit(f"error: --resume_from_checkpoint {resume_from_checkpoint}: not a checkpoint folder "
-                         f"(no {TRAINING_STATE}); give a checkpoint-N folder or 'latest'")
+                         f"(no {marker}); give a checkpoint-N folder or 'latest'")
     return path
 
 

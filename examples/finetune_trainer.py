@@ -131,24 +131,6 @@ def parse_args(argv=None):
     return args
 
 
-def find_trainer_checkpoint(value, output_dir):
-    """--resume_from_checkpoint: a checkpoint-N folder, or 'latest' for the newest complete one in output_dir
-    (complete: Trainer writes trainer_state.json after the weights and the optimizer)."""
-    if value == "latest":
-        folder = Path(output_dir)
-        candidates = [p for p in folder.glob("checkpoint-*")
-                      if p.name.split("-")[-1].isdigit() and (p / TRAINER_STATE).exists()] if folder.is_dir() else []
-        if not candidates:
-            raise SystemExit(f"error: --resume_from_checkpoint latest: no checkpoint-N folder with {TRAINER_STATE} "
-                             f"in {output_dir} (--output_dir)")
-        return max(candidates, key=lambda p: int(p.name.split("-")[-1]))
-    path = Path(value)
-    if not (path / TRAINER_STATE).exists():
-        raise SystemExit(f"error: --resume_from_checkpoint {value}: not a Trainer checkpoint folder (no "
-                         f"{TRAINER_STATE}); give a checkpoint-N folder or 'latest'")
-    return path
-
-
 def mixed_precision(args):
     """'bf16', 'fp16' or 'no' (fp32). Unset: bf16 where it runs natively (a CUDA device with bf16), else fp32.
     (`accelerate launch --mixed_precision` is not read: its default, 'no', is indistinguishable from a choice.)"""
@@ -275,7 +257,7 @@ def main(argv=None):
 
     out = Path(args.output_dir)
     # Before anything is loaded: a resume that cannot happen stops here, with one line.
-    resume_path = find_trainer_checkpoint(args.resume_from_checkpoint, out) if args.resume_from_checkpoint else None
+    resume_path = common.find_checkpoint(args.resume_from_checkpoint, out, TRAINER_STATE) if args.resume_from_checkpoint else None
     precision = mixed_precision(args)
 
     # TrainingArguments first: it sets up the processes (torchrun / accelerate launch) and the device. The number

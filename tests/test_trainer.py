@@ -219,7 +219,7 @@ def test_bad_input_one_error_line(tmp_path, env, capsys):
         with pytest.raises(SystemExit) as exc:
             args = finetune_trainer.parse_args(argv)
             if args.resume_from_checkpoint:                # what main() checks first, before loading anything
-                finetune_trainer.find_trainer_checkpoint(args.resume_from_checkpoint, tmp_path)
+                common.find_checkpoint(args.resume_from_checkpoint, tmp_path, finetune_trainer.TRAINER_STATE)
         message = str(exc.value.code)
         assert message.startswith(expected) and "\n" not in message, (argv, message)
     with pytest.raises(SystemExit) as exc:                 # argparse: names the flag and the allowed values

@@ -3,7 +3,7 @@
 
 Kernel-only TFLOP/s-equivalent (4*B*H*N^2*D, halved when causal), median of CUDA-event timings; every variant's
 output is checked against the portable kernel's (relative L2) before it is timed. ``--varlen only`` runs a packed
-batch with uneven and empty sequences through each Gluon variant (it faults today: run it in its own process).
+batch with uneven and empty sequences through each Gluon variant.
 
     python benchmarks/forward_kernels.py [--seqlens 4096] [--head-dims 128 64]
 """
@@ -15,7 +15,7 @@ import torch
 from sagebwd_hf.interface import tile_configs
 from sagebwd_hf.kernels.forward import launch_forward
 from sagebwd_hf.kernels.layout import SeqLayout
-from sagebwd_hf.kernels.quantize import quantize_qk, quantize_v
+from sagebwd_hf.kernels.quantize import aligned_starts, quantize_qk, quantize_v
 from sagebwd_hf.testing import error_stats
 
 
@@ -50,9 +50,12 @@ def check_varlen(variants):
     ref = torch.full_like(q, float("nan"))
     lse = torch.empty(q.shape[:3], device="cuda")
     launch_forward(quant, v8t, v_scale, ref, lse, lay, lay, h, h // hk, d, (-1, 0), tile_configs(d, q.device)["fwd"])
+    starts = aligned_starts(lay)            # the Gluon kernel's V^T layout for packed batches
+    v8t_aligned, _ = quantize_v(v, lay, starts)
     for name, kw in variants.items():
         out = torch.full_like(q, float("nan"))
-        fh.launch_forward_hopper(quant, v8t, v_scale, out, lse, lay, lay, h, h // hk, d, (-1, 0), **kw)
+        fh.launch_forward_hopper(quant, v8t_aligned, v_scale, out, lse, lay, lay, h, h // hk, d, (-1, 0),
+                                 v_starts=starts, **kw)
         torch.cuda.synchronize()
         print(f"varlen {name}: rel L2 vs portable {error_stats(out, ref)[1]:.2e}")
 
@@ -69,7 +72,7 @@ def main():
     args = p.parse_args()
     from sagebwd_hf.kernels import forward_hopper as fh
 
-    variants = {"gluon": {}}
+    variants = {"gluon": {}, "gluon_pingpong": dict(pingpong=True), "gluon_no_pingpong": dict(pingpong=False)}
     variants = {k: v for k, v in variants.items() if args.variants is None or k in args.variants}
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {__import__('triton').__version__}")
 

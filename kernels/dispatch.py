@@ -2,8 +2,9 @@
 
 ``SAGEBWD_KERNELS`` (read on every call) forces a choice:
 
-* ``auto`` (default): the portable kernels, until the Gluon ones are faster (``GLUON_BY_DEFAULT``; then: Gluon
-  on an sm_90 GPU with a Triton whose Gluon API they are tested on, ``GLUON_TESTED``, for the calls they take).
+* ``auto`` (default): the Gluon forward on an sm_90 GPU with a Triton whose Gluon API it is tested on
+  (``GLUON_TESTED``), for the calls it takes and where it measured faster (at head dim 128 only from
+  ``GLUON_MIN_KEYS_D128`` keys on); the portable kernels everywhere else.
 * ``triton``: always the portable kernels (Ampere, Ada, Hopper, Blackwell, the interpreter).
 * ``gluon``: the Gluon forward on an sm_90 GPU (H100, H200), also on an untested Triton release, for the calls
   it takes (head dim 64 or 128, no Q-smoothing, padded batches); any other call runs the portable kernels,
@@ -22,9 +23,10 @@ ENV_VAR = "SAGEBWD_KERNELS"
 CHOICES = ("auto", "gluon", "triton")
 GLUON_TESTED = ("3.6",)            # Triton major.minor releases the Gluon kernels were run and checked on
 GLUON_HEAD_DIMS = (64, 128)
-# Off: measured on an H100 (docs/speed_notes.md) the Gluon forward runs at 1.01-1.05x the portable kernel at
-# D=128 and 0.86-0.95x at D=64, and it faults on packed batches.
-GLUON_BY_DEFAULT = False
+# Measured on an H100 (docs/speed_notes.md, session 4), whole forward against the portable kernels: 1.02-1.24x
+# at D=128 from 4K keys, 1.01-1.08x at D=64 (1K-16K), but 0.93x at D=128 with 1K keys.
+GLUON_BY_DEFAULT = True
+GLUON_MIN_KEYS_D128 = 2048
 
 _counts = collections.Counter()    # "fwd_gluon", "fwd_triton", ... -> launches
 _warned = set()
@@ -70,14 +72,16 @@ def gluon_unavailable(device: torch.device):
     return None
 
 
-def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bool = False) -> bool:
-    """True when this call runs the Gluon (Hopper) kernels."""
+def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bool = False,
+              seqlen_k: int = 1 << 30) -> bool:
+    """True when this call runs the Gluon (Hopper) kernels (``seqlen_k``: the longest key sequence)."""
     choice = requested()
     if choice == "triton":
         return False
     takes_call = head_dim in GLUON_HEAD_DIMS and not q_smoothing and not varlen
     if choice == "auto":
-        return (GLUON_BY_DEFAULT and takes_call and _triton_minor() in GLUON_TESTED
+        faster = head_dim != 128 or seqlen_k >= GLUON_MIN_KEYS_D128
+        return (GLUON_BY_DEFAULT and takes_call and faster and _triton_minor() in GLUON_TESTED
                 and gluon_unavailable(device) is None)
     reason = gluon_unavailable(device)
     if reason is not None:

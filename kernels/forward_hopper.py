@@ -12,11 +12,15 @@ per-channel V scales applied at the end. Only the schedule differs, FlashAttenti
 * ``P`` goes to ``P V`` from registers (wgmma's A operand); V^T tiles are token-contiguous, as 8-bit wgmma
   wants its B operand K-major.
 
-Status (docs/speed_notes.md): correct on padded batches, about as fast as the portable kernel (1.01-1.05x at
-D=128, 0.86-0.95x at D=64 on an H100), and it faults on packed (varlen) batches. So it is opt-in
-(``SAGEBWD_KERNELS=gluon``) and takes padded batches only; ``dispatch.py`` sends the rest to the portable
-kernels. A schedule that issues the next tile's ``Q K^T`` before this tile's softmax (FlashAttention 3's
-in-warpgroup pipeline) measured 0.60-0.88x of the portable kernel and was taken out.
+* the two consumers take turns to issue ``S = Q K^T`` (``PINGPONG``, on at D=128), and the loader puts each
+  tile's K scales in shared memory beside it, so the consumers never wait on a global load mid-tile.
+
+Status (docs/speed_notes.md, session 4, H100): kernel-only 1.16-1.26x the portable kernel at D=128 (4K-16K
+keys), 1.02-1.09x at D=64; the default on Hopper through ``dispatch.py`` for padded batches (at D=128 from
+``GLUON_MIN_KEYS_D128`` keys). Packed batches stay on the portable kernels: TMA needs a 16-byte aligned
+innermost tile coordinate, so this kernel reads V^T laid out by ``quantize.aligned_starts`` there (built,
+CPU-tested), but a GPU run of the packed-batch tests on it did not finish (a hang: cause not yet found), so
+packed batches are not dispatched here.
 
 Head dims 64 and 128, no Q-smoothing. Gluon's API moves between Triton releases; this file is tested on the
 versions listed in ``dispatch.GLUON_TESTED``.
@@ -33,14 +37,8 @@ STAGES = gl.constexpr(2)      # K / V^T buffers in flight
 LOG2_127 = gl.constexpr(6.988684686772166)
 
 
-# _int32_times, _round_to_int8 and _key_tiles repeat quantize.py's and forward.py's arithmetic: a Gluon kernel
-# cannot call @triton.jit functions.
-
-@gluon.jit
-def _int32_times(x, scale):
-    """``float(x) * scale`` in an integer add and one FMA (quantize.int32_times, in Gluon)."""
-    return gl.fma((x + 0x4B400000).to(gl.float32, bitcast=True), scale, scale * -12582912.0)
-
+# _round_to_int8 and _key_tiles repeat quantize.py's and forward.py's arithmetic (the S dequantization too, inline:
+# quantize.int32_times): a Gluon kernel cannot call @triton.jit functions.
 
 @gluon.jit
 def _round_to_int8(x):
@@ -80,9 +78,13 @@ def _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
-            q_row, k_row, v_row, k0, lo, hi):
-    """One warp: Q's two halves once, then every K / V^T tile of ``[lo, hi)`` into the ring."""
+def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, ready, empty,
+            q_row, k_row, v_row, v0, lo, hi, KS, ks_off, seqlen_k):
+    """One warp: Q's two halves once, then every K / V^T tile of ``[lo, hi)`` into the ring, with the tile's
+    K scales and ``-12582912 * scale`` (the consumers' int32-to-float offset, folded) beside it in shared memory:
+    loaded here, off the consumers' path (read from global memory after each S, their latency stalled them)."""
+    ks_layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
+    offs = gl.arange(0, BLOCK_N, layout=ks_layout)
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, 0], q_bar, q_smem.index(1))
@@ -94,16 +96,27 @@ def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
-        tma.async_copy_global_to_shared(vt_desc, [v_row, k0 + start_n], ready.index(s), v_smem.index(s))
+        tma.async_copy_global_to_shared(vt_desc, [v_row, v0 + start_n], ready.index(s), v_smem.index(s))
+        cols = start_n + offs
+        k_scale = gl.load(KS + ks_off + cols, mask=cols < seqlen_k, other=0.0)
+        ks_smem.index(2 * s).store(k_scale)
+        ks_smem.index(2 * s + 1).store(k_scale * -12582912.0)
+        mbarrier.arrive(ready.index(s), count=1)     # the second of ready's two arrivals
         i += 1
 
 
 @gluon.jit
-def _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows, q_scale,
-             lo, hi, seqlen_q, seqlen_k, window_left, window_right,
+def _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, turn_me, turn_other, ks_smem,
+             rows, q_scale, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
              MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+             PINGPONG: gl.constexpr, FIRST: gl.constexpr,
              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """Key tiles ``[lo, hi)`` for one warpgroup's 64 rows, each S = Q K^T waited for before its softmax."""
+    """Key tiles ``[lo, hi)`` for one warpgroup's 64 rows, each S = Q K^T waited for before its softmax.
+
+    PINGPONG: the two warpgroups take turns to issue S (``turn_me`` / ``turn_other``), FlashAttention 3's
+    scheduler barrier, so one's softmax tends to run under the other's products. (Issuing the next tile's S
+    before this tile's accumulator update as well, FlashAttention 3's in-warpgroup overlap, measured no faster
+    on an H100 and spilled registers at D=128.)"""
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.int32, s_layout)
     o_zero = gl.zeros(acc.shape, gl.int32, o_layout)
@@ -111,11 +124,16 @@ def _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows, q
     for start_n in range(lo, hi, BLOCK_N):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn_me, (it & 1) ^ FIRST)
         s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn_other, count=1)
         cols = start_n + offs_n
-        k_scale = gl.load(ks_ptr + cols, mask=cols < seqlen_k, other=0.0)
+        k_scale = ks_smem.index(2 * s).load(gl.SliceLayout(0, s_layout))
+        k_bias = ks_smem.index(2 * s + 1).load(gl.SliceLayout(0, s_layout))
         s_int = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-        t = _int32_times(s_int, k_scale[None, :])
+        t = gl.fma((s_int + 0x4B400000).to(gl.float32, bitcast=True), k_scale[None, :], k_bias[None, :])
         if MASKED:
             r2 = rows[:, None]
             c2 = cols[None, :]
@@ -141,17 +159,18 @@ def _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows, q
         acc = gl.fma(acc, alpha_o[:, None], (p_scale_o * -12582912.0)[:, None])
         pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok, ))
         mbarrier.arrive(empty.index(s), count=1)
+        it += 1
         acc = gl.fma((pv + 0x4B400000).to(gl.float32, bitcast=True), p_scale_o[:, None], acc)
         m_i = m_new
-        it += 1
     return acc, m_i, l_i, it
 
 
 @gluon.jit
-def _consumer(q, first, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
-              qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
+def _consumer(q, first, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn_me, turn_other, QS, VS, O, LSE,
+              qs_off, vs_off, o_off, lse_off, s_ot,
               seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi,
-              HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+              HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+              PINGPONG: gl.constexpr, FIRST: gl.constexpr):
     """One warpgroup: query rows ``[first, first + 64)`` (their int8 Q in ``q``) against all key tiles."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
@@ -167,20 +186,22 @@ def _consumer(q, first, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
     m_i = gl.full([HALF_M], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([HALF_M], gl.float32, row_layout)
     acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
-    ks_ptr = KS + ks_off
 
     mbarrier.wait(q_bar, 0)
-    it = 0
+    it = lo * 0
     # masked left edge, unmasked middle, masked right edge
-    acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows, q_scale,
-                                 lo, full_lo, seqlen_q, seqlen_k, window_left, window_right,
-                                 True, MASK_LEFT, MASK_RIGHT, s_layout, o_layout, p_layout)
-    acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows, q_scale,
-                                 full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right,
-                                 False, MASK_LEFT, MASK_RIGHT, s_layout, o_layout, p_layout)
-    acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, ks_ptr, rows, q_scale,
-                                 full_hi, hi, seqlen_q, seqlen_k, window_left, window_right,
-                                 True, MASK_LEFT, MASK_RIGHT, s_layout, o_layout, p_layout)
+    acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty,
+                                        turn_me, turn_other, ks_smem, rows, q_scale, lo, full_lo, seqlen_q,
+                                        seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
+                                        PINGPONG, FIRST, s_layout, o_layout, p_layout)
+    acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty,
+                                        turn_me, turn_other, ks_smem, rows, q_scale, full_lo, full_hi, seqlen_q,
+                                        seqlen_k, window_left, window_right, False, MASK_LEFT, MASK_RIGHT,
+                                        PINGPONG, FIRST, s_layout, o_layout, p_layout)
+    acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty,
+                                        turn_me, turn_other, ks_smem, rows, q_scale, full_hi, hi, seqlen_q,
+                                        seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
+                                        PINGPONG, FIRST, s_layout, o_layout, p_layout)
 
     has_keys = l_i > 0
     lse = gl.where(has_keys, m_i + gl.log2(l_i), float("inf"))   # +inf: the backward's exp2(s - lse) is 0
@@ -197,11 +218,11 @@ def _consumer(q, first, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(
-    q_desc, k_desc, vt_desc, QS, KS, VS, O, LSE, CU_Q, CU_K,
+    q_desc, k_desc, vt_desc, QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT,
     s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right,
     IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -213,6 +234,7 @@ def _attn_fwd_hopper_kernel(
         seqlen_q = gl.load(CU_Q + b + 1) - q0
         k0 = gl.load(CU_K + b)
         seqlen_k = gl.load(CU_K + b + 1) - k0
+        v0 = gl.load(CU_VT + b)        # V^T's own, 16-aligned, sequence starts (quantize.aligned_starts)
         bq = b * 0
         bk = b * 0
     else:
@@ -220,44 +242,57 @@ def _attn_fwd_hopper_kernel(
         seqlen_q = n_q + q0
         k0 = b * 0
         seqlen_k = n_k + k0
+        v0 = k0
         bq = b
         bk = b
     start_m = pid_m * BLOCK_M
-    if start_m < seqlen_q:
-        lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                              BLOCK_M, MASK_LEFT, MASK_RIGHT)
-        # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], K8 [B*Hk*Nk, D], V8T [B*Hk*D, Nk_pad]
-        q_row = (bq * num_heads + h) * n_q + q0 + start_m
-        k_row = (bk * num_kv_heads + hk) * n_k + k0
-        v_row = (bk * num_kv_heads + hk) * HEAD_DIM
+    lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                          BLOCK_M, MASK_LEFT, MASK_RIGHT)
+    # A program past the end of its sequence (packed batches) runs no tiles, but it must still enter
+    # warp_specialize: the worker warps wait for it there, and skipping it faulted (illegal instruction).
+    hi = lo + (hi - lo) * (start_m < seqlen_q).to(gl.int32)
+    full_lo = gl.minimum(full_lo, hi)
+    full_hi = gl.minimum(full_hi, hi)
+    # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], K8 [B*Hk*Nk, D], V8T [B*Hk*D, Nk_pad]
+    q_row = (bq * num_heads + h) * n_q + q0 + start_m
+    k_row = (bk * num_kv_heads + hk) * n_k + k0
+    v_row = (bk * num_kv_heads + hk) * HEAD_DIM
 
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES] + vt_desc.block_type.shape, vt_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)     # both consumers release a buffer
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES] + vt_desc.block_type.shape, vt_desc.layout)
+    # per stage: the K scales (row 2s) and their offsets (row 2s + 1)
+    ks_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_N],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=2)      # the TMA bytes and the K scales
+        mbarrier.init(empty.index(i), count=2)     # both consumers release a buffer
 
-        qs_off = bq.to(gl.int64) * s_qsb + h * s_qsh + q0
-        ks_off = bk.to(gl.int64) * s_ksb + hk * s_ksh + k0
-        vs_off = b.to(gl.int64) * s_vsb + hk * s_vsh
-        o_off = bq.to(gl.int64) * s_ob + h.to(gl.int64) * s_oh + q0.to(gl.int64) * s_ot
-        lse_off = bq.to(gl.int64) * s_lb + h * s_lh + q0
-        # (constexprs go into each tuple literally: a tuple built beforehand turns them into tensors)
-        gl.warp_specialize([
-            (_consumer, (q_smem.index(0), start_m, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
-                         qs_off, ks_off, vs_off, o_off, lse_off, s_ot, seqlen_q, seqlen_k, window_left,
-                         window_right, lo, full_lo, full_hi, hi, HEAD_DIM, MASK_LEFT, MASK_RIGHT)),
-            (_consumer, (q_smem.index(1), start_m + HALF_M, k_smem, v_smem, q_bar, ready, empty, QS, KS, VS, O,
-                         LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot, seqlen_q, seqlen_k, window_left,
-                         window_right, lo, full_lo, full_hi, hi, HEAD_DIM, MASK_LEFT, MASK_RIGHT)),
-            (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
-                       q_row, k_row, v_row, k0, lo, hi)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    qs_off = bq.to(gl.int64) * s_qsb + h * s_qsh + q0
+    ks_off = bk.to(gl.int64) * s_ksb + hk * s_ksh + k0
+    vs_off = b.to(gl.int64) * s_vsb + hk * s_vsh
+    o_off = bq.to(gl.int64) * s_ob + h.to(gl.int64) * s_oh + q0.to(gl.int64) * s_ot
+    lse_off = bq.to(gl.int64) * s_lb + h * s_lh + q0
+    # (constexprs go into each tuple literally: a tuple built beforehand turns them into tensors)
+    gl.warp_specialize([
+        (_consumer, (q_smem.index(0), start_m, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn.index(0),
+                     turn.index(1), QS, VS, O, LSE, qs_off, vs_off, o_off, lse_off, s_ot,
+                     seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi,
+                     HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 1)),
+        (_consumer, (q_smem.index(1), start_m + HALF_M, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn.index(1),
+                     turn.index(0), QS, VS, O, LSE, qs_off, vs_off, o_off, lse_off, s_ot,
+                     seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi,
+                     HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 0)),
+        (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, ready, empty,
+                   q_row, k_row, v_row, v0, lo, hi, KS, ks_off, seqlen_k)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 def _int8_desc(x2d, block_shape):
@@ -266,8 +301,11 @@ def _int8_desc(x2d, block_shape):
 
 
 def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
-                        window, consumer_regs=240, loader_regs=24):
-    """(grid, args, kwargs) of the kernel for forward.launch_forward's contract."""
+                        window, v_starts=None, consumer_regs=240, loader_regs=24, pingpong=None):
+    """(grid, args, kwargs) of the kernel for forward.launch_forward's contract. ``pingpong`` defaults to on at
+    head dim 128 (faster there on an H100) and off at 64 (slower there)."""
+    if pingpong is None:
+        pingpong = head_dim == 128
     import triton
 
     q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]
@@ -279,20 +317,25 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     vt_desc = _int8_desc(v8t.view(-1, v8t.shape[-1]), [d, BLOCK_N.value])
     cu_q = layout_q.cu_seqlens if layout_q.is_varlen else q_scale
     cu_k = layout_k.cu_seqlens if layout_k.is_varlen else q_scale
+    if layout_k.is_varlen and v_starts is None:
+        raise ValueError("packed batches need v8t laid out with quantize.aligned_starts, passed as v_starts")
     grid = (triton.cdiv(layout_q.max_len, BLOCK_M.value), layout_q.num_seqs * num_heads)
     return grid, (
         q_desc, k_desc, vt_desc, q_scale, k_scale, v_scale, out4, lse, cu_q, cu_k,
+        v_starts if v_starts is not None else cu_k,
         q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
         v_scale.stride(0), v_scale.stride(1), *out4.stride()[:3], lse.stride(0), lse.stride(1),
         n_q, n_k, num_heads, hk, group, window[0], window[1],
     ), dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
-            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4)
+            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, PINGPONG=pingpong,
+            num_warps=4)
 
 
 def launch_forward_hopper(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim, window,
                           **tuning):
     """forward.launch_forward's contract on the Gluon kernel: ``out4`` ``[B, Hq, N, D]`` (any strides) and
-    ``lse`` ``[B, Hq, N]`` fp32 are written. Needs head_dim 64 or 128 and no Q-smoothing."""
+    ``lse`` ``[B, Hq, N]`` fp32 are written. Needs head_dim 64 or 128 and no Q-smoothing; a packed batch needs
+    ``v8t`` from ``quantize_v(..., t_starts=aligned_starts(layout_k))`` and those starts as ``v_starts``."""
     grid, args, kwargs = forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group,
                                              head_dim, window, **tuning)
     return _attn_fwd_hopper_kernel[grid](*args, **kwargs)

@@ -103,7 +103,7 @@ def _token_stats_kernel(
 
 @triton.jit
 def _quantize_kernel(
-    X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, DELTA, CU,
+    X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, DELTA, CU, T_CU,
     s_xb, s_xh, s_xt, s_xd,
     s_subh, s_subb, s_csh, s_csb,
     s_ob, s_oh, s_ot, s_od,
@@ -112,7 +112,8 @@ def _quantize_kernel(
     s_sb, s_sh,
     n_dense, num_heads, head_dim, sub_block,
     IS_VARLEN: tl.constexpr, HAS_SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, WITH_DELTA: tl.constexpr,
-    WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
@@ -145,7 +146,10 @@ def _quantize_kernel(
     if WRITE_NATURAL:
         tl.store(X8 + bx * s_8b + h * s_8h + (t0 + rows)[:, None] * s_8t + offs_d[None, :], x8, mask=ok)
     if WRITE_T:
-        tl.store(X8T + bx * s_tb + h * s_th + offs_d[None, :] * s_td + (t0 + rows)[:, None], x8, mask=ok)
+        t0_t = t0
+        if HAS_T_CU:   # the transposed copy's own sequence starts (16-aligned for TMA)
+            t0_t = tl.load(T_CU + b).to(tl.int64)
+        tl.store(X8T + bx * s_tb + h * s_th + offs_d[None, :] * s_td + (t0_t + rows)[:, None], x8, mask=ok)
     if WITH_DELTA:  # dO's pass also gives the backward's delta = rowsum(dO * O)
         o = tl.load(O + bx * s_ob + h * s_oh + (t0 + rows)[:, None] * s_ot + offs_d[None, :] * s_od,
                     mask=ok, other=0.0).to(tl.float32)
@@ -207,15 +211,29 @@ def _padded_tokens(n: int) -> int:
     return -(-max(n, 1) // TOKEN_ALIGN) * TOKEN_ALIGN
 
 
+def aligned_starts(layout: SeqLayout) -> torch.Tensor:
+    """First column of every sequence of a packed batch when each starts 16-byte aligned (int32 [S + 1]).
+
+    TMA faults (an illegal instruction) when a tile's innermost coordinate is not 16-byte aligned, and a packed
+    batch's sequences start anywhere: the Gluon forward reads V^T laid out with these starts."""
+    lengths = (layout.cu_seqlens[1:] - layout.cu_seqlens[:-1]).long()
+    cu = torch.zeros(layout.num_seqs + 1, dtype=torch.int32, device=layout.cu_seqlens.device)
+    cu[1:] = torch.cumsum(-(-lengths // TOKEN_ALIGN) * TOKEN_ALIGN, 0)
+    return cu
+
+
 def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
-             channel_scale=None, natural=True, transposed=False, out_for_delta=None):
+             channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None):
     """One pass over ``x4`` ``[B, H, N, D]`` -> dict with ``x8`` (natural ``[B, H, N, D]``), ``x8t``
     (``[B, H, D, N_pad]``), ``scale`` (per token ``[B, H, N]``, unless ``channel_scale`` given) and
-    ``delta`` (``rowsum(x * out_for_delta)``) as asked."""
+    ``delta`` (``rowsum(x * out_for_delta)``) as asked. ``t_starts`` (packed batches): each sequence's first
+    column in ``x8t`` (``aligned_starts``) instead of its first token."""
     bsz, h, n, d = x4.shape
     dev = x4.device
     x8 = torch.empty(bsz, h, n, d, dtype=torch.int8, device=dev) if natural else None
-    x8t = torch.zeros(bsz, h, d, _padded_tokens(n), dtype=torch.int8, device=dev) if transposed else None
+    # with t_starts, each sequence pads by under TOKEN_ALIGN columns: a bound that needs no device sync
+    width = _padded_tokens(n + (TOKEN_ALIGN - 1) * layout.num_seqs if t_starts is not None else n)
+    x8t = torch.zeros(bsz, h, d, width, dtype=torch.int8, device=dev) if transposed else None
     scale = None if channel_scale is not None else torch.empty(bsz, h, n, dtype=torch.float32, device=dev)
     delta = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if out_for_delta is not None else None
     any_out = next(t for t in (x8, x8t) if t is not None)
@@ -227,12 +245,12 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
         out_for_delta if out_for_delta is not None else x4,
         x8 if x8 is not None else any_out, x8t if x8t is not None else any_out,
         scale if scale is not None else x4, delta if delta is not None else x4,
-        layout.cu_seqlens if layout.is_varlen else any_out,
+        layout.cu_seqlens if layout.is_varlen else any_out, t_starts if t_starts is not None else any_out,
         *strides4(x4), *strides3(sub)[:2], *strides3(channel_scale)[:2], *strides4(out_for_delta),
         *strides4(x8)[:3], *strides4(x8t)[:3], *strides3(scale if scale is not None else delta)[:2],
         n, h, d, sub_block or 1,
         IS_VARLEN=layout.is_varlen, HAS_SUB=sub is not None, PER_CHANNEL=channel_scale is not None,
-        WITH_DELTA=delta is not None, WRITE_NATURAL=natural, WRITE_T=transposed,
+        WITH_DELTA=delta is not None, WRITE_NATURAL=natural, WRITE_T=transposed, HAS_T_CU=t_starts is not None,
         BLOCK_T=block_t, BLOCK_D=_block_d(d),
     )
     return dict(x8=x8, x8t=x8t, scale=scale, delta=delta)
@@ -259,9 +277,10 @@ def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale:
                 q_mean=None if q_mean is None else q_mean * (softmax_scale * LOG2E), q_mean_cu=q_cu)
 
 
-def quantize_v(v4: torch.Tensor, layout: SeqLayout):
-    """Per-channel INT8 V in token-major layout: (``v8t [B, H, D, N_pad]``, ``v_scale`` viewed ``[S, H, D]``)."""
+def quantize_v(v4: torch.Tensor, layout: SeqLayout, t_starts=None):
+    """Per-channel INT8 V in token-major layout: (``v8t [B, H, D, N_pad]``, ``v_scale`` viewed ``[S, H, D]``);
+    ``t_starts`` as ``quantize``'s."""
     v_max, _ = token_stats(v4, layout, abs_max=True)
     v_scale = v_max * (1.0 / 127.0)                      # [H, S, D]
-    v8t = quantize(v4, layout, channel_scale=v_scale, natural=False, transposed=True)["x8t"]
+    v8t = quantize(v4, layout, channel_scale=v_scale, natural=False, transposed=True, t_starts=t_starts)["x8t"]
     return v8t, v_scale.transpose(0, 1)

@@ -17,7 +17,7 @@ from .kernels import dispatch
 from .kernels.backward import launch_backward
 from .kernels.forward import launch_forward
 from .kernels.layout import SeqLayout, as_bhnd
-from .kernels.quantize import quantize, quantize_qk, quantize_v
+from .kernels.quantize import aligned_starts, quantize, quantize_qk, quantize_v
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -107,14 +107,17 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_sm
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
     lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
     quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing)
-    v8t, v_scale = quantize_v(v4, lay_k)
+    gluon = dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen, lay_k.max_len)
+    # the Gluon kernel reads V^T by TMA, whose tiles must start 16-byte aligned: packed sequences are laid so
+    v_starts = aligned_starts(lay_k) if gluon and varlen else None
+    v8t, v_scale = quantize_v(v4, lay_k, v_starts)
     lse = torch.empty(q4.shape[:3], device=q.device, dtype=torch.float32)
     _poisoned(out, lse)
     args = (quant, v8t, v_scale, as_bhnd(out, varlen), lse, lay_q, lay_k, q4.shape[1], q4.shape[1] // k4.shape[1],
             q4.shape[3], window)
-    if dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen):
+    if gluon:
         from .kernels.forward_hopper import launch_forward_hopper   # imports Gluon: only where it runs
-        launch_forward_hopper(*args)
+        launch_forward_hopper(*args, v_starts=v_starts)
         dispatch.count("fwd_gluon")
     else:
         launch_forward(*args, cfg["fwd"])

@@ -3,12 +3,12 @@
 ``SAGEBWD_KERNELS`` (read on every call) forces a choice:
 
 * ``auto`` (default): the Gluon forward on an sm_90 GPU with a Triton whose Gluon API it is tested on
-  (``GLUON_TESTED``), for the calls it takes and where it measured faster (at head dim 128 only from
-  ``GLUON_MIN_KEYS_D128`` keys on); the portable kernels everywhere else.
+  (``GLUON_TESTED``), for the padded calls it takes and where it measured faster (at head dim 128 only from
+  ``GLUON_MIN_KEYS_D128`` keys on); the portable kernels everywhere else (packed batches too, for now).
 * ``triton``: always the portable kernels (Ampere, Ada, Hopper, Blackwell, the interpreter).
 * ``gluon``: the Gluon forward on an sm_90 GPU (H100, H200), also on an untested Triton release, for the calls
-  it takes (head dim 64 or 128, no Q-smoothing, padded batches); any other call runs the portable kernels,
-  with one warning. On a GPU that is not sm_90, or without Gluon, it raises.
+  it takes (head dim 64 or 128, no Q-smoothing; padded or packed batches); any other call runs the portable
+  kernels, with one warning. On a GPU that is not sm_90, or without Gluon, it raises.
 
 ``kernel_counts()`` says which ran (``sagebwd_hf.attention_stats()["kernels"]`` too).
 """
@@ -78,22 +78,24 @@ def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bo
     choice = requested()
     if choice == "triton":
         return False
-    takes_call = head_dim in GLUON_HEAD_DIMS and not q_smoothing and not varlen
+    takes_call = head_dim in GLUON_HEAD_DIMS and not q_smoothing
     if choice == "auto":
         faster = head_dim != 128 or seqlen_k >= GLUON_MIN_KEYS_D128
-        return (GLUON_BY_DEFAULT and takes_call and faster and _triton_minor() in GLUON_TESTED
+        # packed batches: the Gluon kernel's two fixes for them (16-byte aligned V^T tiles, no tiles for programs
+        # past a sequence's end) are not yet proven on a GPU, so auto keeps them portable for now
+        return (GLUON_BY_DEFAULT and takes_call and not varlen and faster and _triton_minor() in GLUON_TESTED
                 and gluon_unavailable(device) is None)
     reason = gluon_unavailable(device)
     if reason is not None:
         raise ValueError(f"{ENV_VAR}=gluon, but the Gluon kernels cannot run here: {reason}. "
                          f"Use {ENV_VAR}=auto or triton.")
     if not takes_call:
-        key = (head_dim, q_smoothing, varlen)
+        key = (head_dim, q_smoothing)
         if key not in _warned:
             _warned.add(key)
             warnings.warn(f"{ENV_VAR}=gluon: the Gluon kernels take padded batches with head dims "
                           f"{GLUON_HEAD_DIMS} and no Q-smoothing; this call (head dim {head_dim}, "
-                          f"q_smoothing={q_smoothing}, packed={varlen}) runs the portable Triton kernels",
+                          f"q_smoothing={q_smoothing}) runs the portable Triton kernels",
                           stacklevel=4)
         return False
     return True

@@ -17,10 +17,10 @@ per-channel V scales applied at the end. Only the schedule differs, FlashAttenti
 
 Status (docs/speed_notes.md, session 4, H100): kernel-only 1.16-1.26x the portable kernel at D=128 (4K-16K
 keys), 1.02-1.09x at D=64; the default on Hopper through ``dispatch.py`` for padded batches (at D=128 from
-``GLUON_MIN_KEYS_D128`` keys). Packed batches stay on the portable kernels: TMA needs a 16-byte aligned
-innermost tile coordinate, so this kernel reads V^T laid out by ``quantize.aligned_starts`` there (built,
-CPU-tested), but a GPU run of the packed-batch tests on it did not finish (a hang: cause not yet found), so
-packed batches are not dispatched here.
+``GLUON_MIN_KEYS_D128`` keys). Packed batches: TMA needs a 16-byte aligned innermost tile coordinate, so
+this kernel reads V^T laid out by ``quantize.aligned_starts`` there; and programs past a short sequence's end
+run no tiles. Both fixes are in (the second found after the device time ran out: not yet run on a GPU), so
+packed batches take this kernel only under ``SAGEBWD_KERNELS=gluon`` for now.
 
 Head dims 64 and 128, no Q-smoothing. Gluon's API moves between Triton releases; this file is tested on the
 versions listed in ``dispatch.GLUON_TESTED``.
@@ -249,10 +249,13 @@ def _attn_fwd_hopper_kernel(
     lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                           BLOCK_M, MASK_LEFT, MASK_RIGHT)
     # A program past the end of its sequence (packed batches) runs no tiles, but it must still enter
-    # warp_specialize: the worker warps wait for it there, and skipping it faulted (illegal instruction).
-    hi = lo + (hi - lo) * (start_m < seqlen_q).to(gl.int32)
-    full_lo = gl.minimum(full_lo, hi)
-    full_hi = gl.minimum(full_hi, hi)
+    # warp_specialize (the worker warps wait for it there). All four bounds go to 0: with a window, such a
+    # program's lo can pass its hi, and then the loader (lo..hi) and the consumers' loops disagreed: a hang.
+    has_rows = (start_m < seqlen_q).to(gl.int32)
+    lo = lo * has_rows
+    full_lo = full_lo * has_rows
+    full_hi = full_hi * has_rows
+    hi = hi * has_rows
     # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], K8 [B*Hk*Nk, D], V8T [B*Hk*D, Nk_pad]
     q_row = (bq * num_heads + h) * n_q + q0 + start_m
     k_row = (bk * num_kv_heads + hk) * n_k + k0

@@ -1,0 +1,53 @@
+"""GPU (sm_90): the Gluon dV kernel (kernels/backward_hopper.py, not dispatched yet) against the portable dV
+launch on the same quantized inputs. Same tile rules, so they differ only by fp32 rounding order and exp2."""
+import pytest
+import torch
+
+from sagebwd_hf.interface import tile_configs
+from sagebwd_hf.kernels.backward import launch_backward
+from sagebwd_hf.kernels.forward import launch_forward
+from sagebwd_hf.kernels.layout import SeqLayout
+from sagebwd_hf.kernels.quantize import quantize, quantize_qk, quantize_v
+from sagebwd_hf.testing import error_stats, make_qkv
+
+IS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not IS_SM90, reason="the Gluon kernels need an sm_90 GPU")]
+
+# (batch, heads, kv_heads, seqlen, head_dim, window)
+CASES = [
+    (2, 4, 4, 1024, 128, (-1, -1)),
+    (1, 8, 2, 1000, 128, (-1, 0)),      # GQA, causal, N not a multiple of the tiles
+    (2, 4, 1, 777, 64, (-1, 0)),        # MQA
+    (1, 4, 2, 1100, 64, (100, 0)),      # sliding window
+    (1, 2, 2, 600, 128, (130, 77)),     # two-sided window
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}kv{c[2]}-n{c[3]}-d{c[4]}-w{c[5][0]}_{c[5][1]}")
+def test_gluon_dv_matches_portable(case):
+    from sagebwd_hf.kernels.backward_hopper import launch_dv_hopper
+
+    b, h, hk, n, d, window = case
+    q, k, v, do = make_qkv(b, h, hk, n, n, d, torch.bfloat16, "cuda")
+    scale = d ** -0.5
+    lay = SeqLayout(b, n, None)
+    cfg = tile_configs(d, q.device)
+    quant = quantize_qk(q, k, lay, lay, scale, True, False, transposed=True)
+    v8t, v_scale = quantize_v(v, lay)
+    out, lse = torch.empty_like(q), torch.empty(b, h, n, device="cuda")     # the kernels' base-2 lse
+    launch_forward(quant, v8t, v_scale, out, lse, lay, lay, h, h // hk, d, window, cfg["fwd"])
+    do_q = quantize(do, lay, natural=False, transposed=True, out_for_delta=out)
+    dv_dkdv = cfg["dkdv"][0] if cfg["split_dkdv"] else cfg["dkdv"]
+    assert dv_dkdv[0] == 128, "the Gluon kernel's query tile (P^T's scale) is the portable kernel's"
+    want = torch.full_like(v, float("nan"))
+    unused = torch.empty_like(q)
+    launch_backward(quant, quant["q8t"], quant["q_scale_raw"], quant["k8t"], v, do, do_q["x8t"], do_q["scale"],
+                    lse, do_q["delta"], unused, torch.empty_like(k), want, lay, lay, h, hk, d, window, scale,
+                    cfg["dkdv"], cfg["dq"], kernels=("dv",), split_dkdv=True)
+    got = torch.full_like(v, float("nan"))
+    launch_dv_hopper(quant["q8"], quant["q_scale"], lse, do_q["x8t"], do_q["scale"], quant["k8"],
+                     quant["k_scale"], got, h, h // hk, d, window)
+    assert torch.isfinite(got).all(), "an element the Gluon kernel never wrote"
+    cos, rel = error_stats(got, want)
+    print(f"{case}: gluon dV vs portable cos {cos:.6f} rel {rel:.2e}")
+    assert cos >= 0.9999 and rel <= 6e-3

@@ -1,5 +1,6 @@
-"""GPU (sm_90): the Gluon dV kernel (kernels/backward_hopper.py, not dispatched yet) against the portable dV
-launch on the same quantized inputs. Same tile rules, so they differ only by fp32 rounding order and exp2."""
+"""GPU (sm_90): the Gluon dV and dK kernels (kernels/backward_hopper.py, not dispatched yet) against the portable
+dV and dK launches on the same quantized inputs. Same tile rules, so they differ only by fp32 rounding order and
+exp2 (and, for dK, the bf16 dP^T product's accumulation order)."""
 import pytest
 import torch
 
@@ -23,9 +24,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("part", ["dv", "dk"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}kv{c[2]}-n{c[3]}-d{c[4]}-w{c[5][0]}_{c[5][1]}")
-def test_gluon_dv_matches_portable(case):
-    from sagebwd_hf.kernels.backward_hopper import launch_dv_hopper
+def test_gluon_dkdv_matches_portable(case, part):
+    from sagebwd_hf.kernels.backward_hopper import launch_dkdv_hopper
 
     b, h, hk, n, d, window = case
     q, k, v, do = make_qkv(b, h, hk, n, n, d, torch.bfloat16, "cuda")
@@ -37,17 +39,16 @@ def test_gluon_dv_matches_portable(case):
     out, lse = torch.empty_like(q), torch.empty(b, h, n, device="cuda")     # the kernels' base-2 lse
     launch_forward(quant, v8t, v_scale, out, lse, lay, lay, h, h // hk, d, window, cfg["fwd"])
     do_q = quantize(do, lay, natural=False, transposed=True, out_for_delta=out)
-    dv_dkdv = cfg["dkdv"][0] if cfg["split_dkdv"] else cfg["dkdv"]
-    assert dv_dkdv[0] == 128, "the Gluon kernel's query tile (P^T's scale) is the portable kernel's"
-    want = torch.full_like(v, float("nan"))
-    unused = torch.empty_like(q)
+    dkdv = cfg["dkdv"][0] if cfg["split_dkdv"] else cfg["dkdv"]
+    assert dkdv[0] == 128, "the Gluon kernels' query tile (P^T's and dS^T's scales) is the portable kernel's"
+    want = {"dk": torch.full_like(k, float("nan")), "dv": torch.full_like(v, float("nan"))}
     launch_backward(quant, quant["q8t"], quant["q_scale_raw"], quant["k8t"], v, do, do_q["x8t"], do_q["scale"],
-                    lse, do_q["delta"], unused, torch.empty_like(k), want, lay, lay, h, hk, d, window, scale,
-                    cfg["dkdv"], cfg["dq"], kernels=("dv",), split_dkdv=True)
-    got = torch.full_like(v, float("nan"))
-    launch_dv_hopper(quant["q8"], quant["q_scale"], lse, do_q["x8t"], do_q["scale"], quant["k8"],
-                     quant["k_scale"], got, h, h // hk, d, window)
+                    lse, do_q["delta"], torch.empty_like(q), want["dk"], want["dv"], lay, lay, h, hk, d, window,
+                    scale, cfg["dkdv"], cfg["dq"], kernels=(part,), split_dkdv=True)
+    got = torch.full_like(want[part], float("nan"))
+    launch_dkdv_hopper(part, quant, lse, do, do_q["x8t"], do_q["scale"], do_q["delta"], v, got, h, h // hk, d,
+                       window, scale)
     assert torch.isfinite(got).all(), "an element the Gluon kernel never wrote"
-    cos, rel = error_stats(got, want)
-    print(f"{case}: gluon dV vs portable cos {cos:.6f} rel {rel:.2e}")
+    cos, rel = error_stats(got, want[part])
+    print(f"{case} {part}: gluon vs portable cos {cos:.6f} rel {rel:.2e}")
     assert cos >= 0.9999 and rel <= 6e-3

@@ -18,13 +18,15 @@ int32 and the quantization scale changes per tile, so each product is dequantize
 registers into an fp32 accumulator; dK and dV in one program need two accumulators, two products and dP^T at
 once (over 300 registers per thread). dQ stays on the portable kernel for now.
 
-Compiled state (Triton 3.6, sm_90, 240 registers per consumer): the dV kernel keeps its tile loop free of
-spills (906 SASS instructions per 64x128 tile at D=128); the dK kernel spills in its loop (29 spill stores
-per tile at D=64, more at 128). Each per-query vector (q_scale, lse, delta, raw Q scale) sits on the columns
-of the [64 keys x 128 queries] tiles, so every thread holds 32 values of each: 128 registers for four, beside
-S^T and dP^T (64 each) and the accumulator. Ways out, to measure: queries on the rows instead (FlashAttention
-3 computes S = Q K^T and moves P^T, dS^T to shared memory for the dV/dK products), or a 64-query tile (a
-numerics change: the per-key scales would cover 64 queries; the portable kernels and the reference follow).
+Compiled state (Triton 3.6, sm_90, 240 registers per consumer): the dV kernel has no spills (14 spill
+instructions outside the loop in the windowed D=128 variant); the dK kernel's tile loop is spill-free at
+D=64 and spills at D=128 (about 30 spill loads and stores per 64x128 tile of ~1,140 instructions). Each
+per-query vector (q_scale, lse, delta, raw Q scale) sits on the columns of the [64 keys x 128 queries] tiles,
+32 values per thread, so they are loaded where used; at D=128 S^T/P^T, dP^T and the accumulator (64
+registers each) leave too little beside them. Ways out, to measure: queries on the rows instead
+(FlashAttention 3 computes S = Q K^T and moves P^T, dS^T through shared memory for the dV/dK products), or a
+64-query tile (a numerics change: the per-key scales would cover 64 queries; the portable kernels and the
+reference follow).
 
 Padded batches, head dims 64 and 128, no Q-smoothing.
 """
@@ -141,7 +143,6 @@ def _key_tiles_bwd(acc, it, k8, v16, k_scale, k_bias, q_smem, op_smem, do_smem, 
             dpt_tok = warpgroup_mma(v16, do_smem.index(s).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
         q_scale = vec_smem.index(4 * s).load(col_layout)
         lse = vec_smem.index(4 * s + 1).load(col_layout)
-        vec2 = vec_smem.index(4 * s + 2).load(col_layout)      # dO scale (dV) or delta (dK)
         if DO_DK:
             st_int, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st_tok, dpt_tok))
         else:
@@ -159,12 +160,16 @@ def _key_tiles_bwd(acc, it, k8, v16, k_scale, k_bias, q_smem, op_smem, do_smem, 
             pt = gl.where(valid, pt, 0.0)
         # the other operand's per-token scale folded in, then one scale per key over the tile
         # (backward._quantize_rows: unsigned for P^T, signed for dS^T)
+        # (each per-query vector costs 32 registers per thread: each is loaded where it is used)
         if DO_DK:
+            delta = vec_smem.index(4 * s + 2).load(col_layout)
+            x = pt * (gl.convert_layout(dpt, s_layout) - delta[None, :])
             qr_scale = vec_smem.index(4 * s + 3).load(col_layout)
-            x = pt * (gl.convert_layout(dpt, s_layout) - vec2[None, :]) * qr_scale[None, :]
+            x = x * qr_scale[None, :]
             x_max = gl.max(gl.abs(x), 1)
         else:
-            x = pt * vec2[None, :]
+            do_scale = vec_smem.index(4 * s + 2).load(col_layout)
+            x = pt * do_scale[None, :]
             x_max = gl.max(x, 1)
         x8 = gl.convert_layout(_round_to_int8(x * gl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None]), p_layout)
         prod_tok = warpgroup_mma(x8, op_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)

@@ -8,6 +8,7 @@
 #   plot      $OUT/bench.png from sweep.csv (else speed.csv) and e2e.csv, if matplotlib imports there
 #   bench     = sweep e2e plot
 #   breakdown per-kernel times, registers/spills and SASS opcode counts at N=4096, D=128 and D=64
+#   kernels   forward and dK/dV kernels alone, portable against Gluon (forward_kernels.py, backward_kernels.py)
 #   bash benchmarks/device_run.sh [stage ...]       (default: tests accuracy speed)
 # Extra arguments per script: SPEED_ARGS, SWEEP_ARGS, E2E_ARGS, ACCURACY_ARGS (e.g. E2E_ARGS="--seqlens 8192").
 # A time limit per stage in seconds: TIMEOUT_<stage> (e.g. TIMEOUT_tests=330), so one stage cannot eat the call.
@@ -54,6 +55,8 @@ for stage in $stages; do
     e2e)      run e2e python3 benchmarks/e2e.py --csv "$OUT/e2e.csv" ${E2E_ARGS:-} ;;
     breakdown) run breakdown bash -c "python3 benchmarks/breakdown.py --head-dim 128 --sass $TMP/sass \
                  && python3 benchmarks/breakdown.py --head-dim 64 --sass $TMP/sass" ;;
+    kernels)  run kernels bash -c "python3 benchmarks/forward_kernels.py --varlen first --seqlens 4096 16384 \
+                 && python3 benchmarks/backward_kernels.py" ;;
     plot)
       src="$OUT/sweep.csv"; [ -f "$src" ] || src="$OUT/speed.csv"
       if ! python3 -c "import matplotlib" 2>/dev/null; then
@@ -76,6 +79,7 @@ for stage in $stages; do
   case $stage in
     tests)    tail -4 "$TMP/$stage.log" ;;
     breakdown) grep -E "^(# |fwd|bwd|SASS)" "$TMP/$stage.log" | cut -c1-400 ;;
+    kernels)  grep -E "^(# |d[0-9]|varlen| )" "$TMP/$stage.log" | cut -c1-200 ;;
     accuracy) sed -n '/^inputs /,$p' "$TMP/$stage.log" ;;
     speed|sweep|e2e) sed -n '/^== /,$p' "$TMP/$stage.log" ;;
     plot)     tail -1 "$TMP/$stage.log" ;;

@@ -1,0 +1,70 @@
+"""The dV and dK kernels alone, on the same quantized inputs: the portable key-tile launches against the Gluon
+(Hopper) ones in kernels/backward_hopper.py (not dispatched yet). Needs an sm_90 GPU for the Gluon rows.
+
+TFLOP/s-equivalent per launch: dV counts 2 products (S^T, dV), dK 3 (S^T, dP^T, dK), each 2*B*H*N^2*D,
+halved when causal. Median of CUDA-event timings; each Gluon result is checked against the portable one
+(relative L2) before it is timed.
+
+    python benchmarks/backward_kernels.py [--seqlens 4096 16384] [--head-dims 128 64]
+"""
+import argparse
+
+import torch
+
+from sagebwd_hf.interface import tile_configs
+from sagebwd_hf.kernels.backward import launch_backward
+from sagebwd_hf.kernels.forward import launch_forward
+from sagebwd_hf.kernels.layout import SeqLayout
+from sagebwd_hf.kernels.quantize import quantize, quantize_qk, quantize_v
+from sagebwd_hf.testing import error_stats
+
+from forward_kernels import median_ms
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--width", type=int, default=2048)
+    args = p.parse_args()
+    from sagebwd_hf.kernels.backward_hopper import launch_dkdv_hopper
+
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {__import__('triton').__version__}")
+    print(f"{'shape':<22} {'part':<4} | {'portable ms':>11} {'TFLOP/s':>8} | {'gluon ms':>9} {'TFLOP/s':>8} "
+          f"{'x port':>6} {'relL2':>8}")
+    for d in args.head_dims:
+        for n in args.seqlens:
+            for causal in (False, True):
+                b, h = max(1, args.tokens // n), args.width // d
+                q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+                lay, window, scale = SeqLayout(b, n, None), ((-1, 0) if causal else (-1, -1)), d ** -0.5
+                cfg = tile_configs(d, q.device)
+                quant = quantize_qk(q, k, lay, lay, scale, True, False, transposed=True)
+                v8t, v_scale = quantize_v(v, lay)
+                out, lse = torch.empty_like(q), torch.empty(b, h, n, device="cuda")
+                launch_forward(quant, v8t, v_scale, out, lse, lay, lay, h, 1, d, window, cfg["fwd"])
+                do_q = quantize(do, lay, natural=False, transposed=True, out_for_delta=out)
+                grads = {"dk": torch.empty_like(k), "dv": torch.empty_like(v)}
+                dq_unused = torch.empty_like(q)        # launch_backward wants one; only dV or dK is written
+                shape = f"d{d}_n{n // 1024}k_{'causal' if causal else 'full'}"
+                for part, products in (("dv", 2), ("dk", 3)):
+                    flops = 2.0 * products * b * h * n * n * d * (0.5 if causal else 1.0)
+                    port = lambda: launch_backward(  # noqa: E731
+                        quant, quant["q8t"], quant["q_scale_raw"], quant["k8t"], v, do, do_q["x8t"], do_q["scale"],
+                        lse, do_q["delta"], dq_unused, grads["dk"], grads["dv"], lay, lay, h, h, d, window, scale,
+                        cfg["dkdv"], cfg["dq"], kernels=(part,), split_dkdv=True)
+                    port_ms = median_ms(port)
+                    got = torch.full_like(grads[part], float("nan"))
+                    run = lambda: launch_dkdv_hopper(  # noqa: E731
+                        part, quant, lse, do, do_q["x8t"], do_q["scale"], do_q["delta"], v, got, h, 1, d, window,
+                        scale)
+                    run()
+                    rel = error_stats(got, grads[part])[1]
+                    ms = median_ms(run)
+                    print(f"{shape:<22} {part:<4} | {port_ms:11.3f} {flops / port_ms * 1e-9:8.0f} | {ms:9.3f} "
+                          f"{flops / ms * 1e-9:8.0f} {port_ms / ms:6.2f} {rel:8.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -11,7 +11,6 @@ per-channel V scales applied at the end. Only the schedule differs, FlashAttenti
   wgmma; while one warpgroup does its softmax the other's products can use the tensor cores.
 * ``P`` goes to ``P V`` from registers (wgmma's A operand); V^T tiles are token-contiguous, as 8-bit wgmma
   wants its B operand K-major.
-
 * the two consumers take turns to issue ``S = Q K^T`` (``PINGPONG``, on at D=128), and the loader puts each
   tile's K scales in shared memory beside it, so the consumers never wait on a global load mid-tile.
 
@@ -116,7 +115,7 @@ def _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, turn_me, turn_o
     PINGPONG: the two warpgroups take turns to issue S (``turn_me`` / ``turn_other``), FlashAttention 3's
     scheduler barrier, so one's softmax tends to run under the other's products. (Issuing the next tile's S
     before this tile's accumulator update as well, FlashAttention 3's in-warpgroup overlap, measured no faster
-    on an H100 and spilled registers at D=128.)"""
+    on an H100 and needed a stack frame at D=128.)"""
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.int32, s_layout)
     o_zero = gl.zeros(acc.shape, gl.int32, o_layout)

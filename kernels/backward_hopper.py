@@ -33,27 +33,14 @@ Padded batches, head dims 64 and 128, no Q-smoothing.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
+from .forward_hopper import _ceil_to, _floor_to, _round_to_int8, _tma_desc
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
 BLOCK_M = gl.constexpr(128)   # queries per tile: part of the numerics (P^T's per-key scale), as backward.py's
 STAGES = gl.constexpr(2)
-
-
-@gluon.jit
-def _round_to_int8(x):
-    return (x + 12582912.0).to(gl.int32, bitcast=True).to(gl.int8)
-
-
-@gluon.jit
-def _floor_to(x, BLOCK: gl.constexpr):
-    return (gl.maximum(x, 0) // BLOCK) * BLOCK
-
-
-@gluon.jit
-def _ceil_to(x, BLOCK: gl.constexpr):
-    return ((gl.maximum(x, 0) + BLOCK - 1) // BLOCK) * BLOCK
 
 
 @gluon.jit
@@ -278,11 +265,6 @@ def _attn_bwd_dkdv_hopper_kernel(
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def _desc(x2d, block_shape, dtype):
-    layout = gl.NVMMASharedLayout.get_default_for(block_shape, dtype)
-    return TensorDescriptor(x2d, list(x2d.shape), list(x2d.stride()), block_shape, layout)
-
-
 def _rows(x4):
     """``[B, H, N, D]`` as ``[B*H*N, D]`` for a descriptor (a copy when the view has other strides)."""
     return x4.reshape(-1, x4.shape[-1])
@@ -304,14 +286,14 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, out4, num
     vec2, vec3 = (delta, quant["q_scale_raw"]) if dk else (do_scale, q_scale)
     for t in (lse, vec2, vec3):
         assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
-    q_desc = _desc(_rows(q8), [BLOCK_M.value, d], gl.int8)
+    q_desc = _tma_desc(_rows(q8), [BLOCK_M.value, d], gl.int8)
     op = quant["q8t"] if dk else do8t
-    op_desc = _desc(op.reshape(-1, op.shape[-1]), [d, BLOCK_M.value], gl.int8)
-    k_desc = _desc(_rows(k8), [HALF_N.value, d], gl.int8)
+    op_desc = _tma_desc(op.reshape(-1, op.shape[-1]), [d, BLOCK_M.value], gl.int8)
+    k_desc = _tma_desc(_rows(k8), [HALF_N.value, d], gl.int8)
     if dk:
         io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
-        do_desc = _desc(_rows(do4), [BLOCK_M.value, d], io_dtype)
-        v_desc = _desc(_rows(v4), [HALF_N.value, d], io_dtype)
+        do_desc = _tma_desc(_rows(do4), [BLOCK_M.value, d], io_dtype)
+        v_desc = _tma_desc(_rows(v4), [HALF_N.value, d], io_dtype)
     else:
         do_desc, v_desc = q_desc, k_desc          # unused
     grid = (triton.cdiv(n_k, BLOCK_N.value), bsz * hk)

@@ -297,8 +297,9 @@ def _attn_fwd_hopper_kernel(
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def _int8_desc(x2d, block_shape):
-    layout = gl.NVMMASharedLayout.get_default_for(block_shape, gl.int8)
+def _tma_desc(x2d, block_shape, dtype=gl.int8):
+    """A TMA descriptor over a 2-D view: int8 tiles here, bf16/fp16 ones too in backward_hopper."""
+    layout = gl.NVMMASharedLayout.get_default_for(block_shape, dtype)
     return TensorDescriptor(x2d, list(x2d.shape), list(x2d.stride()), block_shape, layout)
 
 
@@ -314,9 +315,9 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     assert quant["q_mean"] is None and head_dim in (64, 128) and out4.stride(3) == 1
     bsz, hq, n_q, d = q8.shape
     hk, n_k = k8.shape[1], k8.shape[2]
-    q_desc = _int8_desc(q8.view(-1, d), [HALF_M.value, d])
-    k_desc = _int8_desc(k8.view(-1, d), [BLOCK_N.value, d])
-    vt_desc = _int8_desc(v8t.view(-1, v8t.shape[-1]), [d, BLOCK_N.value])
+    q_desc = _tma_desc(q8.view(-1, d), [HALF_M.value, d])
+    k_desc = _tma_desc(k8.view(-1, d), [BLOCK_N.value, d])
+    vt_desc = _tma_desc(v8t.view(-1, v8t.shape[-1]), [d, BLOCK_N.value])
     cu_q = layout_q.cu_seqlens if layout_q.is_varlen else q_scale
     cu_k = layout_k.cu_seqlens if layout_k.is_varlen else q_scale
     if layout_k.is_varlen and v_starts is None:

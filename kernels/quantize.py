@@ -216,10 +216,7 @@ def aligned_starts(layout: SeqLayout) -> torch.Tensor:
 
     TMA faults (an illegal instruction) when a tile's innermost coordinate is not 16-byte aligned, and a packed
     batch's sequences start anywhere: the Gluon forward reads V^T laid out with these starts."""
-    lengths = (layout.cu_seqlens[1:] - layout.cu_seqlens[:-1]).long()
-    cu = torch.zeros(layout.num_seqs + 1, dtype=torch.int32, device=layout.cu_seqlens.device)
-    cu[1:] = torch.cumsum(-(-lengths // TOKEN_ALIGN) * TOKEN_ALIGN, 0)
-    return cu
+    return _blocks_cu(layout, TOKEN_ALIGN, layout.cu_seqlens.device) * TOKEN_ALIGN
 
 
 def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,

@@ -1,8 +1,9 @@
-"""The dV and dK kernels alone, on the same quantized inputs: the portable key-tile launches against the Gluon
-(Hopper) ones in kernels/backward_hopper.py (not dispatched yet). Needs an sm_90 GPU for the Gluon rows.
+"""The backward kernels alone, on the same quantized inputs: the portable launches against the Gluon (Hopper)
+ones in kernels/backward_hopper.py, one at a time (dv, dk, dq) and all of them ("bwd": as the op runs them).
+Needs an sm_90 GPU.
 
-TFLOP/s-equivalent per launch: dV counts 2 products (S^T, dV), dK 3 (S^T, dP^T, dK), each 2*B*H*N^2*D,
-halved when causal. Median of CUDA-event timings; each Gluon result is checked against the portable one
+TFLOP/s-equivalent per launch: dV counts 2 products (S^T, dV), dK 3 (S^T, dP^T, dK), dQ 3 (S, dP, dQ), the
+whole backward 5 (the usual count), each 2*B*H*N^2*D, halved when causal. Median of CUDA-event timings; each Gluon result is checked against the portable one
 (relative L2) before it is timed.
 
     python benchmarks/backward_kernels.py [--seqlens 4096 16384] [--head-dims 128 64]
@@ -28,7 +29,7 @@ def main():
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--width", type=int, default=2048)
     args = p.parse_args()
-    from sagebwd_hf.kernels.backward_hopper import launch_dkdv_hopper
+    from sagebwd_hf.kernels.backward_hopper import launch_backward_hopper, launch_dkdv_hopper, launch_dq_hopper
 
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {__import__('triton').__version__}")
     print(f"{'shape':<22} {'part':<4} | {'portable ms':>11} {'TFLOP/s':>8} | {'gluon ms':>9} {'TFLOP/s':>8} "
@@ -45,22 +46,32 @@ def main():
                 out, lse = torch.empty_like(q), torch.empty(b, h, n, device="cuda")
                 launch_forward(quant, v8t, v_scale, out, lse, lay, lay, h, 1, d, window, cfg["fwd"])
                 do_q = quantize(do, lay, natural=False, transposed=True, out_for_delta=out)
-                grads = {"dk": torch.empty_like(k), "dv": torch.empty_like(v)}
-                dq_unused = torch.empty_like(q)        # launch_backward wants one; only dV or dK is written
+                grads = {"dq": torch.empty_like(q), "dk": torch.empty_like(k), "dv": torch.empty_like(v)}
                 shape = f"d{d}_n{n // 1024}k_{'causal' if causal else 'full'}"
-                for part, products in (("dv", 2), ("dk", 3)):
+                # "bwd": all launches as the op runs them (portable: its configured split), 5 products
+                for part, products in (("dv", 2), ("dk", 3), ("dq", 3), ("bwd", 5)):
                     flops = 2.0 * products * b * h * n * n * d * (0.5 if causal else 1.0)
                     port = lambda: launch_backward(  # noqa: E731
                         quant, quant["q8t"], quant["q_scale_raw"], quant["k8t"], v, do, do_q["x8t"], do_q["scale"],
-                        lse, do_q["delta"], dq_unused, grads["dk"], grads["dv"], lay, lay, h, h, d, window, scale,
-                        cfg["dkdv"], cfg["dq"], kernels=(part,), split_dkdv=True)
+                        lse, do_q["delta"], grads["dq"], grads["dk"], grads["dv"], lay, lay, h, h, d, window, scale,
+                        cfg["dkdv"], cfg["dq"], kernels=("dkdv", "dq") if part == "bwd" else (part,),
+                        split_dkdv=cfg["split_dkdv"] if part == "bwd" else True)
                     port_ms = median_ms(port)
-                    got = torch.full_like(grads[part], float("nan"))
-                    run = lambda: launch_dkdv_hopper(  # noqa: E731
-                        part, quant, lse, do, do_q["x8t"], do_q["scale"], do_q["delta"], v, got, h, 1, d, window,
-                        scale)
+                    got = {name: torch.full_like(t, float("nan")) for name, t in grads.items()}
+                    if part == "bwd":
+                        run = lambda: launch_backward_hopper(  # noqa: E731
+                            quant, v, do, do_q["x8t"], do_q["scale"], lse, do_q["delta"], got["dq"], got["dk"],
+                            got["dv"], h, h, d, window, scale)
+                    elif part == "dq":
+                        run = lambda: launch_dq_hopper(  # noqa: E731
+                            quant, lse, do, do_q["delta"], v, got["dq"], h, 1, d, window, scale)
+                    else:
+                        run = lambda: launch_dkdv_hopper(  # noqa: E731
+                            part, quant, lse, do, do_q["x8t"], do_q["scale"], do_q["delta"], v, got[part], h, 1, d,
+                            window, scale)
                     run()
-                    rel = error_stats(got, grads[part])[1]
+                    rel = max(error_stats(got[name], grads[name])[1] for name in grads
+                              if part in ("bwd", name))
                     ms = median_ms(run)
                     print(f"{shape:<22} {part:<4} | {port_ms:11.3f} {flops / port_ms * 1e-9:8.0f} | {ms:9.3f} "
                           f"{flops / ms * 1e-9:8.0f} {port_ms / ms:6.2f} {rel:8.1e}", flush=True)

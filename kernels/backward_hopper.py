@@ -1,41 +1,38 @@
-"""SageBwd backward on Hopper (sm_90), in Gluon: the dK and dV kernels. NOT YET RUN ON A GPU.
+"""SageBwd backward on Hopper (sm_90), in Gluon: dV, dK and dQ as three warp-specialized launches.
 
-Written at the end of session 4 with no device time left; they compile for sm_90 (Triton 3.6) and nothing
-dispatches to them. The next session's first GPU call checks them against ``backward.py``'s dV and dK
-launches (``tests/test_backward_hopper.py``) before anything builds on them.
+Same numerics as the portable kernels (``backward.py``) at their GPU tiles: the key-tile launches walk
+128-query tiles (P^T's and dS^T's per-key scales), the dQ launch walks 128-key tiles (dS's per-query scales):
 
-Same numerics as the portable key-tile kernel (``backward._dkdv_tile``) at its GPU query tile, 128 queries:
-``S^T = K8 Q8^T`` in INT8 dequantized with the per-token K and Q scales, ``P^T = exp2(S^T - lse)``; then either
-``dV += P^T dO`` in INT8 (dO's per-token scale folded into P^T, P^T quantized per key over each query tile), or
-``dP^T = V dO^T`` in bf16/fp16, ``dS^T = P^T (dP^T - delta)`` and ``dK += dS^T Q`` in INT8 (Q's per-token scale
-folded into dS^T, quantized per key). The schedule is the Gluon forward's (``forward_hopper.py``): one program
-per 128 keys of one (sequence, KV head); a loader warp brings K (and V) once and, per query tile of every query
-head of the group, the tile's operands and per-query vectors into a two-stage ring; two consumer warpgroups
-of 64 keys each.
+* dV (``_attn_bwd_dkdv_hopper_kernel``, ``DO_DK`` off): ``S^T = K8 Q8^T`` in INT8 dequantized with the
+  per-token K and Q scales, ``P^T = exp2(S^T - lse)``, ``dV += P^T dO`` in INT8 (dO's per-token scale folded
+  into P^T, P^T quantized per key over each query tile).
+* dK (same kernel, ``DO_DK`` on): S^T and P^T again, ``dP^T = V dO^T`` in bf16/fp16,
+  ``dS^T = P^T (dP^T - delta)``, ``dK += dS^T Q`` in INT8 (Q's per-token scale folded into dS^T).
+* dQ (``_attn_bwd_dq_hopper_kernel``): ``S = Q8 K8^T``, ``dP = dO V^T``, ``dS = P (dP - delta)``,
+  ``dQ += dS K`` in INT8 (K's per-token scale folded into dS, quantized per query over each key tile).
 
-Why two launches (``DO_DK`` off: dV; on: dK), as the portable kernels do at D=128: INT8 wgmma accumulates in
-int32 and the quantization scale changes per tile, so each product is dequantized through its own 64 int32
-registers into an fp32 accumulator; dK and dV in one program need two accumulators, two products and dP^T at
-once (over 300 registers per thread). dQ stays on the portable kernel for now.
+The schedule is the Gluon forward's (``forward_hopper.py``): one program per 128 keys (dV, dK) or 128 queries
+(dQ) of one (sequence, head); a loader warp brings the program's own tile once and streams the other side's
+operands and per-token vectors through a two-stage TMA ring; two consumer warpgroups of 64 rows each.
+No atomics: every gradient is written once, so the backward is deterministic run to run.
 
-Compiled state (Triton 3.6, sm_90, 240 registers per consumer): the dV kernel has no spills (14 spill
-instructions outside the loop in the windowed D=128 variant); the dK kernel's tile loop is spill-free at
-D=64 and spills at D=128 (about 30 spill loads and stores per 64x128 tile of ~1,140 instructions). Each
-per-query vector (q_scale, lse, delta, raw Q scale) sits on the columns of the [64 keys x 128 queries] tiles,
-32 values per thread, so they are loaded where used; at D=128 S^T/P^T, dP^T and the accumulator (64
-registers each) leave too little beside them. Ways out, to measure: queries on the rows instead
-(FlashAttention 3 computes S = Q K^T and moves P^T, dS^T through shared memory for the dV/dK products), or a
-64-query tile (a numerics change: the per-key scales would cover 64 queries; the portable kernels and the
-reference follow).
+Why three launches and not FlashAttention 3's one: INT8 wgmma accumulates in int32 and the quantization
+scale changes per tile, so each product is dequantized through its own int32 registers into an fp32
+accumulator; dK and dV (and dS for a dQ by atomics) in one program need two accumulators, three products and
+dP^T at once, over the 240 registers a consumer warpgroup gets. The dK and dQ loops spill ~30 registers per
+tile at D=128.
 
-Padded batches, head dims 64 and 128, no Q-smoothing.
+Measured (H100, docs/speed_notes.md, session 5), kernels alone against the portable launches on the same
+inputs: dV 1.15-1.65x, dK 1.42-1.62x, dQ 1.08-1.35x, whole backward 1.22-1.34x.
+
+Padded batches, head dims 64 and 128, no Q-smoothing (``dispatch.use_gluon(..., backward=True)``).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
-from .forward_hopper import _ceil_to, _floor_to, _round_to_int8, _tma_desc
+from .forward_hopper import _ceil_to, _floor_to, _key_tiles, _round_to_int8, _tma_desc
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
@@ -265,6 +262,175 @@ def _attn_bwd_dkdv_hopper_kernel(
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
+# ---------------------------------------------------------------------------------------------------
+# dQ: one program per 128 queries of one (batch, head), walking the key tiles, as the forward does
+# ---------------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, ks_smem,
+               q_bar, ready, empty, q_row, k_row, kt_row, lo, hi, KS, ks_off, seqlen_k):
+    """One warp: Q8 and dO (both halves) once; then per key tile of ``[lo, hi)``: K8 (for S), V (for dP),
+    K8^T (dQ's B operand, token-contiguous as 8-bit wgmma wants it), and the tile's K scales and their
+    int32-to-float offsets in shared memory."""
+    ks_layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
+    offs = gl.arange(0, BLOCK_N, layout=ks_layout)
+    mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
+    for i in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [q_row + i * HALF_N, 0], q_bar, q_smem.index(i))
+        tma.async_copy_global_to_shared(do_desc, [q_row + i * HALF_N, 0], q_bar, do_smem.index(i))
+    nbytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes
+    i = 0
+    for start_n in range(lo, hi, BLOCK_N):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [k_row + start_n, 0], ready.index(s), v_smem.index(s))
+        tma.async_copy_global_to_shared(kt_desc, [kt_row, start_n], ready.index(s), kt_smem.index(s))
+        cols = start_n + offs
+        k_scale = gl.load(KS + ks_off + cols, mask=cols < seqlen_k, other=0.0)
+        ks_smem.index(2 * s).store(k_scale)
+        ks_smem.index(2 * s + 1).store(k_scale * -12582912.0)
+        mbarrier.arrive(ready.index(s), count=1)     # the second of ready's two arrivals
+        i += 1
+
+
+@gluon.jit
+def _dq_tiles(acc, it, q8, do16, q_scale, lse, delta, rows, k_smem, v_smem, kt_smem, ks_smem, ready, empty,
+              lo, hi, seqlen_q, seqlen_k, window_left, window_right,
+              MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+              s_layout: gl.constexpr, dp_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Key tiles ``[lo, hi)`` for one warpgroup's 64 queries: ``dQ += dS K`` (backward._dq_tile's numerics)."""
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([HALF_N, BLOCK_N], gl.int32, s_layout)
+    dp_zero = gl.zeros([HALF_N, BLOCK_N], gl.float32, dp_layout)
+    o_zero = gl.zeros(acc.shape, gl.int32, o_layout)
+    diag = seqlen_k - seqlen_q
+    for start_n in range(lo, hi, BLOCK_N):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        s_tok = warpgroup_mma(q8, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # dP = dO V^T in the input dtype (quantizing it would feed error into dS), beside S
+        dp_tok = warpgroup_mma(do16, v_smem.index(s).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
+        k_scale = ks_smem.index(2 * s).load(gl.SliceLayout(0, s_layout))
+        k_bias = ks_smem.index(2 * s + 1).load(gl.SliceLayout(0, s_layout))
+        s_int, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
+        t = gl.fma((s_int + 0x4B400000).to(gl.float32, bitcast=True), k_scale[None, :], k_bias[None, :])
+        p = gl.exp2(gl.fma(t, q_scale[:, None], -lse[:, None]))     # lse is +inf past the end: 0
+        if MASKED:
+            r2 = rows[:, None]
+            c2 = (start_n + offs_n)[None, :]
+            valid = (r2 < seqlen_q) & (c2 < seqlen_k)
+            if MASK_RIGHT:
+                valid = valid & (c2 <= r2 + diag + window_right)
+            if MASK_LEFT:
+                valid = valid & (c2 >= r2 + diag - window_left)
+            p = gl.where(valid, p, 0.0)
+        # dS with K's per-token scale folded in, then one scale per query over the tile (signed)
+        x = p * (gl.convert_layout(dp, s_layout) - delta[:, None]) * k_scale[None, :]
+        x_max = gl.max(gl.abs(x), 1)
+        x8 = gl.convert_layout(_round_to_int8(x * gl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None]), p_layout)
+        prod_tok = warpgroup_mma(x8, kt_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+        x_scale = gl.convert_layout(x_max * (1.0 / 127.0), gl.SliceLayout(1, o_layout))
+        prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod_tok, ))
+        mbarrier.arrive(empty.index(s), count=1)
+        acc = gl.fma((prod + 0x4B400000).to(gl.float32, bitcast=True), x_scale[:, None],
+                     acc + (x_scale * -12582912.0)[:, None])
+        it += 1
+    return acc, it
+
+
+@gluon.jit
+def _dq_consumer(q8, do16, first, k_smem, v_smem, kt_smem, ks_smem, q_bar, ready, empty, QS, LSE, DELTA, DQ,
+                 vec_off, dq_off, s_dqt, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi,
+                 out_scale, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """One warpgroup: queries ``[first, first + 64)`` against every key tile; writes their dQ rows."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    dp_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows = first + gl.arange(0, HALF_N, layout=row_layout)
+    m_ok = rows < seqlen_q
+    q_scale = gl.load(QS + vec_off + rows, mask=m_ok, other=0.0)
+    lse = gl.load(LSE + vec_off + rows, mask=m_ok, other=float("inf"))
+    delta = gl.load(DELTA + vec_off + rows, mask=m_ok, other=0.0)
+    acc = gl.zeros([HALF_N, HEAD_DIM], gl.float32, o_layout)
+    mbarrier.wait(q_bar, 0)
+    it = lo * 0
+    acc, it = _dq_tiles(acc, it, q8, do16, q_scale, lse, delta, rows, k_smem, v_smem, kt_smem, ks_smem, ready,
+                        empty, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT,
+                        MASK_RIGHT, s_layout, dp_layout, o_layout, p_layout)
+    acc, it = _dq_tiles(acc, it, q8, do16, q_scale, lse, delta, rows, k_smem, v_smem, kt_smem, ks_smem, ready,
+                        empty, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right, False, MASK_LEFT,
+                        MASK_RIGHT, s_layout, dp_layout, o_layout, p_layout)
+    acc, it = _dq_tiles(acc, it, q8, do16, q_scale, lse, delta, rows, k_smem, v_smem, kt_smem, ks_smem, ready,
+                        empty, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT,
+                        MASK_RIGHT, s_layout, dp_layout, o_layout, p_layout)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
+    ptrs = DQ + dq_off + rows_o.to(gl.int64)[:, None] * s_dqt + offs_d[None, :]
+    gl.store(ptrs, (acc * out_scale).to(DQ.dtype.element_ty), mask=(rows_o < seqlen_q)[:, None])
+
+
+@gluon.jit
+def _attn_bwd_dq_hopper_kernel(
+    q_desc, do_desc, k_desc, v_desc, kt_desc, QS, LSE, DELTA, KS, DQ,
+    s_qsb, s_qsh, s_ksb, s_ksh, s_dqb, s_dqh, s_dqt,
+    n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, out_scale,
+    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    hk = h // group
+    seqlen_q = n_q + b * 0
+    seqlen_k = n_k + b * 0
+    start_m = pid_m * BLOCK_M
+    lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                          BLOCK_M, MASK_LEFT, MASK_RIGHT)
+    # rows of the 2-D views the descriptors see: Q8 and dO [B*H*Nq, D], K8 and V [B*Hk*Nk, D],
+    # K8^T [B*Hk*D, Nk_pad]
+    q_row = pid_bh * n_q + start_m
+    k_row = (b * num_kv_heads + hk) * n_k
+    kt_row = (b * num_kv_heads + hk) * HEAD_DIM
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    kt_smem = gl.allocate_shared_memory(kt_desc.dtype, [STAGES] + kt_desc.block_type.shape, kt_desc.layout)
+    ks_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_N],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=2)      # the TMA bytes and the K scales
+        mbarrier.init(empty.index(i), count=2)      # both consumers release a buffer
+
+    vec_off = b.to(gl.int64) * s_qsb + h * s_qsh
+    ks_off = b.to(gl.int64) * s_ksb + hk * s_ksh
+    dq_off = b.to(gl.int64) * s_dqb + h.to(gl.int64) * s_dqh
+    gl.warp_specialize([
+        (_dq_consumer, (q_smem.index(0), do_smem.index(0), start_m, k_smem, v_smem, kt_smem, ks_smem, q_bar,
+                        ready, empty, QS, LSE, DELTA, DQ, vec_off, dq_off, s_dqt, seqlen_q, seqlen_k, window_left,
+                        window_right, lo, full_lo, full_hi, hi, out_scale, HEAD_DIM, MASK_LEFT, MASK_RIGHT)),
+        (_dq_consumer, (q_smem.index(1), do_smem.index(1), start_m + HALF_N, k_smem, v_smem, kt_smem, ks_smem,
+                        q_bar, ready, empty, QS, LSE, DELTA, DQ, vec_off, dq_off, s_dqt, seqlen_q, seqlen_k,
+                        window_left, window_right, lo, full_lo, full_hi, hi, out_scale, HEAD_DIM, MASK_LEFT,
+                        MASK_RIGHT)),
+        (_dq_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, ks_smem,
+                      q_bar, ready, empty, q_row, k_row, kt_row, lo, hi, KS, ks_off, seqlen_k)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
 def _rows(x4):
     """``[B, H, N, D]`` as ``[B*H*N, D]`` for a descriptor (a copy when the view has other strides)."""
     return x4.reshape(-1, x4.shape[-1])
@@ -311,3 +477,51 @@ def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, out4, n
     grid, args, kwargs = dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, out4, num_heads,
                                           group, head_dim, window, softmax_scale, **tuning)
     return _attn_bwd_dkdv_hopper_kernel[grid](*args, **kwargs)
+
+
+def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale,
+                   consumer_regs=240, loader_regs=32):
+    """(grid, args, kwargs) of the dQ launch: padded ``[B, H, N, D]`` tensors as ``backward.launch_backward``
+    takes them (``quant`` from ``quantize_qk(..., transposed=True)``, whose ``k8t`` is dQ's B operand)."""
+    import torch
+    import triton
+
+    assert head_dim in (64, 128) and dq4.stride(3) == 1
+    assert quant["q_mean"] is None, "no Q-smoothing on this path"
+    q8, k8, k8t, q_scale, k_scale = quant["q8"], quant["k8"], quant["k8t"], quant["q_scale"], quant["k_scale"]
+    bsz, hq, n_q, d = q8.shape
+    hk, n_k = k8.shape[1], k8.shape[2]
+    for t in (lse, delta):
+        assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
+    io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
+    q_desc = _tma_desc(_rows(q8), [HALF_N.value, d], gl.int8)
+    do_desc = _tma_desc(_rows(do4), [HALF_N.value, d], io_dtype)
+    k_desc = _tma_desc(_rows(k8), [BLOCK_N.value, d], gl.int8)
+    v_desc = _tma_desc(_rows(v4), [BLOCK_N.value, d], io_dtype)
+    kt_desc = _tma_desc(k8t.reshape(-1, k8t.shape[-1]), [d, BLOCK_N.value], gl.int8)
+    grid = (triton.cdiv(n_q, BLOCK_M.value), bsz * hq)
+    return grid, (
+        q_desc, do_desc, k_desc, v_desc, kt_desc, q_scale, lse, delta, k_scale, dq4,
+        q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1), *dq4.stride()[:3],
+        n_q, n_k, hq, hk, group, window[0], window[1], softmax_scale,
+    ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
+            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4)
+
+
+def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale, **tuning):
+    """dQ into ``dq4`` ``[B, H, N, D]`` (any strides with a contiguous last dim) on the Gluon kernel."""
+    grid, args, kwargs = dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window,
+                                        softmax_scale, **tuning)
+    return _attn_bwd_dq_hopper_kernel[grid](*args, **kwargs)
+
+
+def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4, dv4, num_heads, num_kv_heads,
+                           head_dim, window, softmax_scale):
+    """backward.launch_backward's contract on the Gluon kernels, for padded batches without Q-smoothing:
+    three launches (dV, dK, dQ), each deterministic (no atomics)."""
+    group = num_heads // num_kv_heads
+    common = (num_heads, group, head_dim, window, softmax_scale)
+    lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides
+    launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, *common)
+    launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, dk4, *common)
+    launch_dq_hopper(quant, lse, do4, delta, v4, dq4, *common)

@@ -2,13 +2,14 @@
 
 ``SAGEBWD_KERNELS`` (read on every call) forces a choice:
 
-* ``auto`` (default): the Gluon forward on an sm_90 GPU with a Triton whose Gluon API it is tested on
-  (``GLUON_TESTED``), for the padded calls it takes and where it measured faster (at head dim 128 only from
-  ``GLUON_MIN_KEYS_D128`` keys on); the portable kernels everywhere else (packed batches too, for now).
+* ``auto`` (default): on an sm_90 GPU with a Triton whose Gluon API they are tested on (``GLUON_TESTED``),
+  the Gluon forward for the padded calls it takes where it measured faster (at head dim 128 only from
+  ``GLUON_MIN_KEYS_D128`` keys on), and the Gluon backward for padded calls; the portable kernels everywhere
+  else (packed batches too, for now).
 * ``triton``: always the portable kernels (Ampere, Ada, Hopper, Blackwell, the interpreter).
-* ``gluon``: the Gluon forward on an sm_90 GPU (H100, H200), also on an untested Triton release, for the calls
-  it takes (head dim 64 or 128, no Q-smoothing; padded or packed batches); any other call runs the portable
-  kernels, with one warning. On a GPU that is not sm_90, or without Gluon, it raises.
+* ``gluon``: the Gluon kernels on an sm_90 GPU (H100, H200), also on an untested Triton release, for the calls
+  they take (head dim 64 or 128, no Q-smoothing; the forward padded or packed, the backward padded); any other
+  call runs the portable kernels, with one warning. On a GPU that is not sm_90, or without Gluon, it raises.
 
 ``kernel_counts()`` says which ran (``sagebwd_hf.attention_stats()["kernels"]`` too).
 """
@@ -27,6 +28,8 @@ GLUON_HEAD_DIMS = (64, 128)
 # at D=128 from 4K keys, 1.01-1.08x at D=64 (1K-16K), but 0.93x at D=128 with 1K keys.
 GLUON_BY_DEFAULT = True
 GLUON_MIN_KEYS_D128 = 2048
+# The Gluon backward (dV, dK, dQ launches, kernels/backward_hopper.py) for padded batches.
+GLUON_BWD_BY_DEFAULT = True
 
 _counts = collections.Counter()    # "fwd_gluon", "fwd_triton", ... -> launches
 _warned = set()
@@ -73,29 +76,32 @@ def gluon_unavailable(device: torch.device):
 
 
 def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bool = False,
-              seqlen_k: int = 1 << 30) -> bool:
-    """True when this call runs the Gluon (Hopper) kernels (``seqlen_k``: the longest key sequence)."""
+              seqlen_k: int = 1 << 30, backward: bool = False) -> bool:
+    """True when this call runs the Gluon (Hopper) kernels (``seqlen_k``: the longest key sequence;
+    ``backward``: the choice for the backward pass, whose Gluon kernels take padded batches only)."""
     choice = requested()
     if choice == "triton":
         return False
-    takes_call = head_dim in GLUON_HEAD_DIMS and not q_smoothing
+    takes_call = head_dim in GLUON_HEAD_DIMS and not q_smoothing and not (backward and varlen)
     if choice == "auto":
-        faster = head_dim != 128 or seqlen_k >= GLUON_MIN_KEYS_D128
-        # packed batches: the Gluon kernel's two fixes for them (16-byte aligned V^T tiles, no tiles for programs
-        # past a sequence's end) are not yet proven on a GPU, so auto keeps them portable for now
-        return (GLUON_BY_DEFAULT and takes_call and not varlen and faster and _triton_minor() in GLUON_TESTED
-                and gluon_unavailable(device) is None)
+        if backward:
+            faster = GLUON_BWD_BY_DEFAULT
+        else:
+            # packed batches: auto takes them once the forward's fixes for them are proven on a GPU
+            faster = GLUON_BY_DEFAULT and not varlen and (head_dim != 128 or seqlen_k >= GLUON_MIN_KEYS_D128)
+        return (takes_call and faster and _triton_minor() in GLUON_TESTED and gluon_unavailable(device) is None)
     reason = gluon_unavailable(device)
     if reason is not None:
         raise ValueError(f"{ENV_VAR}=gluon, but the Gluon kernels cannot run here: {reason}. "
                          f"Use {ENV_VAR}=auto or triton.")
     if not takes_call:
-        key = (head_dim, q_smoothing)
+        key = (head_dim, q_smoothing, backward and varlen)
         if key not in _warned:
             _warned.add(key)
-            warnings.warn(f"{ENV_VAR}=gluon: the Gluon kernels take padded batches with head dims "
-                          f"{GLUON_HEAD_DIMS} and no Q-smoothing; this call (head dim {head_dim}, "
-                          f"q_smoothing={q_smoothing}) runs the portable Triton kernels",
-                          stacklevel=4)
+            what = "backward (packed batch)" if backward and varlen else "kernels"
+            warnings.warn(f"{ENV_VAR}=gluon: the Gluon forward takes head dims {GLUON_HEAD_DIMS} without "
+                          f"Q-smoothing, the Gluon backward padded batches of those; this call's {what} "
+                          f"(head dim {head_dim}, q_smoothing={q_smoothing}, packed={varlen}) runs the portable "
+                          f"Triton kernels", stacklevel=4)
         return False
     return True

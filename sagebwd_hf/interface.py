@@ -107,7 +107,9 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_sm
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
     lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
     quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing)
-    gluon = dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen, lay_k.max_len)
+    # (an empty side has nothing to tile: a TMA descriptor cannot have a zero extent)
+    gluon = q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
+                                                                      lay_k.max_len)
     # the Gluon kernel reads V^T by TMA, whose tiles must start 16-byte aligned: packed sequences are laid so
     v_starts = aligned_starts(lay_k) if gluon and varlen else None
     v8t, v_scale = quantize_v(v4, lay_k, v_starts)
@@ -157,6 +159,14 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
     else:
         q8rt, q_scale_raw = quant["q8t"], quant["q_scale_raw"]
     do_q = quantize(do4, lay_q, natural=False, transposed=True, out_for_delta=o4)
+    if q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
+                                                                 lay_k.max_len, backward=True):
+        from .kernels.backward_hopper import launch_backward_hopper   # imports Gluon: only where it runs
+        launch_backward_hopper(quant, v4, do4, do_q["x8t"], do_q["scale"], lse, do_q["delta"], as_bhnd(dq, varlen),
+                               as_bhnd(dk, varlen), as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3],
+                               window, scale)
+        dispatch.count("bwd_gluon")
+        return dq, dk, dv
     launch_backward(quant, q8rt, q_scale_raw, quant["k8t"], v4, do4, do_q["x8t"], do_q["scale"], lse,
                     do_q["delta"], as_bhnd(dq, varlen), as_bhnd(dk, varlen), as_bhnd(dv, varlen), lay_q, lay_k,
                     q4.shape[1], k4.shape[1], q4.shape[3], window, scale, cfg["dkdv"], cfg["dq"],

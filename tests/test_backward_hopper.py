@@ -1,5 +1,5 @@
-"""GPU (sm_90): the Gluon dV and dK kernels (kernels/backward_hopper.py, not dispatched yet) against the portable
-dV and dK launches on the same quantized inputs. Same tile rules, so they differ only by fp32 rounding order and
+"""GPU (sm_90): the Gluon dV, dK and dQ kernels (kernels/backward_hopper.py) against the portable
+dV, dK and dQ launches on the same quantized inputs. Same tile rules, so they differ only by fp32 rounding order and
 exp2 (and, for dK, the bf16 dP^T product's accumulation order)."""
 import pytest
 import torch
@@ -24,10 +24,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("part", ["dv", "dk"])
+@pytest.mark.parametrize("part", ["dv", "dk", "dq"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}kv{c[2]}-n{c[3]}-d{c[4]}-w{c[5][0]}_{c[5][1]}")
 def test_gluon_dkdv_matches_portable(case, part):
-    from sagebwd_hf.kernels.backward_hopper import launch_dkdv_hopper
+    from sagebwd_hf.kernels.backward_hopper import launch_dkdv_hopper, launch_dq_hopper
 
     b, h, hk, n, d, window = case
     q, k, v, do = make_qkv(b, h, hk, n, n, d, torch.bfloat16, "cuda")
@@ -41,13 +41,18 @@ def test_gluon_dkdv_matches_portable(case, part):
     do_q = quantize(do, lay, natural=False, transposed=True, out_for_delta=out)
     dkdv = cfg["dkdv"][0] if cfg["split_dkdv"] else cfg["dkdv"]
     assert dkdv[0] == 128, "the Gluon kernels' query tile (P^T's and dS^T's scales) is the portable kernel's"
-    want = {"dk": torch.full_like(k, float("nan")), "dv": torch.full_like(v, float("nan"))}
+    assert cfg["dq"][1] == 128, "the Gluon dQ kernel's key tile (dS's scales) is the portable kernel's"
+    want = {"dq": torch.full_like(q, float("nan")), "dk": torch.full_like(k, float("nan")),
+            "dv": torch.full_like(v, float("nan"))}
     launch_backward(quant, quant["q8t"], quant["q_scale_raw"], quant["k8t"], v, do, do_q["x8t"], do_q["scale"],
-                    lse, do_q["delta"], torch.empty_like(q), want["dk"], want["dv"], lay, lay, h, hk, d, window,
+                    lse, do_q["delta"], want["dq"], want["dk"], want["dv"], lay, lay, h, hk, d, window,
                     scale, cfg["dkdv"], cfg["dq"], kernels=(part,), split_dkdv=True)
     got = torch.full_like(want[part], float("nan"))
-    launch_dkdv_hopper(part, quant, lse, do, do_q["x8t"], do_q["scale"], do_q["delta"], v, got, h, h // hk, d,
-                       window, scale)
+    if part == "dq":
+        launch_dq_hopper(quant, lse, do, do_q["delta"], v, got, h, h // hk, d, window, scale)
+    else:
+        launch_dkdv_hopper(part, quant, lse, do, do_q["x8t"], do_q["scale"], do_q["delta"], v, got, h, h // hk, d,
+                           window, scale)
     assert torch.isfinite(got).all(), "an element the Gluon kernel never wrote"
     cos, rel = error_stats(got, want[part])
     print(f"{case} {part}: gluon vs portable cos {cos:.6f} rel {rel:.2e}")

@@ -9,7 +9,7 @@ import torch
 
 from sagebwd_hf import attention_stats, reset_attention_stats, sagebwd_attn_func, sagebwd_attn_varlen_func
 from sagebwd_hf.kernels import dispatch
-from sagebwd_hf.testing import error_stats, make_qkv
+from sagebwd_hf.testing import error_stats, make_qkv, run_with_grads
 
 HAS_CUDA = torch.cuda.is_available()
 IS_SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
@@ -51,6 +51,12 @@ def test_auto_and_forced_choices_on_hopper(monkeypatch):
     assert not dispatch.use_gluon(dev, 128, False, seqlen_k=dispatch.GLUON_MIN_KEYS_D128 - 1)
     assert dispatch.use_gluon(dev, 128, False, seqlen_k=dispatch.GLUON_MIN_KEYS_D128)
     assert dispatch.use_gluon(dev, 64, False, seqlen_k=1024)
+    # the backward: padded batches at head dims 64 and 128, any length; packed batches stay portable
+    assert dispatch.use_gluon(dev, 128, False, seqlen_k=1024, backward=True) == dispatch.GLUON_BWD_BY_DEFAULT
+    assert not dispatch.use_gluon(dev, 64, False, varlen=True, backward=True)
+    assert not dispatch.use_gluon(dev, 64, True, backward=True)
+    monkeypatch.setattr(dispatch, "GLUON_BWD_BY_DEFAULT", False)
+    assert not dispatch.use_gluon(dev, 128, False, backward=True)
     monkeypatch.setattr(dispatch, "_triton_minor", lambda: "99.0")
     assert not dispatch.use_gluon(dev, 128, False)
     monkeypatch.setenv(dispatch.ENV_VAR, "gluon")
@@ -60,6 +66,9 @@ def test_auto_and_forced_choices_on_hopper(monkeypatch):
     assert dispatch.use_gluon(dev, 64, False, varlen=True)          # forced: the Gluon forward takes them
     with pytest.warns(UserWarning, match="q_smoothing=True"):
         assert not dispatch.use_gluon(dev, 64, True, varlen=True)
+    assert dispatch.use_gluon(dev, 64, False, backward=True)
+    with pytest.warns(UserWarning, match=r"backward \(packed batch\).*portable"):
+        assert not dispatch.use_gluon(dev, 64, False, varlen=True, backward=True)
 
 
 def test_stats_say_which_kernels_ran():
@@ -138,6 +147,39 @@ def test_gluon_forward_matches_reference(case, dtype, monkeypatch):
         assert (out[:, :, : nq - nk] == 0).all()
 
 
+def _grads(monkeypatch, choice, q, k, v, do, **kw):
+    monkeypatch.setenv(dispatch.ENV_VAR, choice)
+    reset_attention_stats()
+    grads = run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, **kw), q, k, v, do)
+    ran = attention_stats()["kernels"]
+    assert ran.get(f"bwd_{'gluon' if choice == 'gluon' else 'triton'}") == 1, ran
+    return grads
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", GLUON_CASES, ids=_case_id)
+def test_gluon_backward_matches_reference(case, monkeypatch):
+    """dQ, dK, dV of the Gluon backward (kernels/backward_hopper.py) against the reference and the portable
+    kernels, over the padded grid (GQA summed over the group, Nq != Nk, rows that see no key, windows)."""
+    b, h, hk, nq, nk, d, causal, window = case
+    q, k, v, do = make_qkv(b, h, hk, nq, nk, d, torch.bfloat16, "cuda")
+    kw = dict(causal=causal, window_size=window)
+    got = _grads(monkeypatch, "gluon", q, k, v, do, **kw)
+    portable = _grads(monkeypatch, "triton", q, k, v, do, **kw)
+    monkeypatch.setenv(dispatch.ENV_VAR, "auto")
+    ref = run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, backend="naive", **kw), q, k, v, do)
+    for name in ("dQ", "dK", "dV"):
+        assert torch.isfinite(got[name]).all(), f"{name}: an element the Gluon kernels never wrote"
+        cos, rel = error_stats(got[name], ref[name])
+        rel_port = error_stats(got[name], portable[name])[1]
+        print(f"{_case_id(case)} {name}: gluon vs reference cos {cos:.6f} rel {rel:.2e}; vs portable {rel_port:.2e}")
+        assert cos >= 0.9999 and rel <= ORACLE_REL, (name, cos, rel)
+        assert rel_port <= ORACLE_REL, (name, rel_port)
+    if causal and nq > nk:                      # rows that see no key have zero dQ
+        assert (got["dQ"][:, :, : nq - nk] == 0).all()
+
+
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("head_dim", [128, 64])
@@ -177,7 +219,9 @@ def test_dispatch_picks_each_path_on_hopper(monkeypatch):
     reset_attention_stats()
     sagebwd_attn_func(q, k, v, causal=True).backward(do)
     default = dispatch.GLUON_BY_DEFAULT and dispatch._triton_minor() in dispatch.GLUON_TESTED
-    assert attention_stats()["kernels"] == {"fwd_gluon" if default else "fwd_triton": 1, "bwd_triton": 1}
+    default_bwd = dispatch.GLUON_BWD_BY_DEFAULT and dispatch._triton_minor() in dispatch.GLUON_TESTED
+    assert attention_stats()["kernels"] == {"fwd_gluon" if default else "fwd_triton": 1,
+                                            "bwd_gluon" if default_bwd else "bwd_triton": 1}
     for choice in ("gluon", "triton"):
         monkeypatch.setenv(dispatch.ENV_VAR, choice)
         reset_attention_stats()

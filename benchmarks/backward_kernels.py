@@ -28,7 +28,11 @@ def main():
     p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="also time the Gluon launches with these tuning arguments (e.g. pingpong=1), printed as "
+                        "speed-ups over the default")
     args = p.parse_args()
+    variants = [(v, {k: int(x) for k, x in (kv.split("=") for kv in v.split(","))}) for v in args.variant]
     from sagebwd_hf.kernels.backward_hopper import launch_backward_hopper, launch_dkdv_hopper, launch_dq_hopper
 
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {__import__('triton').__version__}")
@@ -58,23 +62,32 @@ def main():
                         split_dkdv=cfg["split_dkdv"] if part == "bwd" else True)
                     port_ms = median_ms(port)
                     got = {name: torch.full_like(t, float("nan")) for name, t in grads.items()}
-                    if part == "bwd":
-                        run = lambda: launch_backward_hopper(  # noqa: E731
-                            quant, v, do, do_q["x8t"], do_q["scale"], lse, do_q["delta"], got["dq"], got["dk"],
-                            got["dv"], h, h, d, window, scale)
-                    elif part == "dq":
-                        run = lambda: launch_dq_hopper(  # noqa: E731
-                            quant, lse, do, do_q["delta"], v, got["dq"], h, 1, d, window, scale)
-                    else:
-                        run = lambda: launch_dkdv_hopper(  # noqa: E731
+                    def gluon(**tuning):
+                        if part == "bwd":
+                            return lambda: launch_backward_hopper(
+                                quant, v, do, do_q["x8t"], do_q["scale"], lse, do_q["delta"], got["dq"], got["dk"],
+                                got["dv"], h, h, d, window, scale, **tuning)
+                        if part == "dq":
+                            tuning.pop("fold", None)        # a dV/dK option
+                            return lambda: launch_dq_hopper(
+                                quant, lse, do, do_q["delta"], v, got["dq"], h, 1, d, window, scale, **tuning)
+                        return lambda: launch_dkdv_hopper(
                             part, quant, lse, do, do_q["x8t"], do_q["scale"], do_q["delta"], v, got[part], h, 1, d,
-                            window, scale)
+                            window, scale, **tuning)
+                    run = gluon()
                     run()
                     rel = max(error_stats(got[name], grads[name])[1] for name in grads
                               if part in ("bwd", name))
                     ms = median_ms(run)
+                    extra = ""
+                    for key, tuning in variants:
+                        alt = gluon(**dict(tuning))
+                        alt()
+                        alt_rel = max(error_stats(got[name], grads[name])[1] for name in grads
+                                      if part in ("bwd", name))
+                        extra += f" | {key} {ms / median_ms(alt):5.2f}x {alt_rel:7.1e}"
                     print(f"{shape:<22} {part:<4} | {port_ms:11.3f} {flops / port_ms * 1e-9:8.0f} | {ms:9.3f} "
-                          f"{flops / ms * 1e-9:8.0f} {port_ms / ms:6.2f} {rel:8.1e}", flush=True)
+                          f"{flops / ms * 1e-9:8.0f} {port_ms / ms:6.2f} {rel:8.1e}{extra}", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ dP^T at once, over the 240 registers a consumer warpgroup gets. The dK and dQ lo
 tile at D=128.
 
 Measured (H100, docs/speed_notes.md, session 5), kernels alone against the portable launches on the same
-inputs: dV 1.15-1.65x, dK 1.42-1.62x, dQ 1.08-1.35x, whole backward 1.22-1.34x.
+inputs: dV 1.15-1.65x, dK 1.42-1.62x, dQ 1.08-1.35x, whole backward 1.22-1.34x; then ``FOLD`` (the dO scale
+as ``log2`` inside P^T's exp2 instead of a multiply per score) made dV 1.09-1.12x faster again. The forward's
+ping-pong turns between the two consumers measured 0.87-1.02x here (not kept).
 
 Padded batches, head dims 64 and 128, no Q-smoothing (``dispatch.use_gluon(..., backward=True)``).
 """
@@ -66,7 +68,7 @@ def _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
 @gluon.jit
 def _loader(q_desc, op_desc, do_desc, k_desc, v_desc, q_smem, op_smem, do_smem, k_smem, v_smem, vec_smem,
             k_bar, ready, empty, QS, LSE, VEC2, VEC3, k_row, q_head0, vec_head0, s_vech, n_q, group, seqlen_q,
-            lo, hi, DO_DK: gl.constexpr):
+            lo, hi, DO_DK: gl.constexpr, FOLD: gl.constexpr):
     """One warp: K (and V for dK) once; then per query head of the group and query tile in ``[lo, hi)``: Q8,
     the second product's int8 operand (dO8^T for dV, Q8^T for dK), dO itself for dK's dP^T, and the
     per-query vectors (rows: q_scale, lse (+inf past the end), dO scale or delta, -, or the raw Q scale)."""
@@ -98,10 +100,18 @@ def _loader(q_desc, op_desc, do_desc, k_desc, v_desc, q_smem, op_smem, do_smem, 
             ok = rows < seqlen_q
             base = vec_head0 + g * s_vech + rows
             vec_smem.index(4 * s).store(gl.load(QS + base, mask=ok, other=0.0))
-            vec_smem.index(4 * s + 1).store(gl.load(LSE + base, mask=ok, other=float("inf")))
-            vec_smem.index(4 * s + 2).store(gl.load(VEC2 + base, mask=ok, other=0.0))
+            lse = gl.load(LSE + base, mask=ok, other=float("inf"))
+            vec2 = gl.load(VEC2 + base, mask=ok, other=0.0)
             if DO_DK:
-                vec_smem.index(4 * s + 3).store(gl.load(VEC3 + base, mask=ok, other=0.0))
+                vec3 = gl.load(VEC3 + base, mask=ok, other=0.0)
+                vec_smem.index(4 * s + 3).store(vec3)
+            if FOLD:    # log2 of the scale folded into P's exponent (log2(0) - lse = -inf: P 0)
+                if DO_DK:
+                    lse = lse - gl.log2(vec3)
+                else:
+                    lse = lse - gl.log2(vec2)
+            vec_smem.index(4 * s + 1).store(lse)
+            vec_smem.index(4 * s + 2).store(vec2)
             mbarrier.arrive(ready.index(s), count=1)     # the second of ready's two arrivals
             i += 1
 
@@ -110,7 +120,7 @@ def _loader(q_desc, op_desc, do_desc, k_desc, v_desc, q_smem, op_smem, do_smem, 
 def _key_tiles_bwd(acc, it, k8, v16, k_scale, k_bias, q_smem, op_smem, do_smem, vec_smem, ready, empty, keys,
                    lo, hi, seqlen_q, seqlen_k, window_left, window_right,
                    MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DO_DK: gl.constexpr,
-                   s_layout: gl.constexpr, dp_layout: gl.constexpr, o_layout: gl.constexpr,
+                   FOLD: gl.constexpr, s_layout: gl.constexpr, dp_layout: gl.constexpr, o_layout: gl.constexpr,
                    p_layout: gl.constexpr):
     """Query tiles ``[lo, hi)`` of one head for one warpgroup's 64 keys: dV += P^T dO, or dK += dS^T Q."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -145,15 +155,19 @@ def _key_tiles_bwd(acc, it, k8, v16, k_scale, k_bias, q_smem, op_smem, do_smem, 
         # the other operand's per-token scale folded in, then one scale per key over the tile
         # (backward._quantize_rows: unsigned for P^T, signed for dS^T)
         # (each per-query vector costs 32 registers per thread: each is loaded where it is used)
+        # (FOLD: the loader put that scale in P^T's exponent already: one multiply per score less)
         if DO_DK:
             delta = vec_smem.index(4 * s + 2).load(col_layout)
             x = pt * (gl.convert_layout(dpt, s_layout) - delta[None, :])
-            qr_scale = vec_smem.index(4 * s + 3).load(col_layout)
-            x = x * qr_scale[None, :]
+            if not FOLD:
+                qr_scale = vec_smem.index(4 * s + 3).load(col_layout)
+                x = x * qr_scale[None, :]
             x_max = gl.max(gl.abs(x), 1)
         else:
-            do_scale = vec_smem.index(4 * s + 2).load(col_layout)
-            x = pt * do_scale[None, :]
+            x = pt
+            if not FOLD:
+                do_scale = vec_smem.index(4 * s + 2).load(col_layout)
+                x = pt * do_scale[None, :]
             x_max = gl.max(x, 1)
         x8 = gl.convert_layout(_round_to_int8(x * gl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None]), p_layout)
         prod_tok = warpgroup_mma(x8, op_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
@@ -171,7 +185,7 @@ def _key_tiles_bwd(acc, it, k8, v16, k_scale, k_bias, q_smem, op_smem, do_smem, 
 def _bwd_consumer(k8, v16, first, q_smem, op_smem, do_smem, vec_smem, k_bar, ready, empty, KS, OUT, ks_off,
                   out_off, s_ot, seqlen_q, seqlen_k, window_left, window_right, group, lo, full_lo, full_hi, hi,
                   out_scale, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                  DO_DK: gl.constexpr):
+                  DO_DK: gl.constexpr, FOLD: gl.constexpr):
     """One warpgroup: keys ``[first, first + 64)`` (their int8 K in ``k8``, V in ``v16``) against every query
     tile of every query head of the group; writes their dV or dK rows."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -190,13 +204,13 @@ def _bwd_consumer(k8, v16, first, q_smem, op_smem, do_smem, vec_smem, k_bar, rea
     for g in range(group):
         acc, it = _key_tiles_bwd(acc, it, k8, v16, k_scale, k_bias, q_smem, op_smem, do_smem, vec_smem, ready,
                                  empty, keys, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right, True,
-                                 MASK_LEFT, MASK_RIGHT, DO_DK, s_layout, dp_layout, o_layout, p_layout)
+                                 MASK_LEFT, MASK_RIGHT, DO_DK, FOLD, s_layout, dp_layout, o_layout, p_layout)
         acc, it = _key_tiles_bwd(acc, it, k8, v16, k_scale, k_bias, q_smem, op_smem, do_smem, vec_smem, ready,
                                  empty, keys, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right, False,
-                                 MASK_LEFT, MASK_RIGHT, DO_DK, s_layout, dp_layout, o_layout, p_layout)
+                                 MASK_LEFT, MASK_RIGHT, DO_DK, FOLD, s_layout, dp_layout, o_layout, p_layout)
         acc, it = _key_tiles_bwd(acc, it, k8, v16, k_scale, k_bias, q_smem, op_smem, do_smem, vec_smem, ready,
                                  empty, keys, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right, True,
-                                 MASK_LEFT, MASK_RIGHT, DO_DK, s_layout, dp_layout, o_layout, p_layout)
+                                 MASK_LEFT, MASK_RIGHT, DO_DK, FOLD, s_layout, dp_layout, o_layout, p_layout)
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     keys_o = gl.convert_layout(keys, gl.SliceLayout(1, o_layout))
     ptrs = OUT + out_off + keys_o.to(gl.int64)[:, None] * s_ot + offs_d[None, :]
@@ -209,7 +223,7 @@ def _attn_bwd_dkdv_hopper_kernel(
     s_qsb, s_qsh, s_ksb, s_ksh, s_ob, s_oh, s_ot,
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, out_scale,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr, DO_DK: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FOLD: gl.constexpr,
 ):
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -251,14 +265,14 @@ def _attn_bwd_dkdv_hopper_kernel(
         (_bwd_consumer, (k_smem.index(0), v_smem.index(0), start_n, q_smem, op_smem, do_smem, vec_smem, k_bar,
                          ready, empty, KS, OUT, ks_off, out_off, s_ot, seqlen_q, seqlen_k, window_left,
                          window_right, group, lo, full_lo, full_hi, hi, out_scale, HEAD_DIM, MASK_LEFT, MASK_RIGHT,
-                         DO_DK)),
+                         DO_DK, FOLD)),
         (_bwd_consumer, (k_smem.index(1), v_smem.index(1), start_n + HALF_N, q_smem, op_smem, do_smem, vec_smem,
                          k_bar, ready, empty, KS, OUT, ks_off, out_off, s_ot, seqlen_q, seqlen_k, window_left,
                          window_right, group, lo, full_lo, full_hi, hi, out_scale, HEAD_DIM, MASK_LEFT, MASK_RIGHT,
-                         DO_DK)),
+                         DO_DK, FOLD)),
         (_loader, (q_desc, op_desc, do_desc, k_desc, v_desc, q_smem, op_smem, do_smem, k_smem, v_smem, vec_smem,
                    k_bar, ready, empty, QS, LSE, VEC2, VEC3, k_row, q_head0, vec_head0, s_qsh, n_q, group,
-                   seqlen_q, lo, hi, DO_DK)),
+                   seqlen_q, lo, hi, DO_DK, FOLD)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -437,13 +451,15 @@ def _rows(x4):
 
 
 def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, out4, num_heads, group, head_dim,
-                     window, softmax_scale, consumer_regs=240, loader_regs=32):
+                     window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None):
     """(grid, args, kwargs) of one launch, ``part`` "dv" or "dk": padded ``[B, H, N, D]`` tensors as
     ``backward.launch_backward`` takes them (``quant`` from ``quantize_qk(..., transposed=True)``)."""
     import torch
     import triton
 
     assert part in ("dv", "dk") and head_dim in (64, 128) and out4.stride(3) == 1
+    if fold is None:    # measured (H100): dV 1.09-1.12x with it; dK 0.95-1.03x (more spills at D=128)
+        fold = part == "dv"
     assert quant["q_mean"] is None, "no Q-smoothing on this path"
     q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]
     bsz, hq, n_q, d = q8.shape
@@ -468,7 +484,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, out4, num
         q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1), *out4.stride()[:3],
         n_q, n_k, hq, hk, group, window[0], window[1], softmax_scale if dk else 1.0,
     ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim, DO_DK=dk,
-            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4)
+            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, num_warps=4)
 
 
 def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, out4, num_heads, group, head_dim,
@@ -516,12 +532,13 @@ def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim
 
 
 def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4, dv4, num_heads, num_kv_heads,
-                           head_dim, window, softmax_scale):
+                           head_dim, window, softmax_scale, **tuning):
     """backward.launch_backward's contract on the Gluon kernels, for padded batches without Q-smoothing:
     three launches (dV, dK, dQ), each deterministic (no atomics)."""
     group = num_heads // num_kv_heads
     common = (num_heads, group, head_dim, window, softmax_scale)
     lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides
-    launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, *common)
-    launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, dk4, *common)
-    launch_dq_hopper(quant, lse, do4, delta, v4, dq4, *common)
+    launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, *common, **tuning)
+    launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, dk4, *common, **tuning)
+    launch_dq_hopper(quant, lse, do4, delta, v4, dq4, *common,
+                     **{key: value for key, value in tuning.items() if key != "fold"})   # fold: a dV/dK option

@@ -3,9 +3,9 @@
 ``SAGEBWD_KERNELS`` (read on every call) forces a choice:
 
 * ``auto`` (default): on an sm_90 GPU with a Triton whose Gluon API they are tested on (``GLUON_TESTED``),
-  the Gluon forward for the padded calls it takes where it measured faster (at head dim 128 only from
-  ``GLUON_MIN_KEYS_D128`` keys on), and the Gluon backward for padded calls; the portable kernels everywhere
-  else (packed batches too, for now).
+  the Gluon forward for the calls it takes where it measured faster (at head dim 128 only from
+  ``GLUON_MIN_KEYS_D128`` keys, the longest sequence's, on), padded or packed, and the Gluon backward for
+  padded calls; the portable kernels everywhere else (the backward of packed batches too, for now).
 * ``triton``: always the portable kernels (Ampere, Ada, Hopper, Blackwell, the interpreter).
 * ``gluon``: the Gluon kernels on an sm_90 GPU (H100, H200), also on an untested Triton release, for the calls
   they take (head dim 64 or 128, no Q-smoothing; the forward padded or packed, the backward padded); any other
@@ -87,8 +87,7 @@ def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bo
         if backward:
             faster = GLUON_BWD_BY_DEFAULT
         else:
-            # packed batches: auto takes them once the forward's fixes for them are proven on a GPU
-            faster = GLUON_BY_DEFAULT and not varlen and (head_dim != 128 or seqlen_k >= GLUON_MIN_KEYS_D128)
+            faster = GLUON_BY_DEFAULT and (head_dim != 128 or seqlen_k >= GLUON_MIN_KEYS_D128)
         return (takes_call and faster and _triton_minor() in GLUON_TESTED and gluon_unavailable(device) is None)
     reason = gluon_unavailable(device)
     if reason is not None:

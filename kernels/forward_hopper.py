@@ -15,11 +15,10 @@ per-channel V scales applied at the end. Only the schedule differs, FlashAttenti
   tile's K scales in shared memory beside it, so the consumers never wait on a global load mid-tile.
 
 Status (docs/speed_notes.md, session 4, H100): kernel-only 1.16-1.26x the portable kernel at D=128 (4K-16K
-keys), 1.02-1.09x at D=64; the default on Hopper through ``dispatch.py`` for padded batches (at D=128 from
+keys), 1.02-1.09x at D=64; the default on Hopper through ``dispatch.py`` (at D=128 from
 ``GLUON_MIN_KEYS_D128`` keys). Packed batches: TMA needs a 16-byte aligned innermost tile coordinate, so
 this kernel reads V^T laid out by ``quantize.aligned_starts`` there; and programs past a short sequence's end
-run no tiles. Both fixes are in (the second found after the device time ran out: not yet run on a GPU), so
-packed batches take this kernel only under ``SAGEBWD_KERNELS=gluon`` for now.
+run no tiles (tests/test_dispatch.py and the Transformers packing tests on an H100, session 5).
 
 Head dims 64 and 128, no Q-smoothing. Gluon's API moves between Triton releases; this file is tested on the
 versions listed in ``dispatch.GLUON_TESTED``.

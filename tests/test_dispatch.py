@@ -46,7 +46,7 @@ def test_auto_and_forced_choices_on_hopper(monkeypatch):
     monkeypatch.setattr(dispatch, "GLUON_BY_DEFAULT", True)
     assert dispatch.use_gluon(dev, 128, False) and dispatch.use_gluon(dev, 64, False)
     assert not dispatch.use_gluon(dev, 96, False) and not dispatch.use_gluon(dev, 128, True)
-    assert not dispatch.use_gluon(dev, 128, False, varlen=True)    # auto: packed batches stay portable, for now
+    assert dispatch.use_gluon(dev, 128, False, varlen=True)        # the forward takes packed batches
     # at head dim 128 the Gluon forward measured slower with 1K keys: auto keeps those calls portable
     assert not dispatch.use_gluon(dev, 128, False, seqlen_k=dispatch.GLUON_MIN_KEYS_D128 - 1)
     assert dispatch.use_gluon(dev, 128, False, seqlen_k=dispatch.GLUON_MIN_KEYS_D128)
@@ -185,8 +185,7 @@ def test_gluon_backward_matches_reference(case, monkeypatch):
 @pytest.mark.parametrize("head_dim", [128, 64])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 0)], ids=["full", "causal", "window"])
 def test_gluon_forward_on_packed_batches(head_dim, window, monkeypatch):
-    """Uneven and empty sequences in one packed batch, forced onto the Gluon forward (auto keeps packed batches
-    portable until this passes on a GPU). Two faults lived here: TMA needs each tile's innermost
+    """Uneven and empty sequences in one packed batch on the Gluon forward. Two faults lived here: TMA needs each tile's innermost
     coordinate 16-byte aligned (V^T is laid out with aligned sequence starts, quantize.aligned_starts), and a
     program past a short sequence's end must still enter the warp-specialized region, with no tiles (with a
     window its bounds crossed and the loader and consumers disagreed: a hang)."""

@@ -118,8 +118,9 @@ def test_dtypes_and_smoothing(device, dtype, q_smoothing):
 
 @pytest.mark.parametrize("device", kernel_devices())
 def test_varlen_matches_padded_sequences(device, monkeypatch):
-    """Packed sequences of uneven lengths (one empty) equal each sequence run alone, on the same kernels (packed
-    batches run the portable ones; a padded call could take the Gluon forward, whose fp32 rounding differs)."""
+    """Packed sequences of uneven lengths (one empty) equal each sequence run alone, on the same kernels (on
+    Hopper a padded call's backward could take the Gluon kernels, whose fp32 rounding differs, and a packed
+    one's not; tests/test_dispatch.py checks the Gluon kernels against the reference)."""
     monkeypatch.setenv("SAGEBWD_KERNELS", "triton")
     torch.manual_seed(0)
     lens_q, lens_k = [5, 130, 0, 64, 1], [9, 130, 3, 64, 77]

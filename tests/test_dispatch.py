@@ -1,9 +1,9 @@
-"""Which kernels run (kernels/dispatch.py), and the Gluon (Hopper) forward against the reference.
+"""Which kernels run (kernels/dispatch.py), and the Gluon (Hopper) kernels against the reference.
 
-CPU: the choice, the environment switch and its errors. GPU (``-m gpu``): the Gluon forward over the op's
-padded feature grid against the PyTorch reference of the same quantized algorithm and against the portable
-kernel, with poisoned outputs (conftest sets SAGEBWD_POISON=1); packed batches kept off it; the dispatch
-choosing each path."""
+CPU: the choice, the environment switch and its errors. GPU (``-m gpu``): the Gluon forward and backward over
+the op's padded feature grid against the PyTorch reference of the same quantized algorithm and against the
+portable kernels, with poisoned outputs (conftest sets SAGEBWD_POISON=1); the Gluon forward on packed
+batches; the dispatch choosing each path."""
 import pytest
 import torch
 

@@ -34,7 +34,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
-from .forward_hopper import _ceil_to, _floor_to, _key_tiles, _round_to_int8, _tma_desc
+from .forward_hopper import (_band_mask, _ceil_to, _floor_to, _key_tiles, _round_to_int8, _stage_k_scales,
+                             _tma_desc)
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
@@ -117,6 +118,21 @@ def _loader(q_desc, op_desc, do_desc, k_desc, v_desc, q_smem, op_smem, do_smem, 
 
 
 @gluon.jit
+def _quantized_product(acc, x, x_max, b_smem, empty_bar, o_zero, p_layout: gl.constexpr, o_layout: gl.constexpr):
+    """``acc += x @ B`` with ``x`` quantized per row (``x_max`` its row maxima of |x|, mapped to 127;
+    backward._quantize_rows) and ``B`` an int8 tile in shared memory, whose ring stage is released
+    (``empty_bar``) once the product is done; the int32 result is dequantized by the forward's add trick
+    (quantize.int32_times)."""
+    x8 = gl.convert_layout(_round_to_int8(x * gl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None]), p_layout)
+    prod_tok = warpgroup_mma(x8, b_smem.permute((1, 0)), o_zero, use_acc=False, is_async=True)
+    x_scale = gl.convert_layout(x_max * (1.0 / 127.0), gl.SliceLayout(1, o_layout))
+    prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod_tok, ))
+    mbarrier.arrive(empty_bar, count=1)
+    return gl.fma((prod + 0x4B400000).to(gl.float32, bitcast=True), x_scale[:, None],
+                  acc + (x_scale * -12582912.0)[:, None])
+
+
+@gluon.jit
 def _key_tiles_bwd(acc, it, k8, v16, k_scale, k_bias, q_smem, op_smem, do_smem, vec_smem, ready, empty, keys,
                    lo, hi, seqlen_q, seqlen_k, window_left, window_right,
                    MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DO_DK: gl.constexpr,
@@ -144,13 +160,8 @@ def _key_tiles_bwd(acc, it, k8, v16, k_scale, k_bias, q_smem, op_smem, do_smem, 
         st = gl.fma((st_int + 0x4B400000).to(gl.float32, bitcast=True), k_scale[:, None], k_bias[:, None])
         pt = gl.exp2(gl.fma(st, q_scale[None, :], -lse[None, :]))   # lse is +inf past the end: 0
         if MASKED:
-            r2 = (start_m + offs_m)[None, :]
-            c2 = keys[:, None]
-            valid = (r2 < seqlen_q) & (c2 < seqlen_k)
-            if MASK_RIGHT:
-                valid = valid & (c2 <= r2 + diag + window_right)
-            if MASK_LEFT:
-                valid = valid & (c2 >= r2 + diag - window_left)
+            valid = _band_mask((start_m + offs_m)[None, :], keys[:, None], seqlen_q, seqlen_k, diag, window_left,
+                               window_right, MASK_LEFT, MASK_RIGHT)
             pt = gl.where(valid, pt, 0.0)
         # the other operand's per-token scale folded in, then one scale per key over the tile
         # (backward._quantize_rows: unsigned for P^T, signed for dS^T)
@@ -169,14 +180,7 @@ def _key_tiles_bwd(acc, it, k8, v16, k_scale, k_bias, q_smem, op_smem, do_smem, 
                 do_scale = vec_smem.index(4 * s + 2).load(col_layout)
                 x = pt * do_scale[None, :]
             x_max = gl.max(x, 1)
-        x8 = gl.convert_layout(_round_to_int8(x * gl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None]), p_layout)
-        prod_tok = warpgroup_mma(x8, op_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-        x_scale = gl.convert_layout(x_max * (1.0 / 127.0), gl.SliceLayout(1, o_layout))
-        prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod_tok, ))
-        mbarrier.arrive(empty.index(s), count=1)
-        # float(prod) * x_scale by the forward's add trick (quantize.int32_times)
-        acc = gl.fma((prod + 0x4B400000).to(gl.float32, bitcast=True), x_scale[:, None],
-                     acc + (x_scale * -12582912.0)[:, None])
+        acc = _quantized_product(acc, x, x_max, op_smem.index(s), empty.index(s), o_zero, p_layout, o_layout)
         it += 1
     return acc, it
 
@@ -301,10 +305,7 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem
         tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
         tma.async_copy_global_to_shared(v_desc, [k_row + start_n, 0], ready.index(s), v_smem.index(s))
         tma.async_copy_global_to_shared(kt_desc, [kt_row, start_n], ready.index(s), kt_smem.index(s))
-        cols = start_n + offs
-        k_scale = gl.load(KS + ks_off + cols, mask=cols < seqlen_k, other=0.0)
-        ks_smem.index(2 * s).store(k_scale)
-        ks_smem.index(2 * s + 1).store(k_scale * -12582912.0)
+        _stage_k_scales(ks_smem, s, KS, ks_off, start_n + offs, seqlen_k)
         mbarrier.arrive(ready.index(s), count=1)     # the second of ready's two arrivals
         i += 1
 
@@ -332,24 +333,13 @@ def _dq_tiles(acc, it, q8, do16, q_scale, lse, delta, rows, k_smem, v_smem, kt_s
         t = gl.fma((s_int + 0x4B400000).to(gl.float32, bitcast=True), k_scale[None, :], k_bias[None, :])
         p = gl.exp2(gl.fma(t, q_scale[:, None], -lse[:, None]))     # lse is +inf past the end: 0
         if MASKED:
-            r2 = rows[:, None]
-            c2 = (start_n + offs_n)[None, :]
-            valid = (r2 < seqlen_q) & (c2 < seqlen_k)
-            if MASK_RIGHT:
-                valid = valid & (c2 <= r2 + diag + window_right)
-            if MASK_LEFT:
-                valid = valid & (c2 >= r2 + diag - window_left)
+            valid = _band_mask(rows[:, None], (start_n + offs_n)[None, :], seqlen_q, seqlen_k, diag, window_left,
+                               window_right, MASK_LEFT, MASK_RIGHT)
             p = gl.where(valid, p, 0.0)
         # dS with K's per-token scale folded in, then one scale per query over the tile (signed)
         x = p * (gl.convert_layout(dp, s_layout) - delta[:, None]) * k_scale[None, :]
         x_max = gl.max(gl.abs(x), 1)
-        x8 = gl.convert_layout(_round_to_int8(x * gl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None]), p_layout)
-        prod_tok = warpgroup_mma(x8, kt_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-        x_scale = gl.convert_layout(x_max * (1.0 / 127.0), gl.SliceLayout(1, o_layout))
-        prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod_tok, ))
-        mbarrier.arrive(empty.index(s), count=1)
-        acc = gl.fma((prod + 0x4B400000).to(gl.float32, bitcast=True), x_scale[:, None],
-                     acc + (x_scale * -12582912.0)[:, None])
+        acc = _quantized_product(acc, x, x_max, kt_smem.index(s), empty.index(s), o_zero, p_layout, o_layout)
         it += 1
     return acc, it
 

@@ -76,6 +76,28 @@ def _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @gluon.jit
+def _band_mask(r2, c2, seqlen_q, seqlen_k, diag, window_left, window_right,
+               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """Which (query row ``r2``, key ``c2``) pairs a row sees: inside both sequences and the window band
+    (bottom-right aligned: ``diag = seqlen_k - seqlen_q``); forward._score_mask's rule."""
+    valid = (r2 < seqlen_q) & (c2 < seqlen_k)
+    if MASK_RIGHT:
+        valid = valid & (c2 <= r2 + diag + window_right)
+    if MASK_LEFT:
+        valid = valid & (c2 >= r2 + diag - window_left)
+    return valid
+
+
+@gluon.jit
+def _stage_k_scales(ks_smem, s, KS, ks_off, cols, seqlen_k):
+    """A tile's K scales and ``-12582912 * scale`` (the int32-to-float offset, folded) into ring stage ``s``:
+    loaded by the loader warp, so the consumers never wait on a global load mid-tile."""
+    k_scale = gl.load(KS + ks_off + cols, mask=cols < seqlen_k, other=0.0)
+    ks_smem.index(2 * s).store(k_scale)
+    ks_smem.index(2 * s + 1).store(k_scale * -12582912.0)
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, ready, empty,
             q_row, k_row, v_row, v0, lo, hi, KS, ks_off, seqlen_k):
     """One warp: Q's two halves once, then every K / V^T tile of ``[lo, hi)`` into the ring, with the tile's
@@ -95,10 +117,7 @@ def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, rea
         mbarrier.expect(ready.index(s), nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
         tma.async_copy_global_to_shared(vt_desc, [v_row, v0 + start_n], ready.index(s), v_smem.index(s))
-        cols = start_n + offs
-        k_scale = gl.load(KS + ks_off + cols, mask=cols < seqlen_k, other=0.0)
-        ks_smem.index(2 * s).store(k_scale)
-        ks_smem.index(2 * s + 1).store(k_scale * -12582912.0)
+        _stage_k_scales(ks_smem, s, KS, ks_off, start_n + offs, seqlen_k)
         mbarrier.arrive(ready.index(s), count=1)     # the second of ready's two arrivals
         i += 1
 
@@ -133,13 +152,8 @@ def _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, turn_me, turn_o
         s_int = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
         t = gl.fma((s_int + 0x4B400000).to(gl.float32, bitcast=True), k_scale[None, :], k_bias[None, :])
         if MASKED:
-            r2 = rows[:, None]
-            c2 = cols[None, :]
-            valid = (r2 < seqlen_q) & (c2 < seqlen_k)
-            if MASK_RIGHT:
-                valid = valid & (c2 <= r2 + diag + window_right)
-            if MASK_LEFT:
-                valid = valid & (c2 >= r2 + diag - window_left)
+            valid = _band_mask(rows[:, None], cols[None, :], seqlen_q, seqlen_k, diag, window_left, window_right,
+                               MASK_LEFT, MASK_RIGHT)
             t = gl.where(valid, t, float("-inf"))
         tile_max = gl.max(t, 1) * q_scale
         m_new = gl.maximum(m_i, tile_max)

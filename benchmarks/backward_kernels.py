@@ -2,11 +2,14 @@
 ones in kernels/backward_hopper.py, one at a time (dv, dk, dq) and all of them ("bwd": as the op runs them).
 Needs an sm_90 GPU.
 
-TFLOP/s-equivalent per launch: dV counts 2 products (S^T, dV), dK 3 (S^T, dP^T, dK), dQ 3 (S, dP, dQ), the
-whole backward 5 (the usual count), each 2*B*H*N^2*D, halved when causal. Median of CUDA-event timings; each Gluon result is checked against the portable one
+TFLOP/s-equivalent per launch: dV counts 2 products (S^T, dV), dK 3 (S^T, dP^T, dK), "dkdv" (both in one
+program, against the portable dV and dK launches) 4, dQ 3 (S, dP, dQ), the whole backward 5 (the usual count), each 2*B*H*N^2*D, halved when causal. Median of CUDA-event timings; each Gluon result is checked against the portable one
 (relative L2) before it is timed.
 
-    python benchmarks/backward_kernels.py [--seqlens 4096 16384] [--head-dims 128 64]
+    python benchmarks/backward_kernels.py [--seqlens 4096 16384] [--head-dims 128 64] [--parts dv dk dkdv dq bwd]
+        [--variant block_q=64 --variant split_dkdv=0,block_q=64]
+
+A variant with other tile rules (block_q) has other numerics: its relL2 against the portable kernels grows.
 """
 import argparse
 
@@ -28,6 +31,7 @@ def main():
     p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--parts", nargs="+", default=["dv", "dk", "dkdv", "dq", "bwd"])
     p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help="also time the Gluon launches with these tuning arguments (e.g. pingpong=1), printed as "
                         "speed-ups over the default")
@@ -53,38 +57,42 @@ def main():
                 grads = {"dq": torch.empty_like(q), "dk": torch.empty_like(k), "dv": torch.empty_like(v)}
                 shape = f"d{d}_n{n // 1024}k_{'causal' if causal else 'full'}"
                 # "bwd": all launches as the op runs them (portable: its configured split), 5 products
-                for part, products in (("dv", 2), ("dk", 3), ("dq", 3), ("bwd", 5)):
+                for part, products in (("dv", 2), ("dk", 3), ("dkdv", 4), ("dq", 3), ("bwd", 5)):
+                    if part not in args.parts:
+                        continue
                     flops = 2.0 * products * b * h * n * n * d * (0.5 if causal else 1.0)
                     port = lambda: launch_backward(  # noqa: E731
                         quant, quant["q8t"], quant["q_scale_raw"], quant["k8t"], v, do, do_q["x8t"], do_q["scale"],
                         lse, do_q["delta"], grads["dq"], grads["dk"], grads["dv"], lay, lay, h, h, d, window, scale,
-                        cfg["dkdv"], cfg["dq"], kernels=("dkdv", "dq") if part == "bwd" else (part,),
+                        cfg["dkdv"], cfg["dq"], kernels={"bwd": ("dkdv", "dq"), "dkdv": ("dv", "dk")}.get(part, (part,)),
                         split_dkdv=cfg["split_dkdv"] if part == "bwd" else True)
                     port_ms = median_ms(port)
                     got = {name: torch.full_like(t, float("nan")) for name, t in grads.items()}
                     def gluon(**tuning):
+                        if part != "bwd":
+                            tuning.pop("split_dkdv", None)      # a whole-backward option
                         if part == "bwd":
                             return lambda: launch_backward_hopper(
                                 quant, v, do, do_q["x8t"], do_q["scale"], lse, do_q["delta"], got["dq"], got["dk"],
                                 got["dv"], h, h, d, window, scale, **tuning)
                         if part == "dq":
-                            tuning.pop("fold", None)        # a dV/dK option
+                            tuning.pop("fold", None)        # dV/dK options
+                            tuning.pop("block_q", None)
                             return lambda: launch_dq_hopper(
                                 quant, lse, do, do_q["delta"], v, got["dq"], h, 1, d, window, scale, **tuning)
                         return lambda: launch_dkdv_hopper(
-                            part, quant, lse, do, do_q["x8t"], do_q["scale"], do_q["delta"], v, got[part], h, 1, d,
-                            window, scale, **tuning)
+                            part, quant, lse, do, do_q["x8t"], do_q["scale"], do_q["delta"], v, got["dv"], got["dk"],
+                            h, 1, d, window, scale, **tuning)
                     run = gluon()
                     run()
-                    rel = max(error_stats(got[name], grads[name])[1] for name in grads
-                              if part in ("bwd", name))
+                    checked = {"bwd": ("dq", "dk", "dv"), "dkdv": ("dk", "dv")}.get(part, (part,))
+                    rel = max(error_stats(got[name], grads[name])[1] for name in checked)
                     ms = median_ms(run)
                     extra = ""
                     for key, tuning in variants:
                         alt = gluon(**dict(tuning))
                         alt()
-                        alt_rel = max(error_stats(got[name], grads[name])[1] for name in grads
-                                      if part in ("bwd", name))
+                        alt_rel = max(error_stats(got[name], grads[name])[1] for name in checked)
                         extra += f" | {key} {ms / median_ms(alt):5.2f}x {alt_rel:7.1e}"
                     print(f"{shape:<22} {part:<4} | {port_ms:11.3f} {flops / port_ms * 1e-9:8.0f} | {ms:9.3f} "
                           f"{flops / ms * 1e-9:8.0f} {port_ms / ms:6.2f} {rel:8.1e}{extra}", flush=True)

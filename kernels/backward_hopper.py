@@ -1,4 +1,5 @@
-"""SageBwd backward on Hopper (sm_90), in Gluon: dV, dK and dQ as three warp-specialized launches.
+"""SageBwd backward on Hopper (sm_90), in Gluon: dV, dK and dQ as three warp-specialized launches (dK and dV
+may share one, ``part="dkdv"``).
 
 Same numerics as the portable kernels (``backward.py``) at their GPU tiles: the key-tile launches walk
 128-query tiles (P^T's and dS^T's per-key scales), the dQ launch walks 128-key tiles (dS's per-query scales):
@@ -18,9 +19,12 @@ No atomics: every gradient is written once, so the backward is deterministic run
 
 Why three launches and not FlashAttention 3's one: INT8 wgmma accumulates in int32 and the quantization
 scale changes per tile, so each product is dequantized through its own int32 registers into an fp32
-accumulator; dK and dV (and dS for a dQ by atomics) in one program need two accumulators, three products and
-dP^T at once, over the 240 registers a consumer warpgroup gets. The dK and dQ loops spill ~30 registers per
-tile at D=128.
+accumulator (an integer add and an FMA per accumulator element per tile, whatever the tile's query count).
+``part="dkdv"`` runs dK and dV in one program (S^T once, both products, 64-query tiles at D=128 so S^T and dP^T
+fit beside the two accumulators): correct (tests/test_backward_hopper.py) but slower, measured on an H100
+(session 6, docs/speed_notes.md): at D=128 N=4K 6.27 ms against 1.86 + 2.42 ms for the two launches; its loop
+issues 1,157 instructions per 64x64 tile (42 of them spill loads, 41 spill stores) against 948 for the split
+launches' 128-query tiles; at D=64 (128-query tiles) 7.27 against 6.63 ms. The split launches stay the default.
 
 Measured (H100, docs/speed_notes.md, session 5), kernels alone against the portable launches on the same
 inputs: dV 1.15-1.65x, dK 1.42-1.62x, dQ 1.08-1.35x, whole backward 1.22-1.34x; then ``FOLD`` (the dO scale
@@ -39,27 +43,37 @@ from .forward_hopper import (_band_mask, _ceil_to, _floor_to, _key_tiles, _round
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
-BLOCK_M = gl.constexpr(128)   # queries per tile: part of the numerics (P^T's per-key scale), as backward.py's
+BLOCK_M = gl.constexpr(128)   # queries per dQ program (two consumers); the dQ numerics follow BLOCK_N only
 STAGES = gl.constexpr(2)
+# per-query vectors the loader stages beside each query tile: one row each of vec_smem per stage
+VQS, VLSE, VDOS, VDELTA, VQSR, NVEC = (gl.constexpr(i) for i in range(6))
+
+
+def dkdv_query_tile(head_dim: int, fused: bool) -> int:
+    """Queries per tile of the key-tile kernel: P^T's and dS^T's per-key scales span this many queries, so it
+    is part of the numerics (interface.tile_configs gives the portable kernels and the reference the same).
+    At D=128, dK and dV in one program with 128-query tiles would need S^T, dP^T (64 registers each) beside
+    two 64-register accumulators: 64-query tiles halve the first two (FlashAttention 3's tile)."""
+    return 64 if fused and head_dim > 64 else 128
 
 
 @gluon.jit
 def _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
-                 MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+                 MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, BLOCK_Q: gl.constexpr):
     """backward._query_tiles (a Gluon kernel cannot call @triton.jit functions): query tiles that see the key
     tile at ``start_n``; ``[lo, full_lo)`` and ``[full_hi, hi)`` need the mask."""
     diag = seqlen_k - seqlen_q
     lo = seqlen_q * 0
     full_lo = lo
     hi = seqlen_q
-    full_hi = _ceil_to(seqlen_q, BLOCK_M)
+    full_hi = _ceil_to(seqlen_q, BLOCK_Q)
     if MASK_RIGHT:
-        lo = _floor_to(start_n - diag - window_right, BLOCK_M)
-        full_lo = _ceil_to(start_n + BLOCK_N - 1 - diag - window_right, BLOCK_M)
+        lo = _floor_to(start_n - diag - window_right, BLOCK_Q)
+        full_lo = _ceil_to(start_n + BLOCK_N - 1 - diag - window_right, BLOCK_Q)
     if MASK_LEFT:
         hi = gl.minimum(hi, start_n + BLOCK_N - diag + window_left)
-        full_hi = gl.minimum(full_hi, _floor_to(start_n - diag + window_left + 1, BLOCK_M))
-    hi = _ceil_to(hi, BLOCK_M)
+        full_hi = gl.minimum(full_hi, _floor_to(start_n - diag + window_left + 1, BLOCK_Q))
+    hi = _ceil_to(hi, BLOCK_Q)
     lo = gl.minimum(lo, hi)
     full_lo = gl.minimum(gl.maximum(full_lo, lo), hi)
     full_hi = gl.minimum(gl.maximum(full_hi, full_lo), hi)
@@ -67,12 +81,13 @@ def _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @gluon.jit
-def _loader(q_desc, op_desc, do_desc, k_desc, v_desc, q_smem, op_smem, do_smem, k_smem, v_smem, vec_smem,
-            k_bar, ready, empty, QS, LSE, VEC2, VEC3, k_row, q_head0, vec_head0, s_vech, n_q, group, seqlen_q,
-            lo, hi, DO_DK: gl.constexpr, FOLD: gl.constexpr):
-    """One warp: K (and V for dK) once; then per query head of the group and query tile in ``[lo, hi)``: Q8,
-    the second product's int8 operand (dO8^T for dV, Q8^T for dK), dO itself for dK's dP^T, and the
-    per-query vectors (rows: q_scale, lse (+inf past the end), dO scale or delta, -, or the raw Q scale)."""
+def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem,
+            vec_smem, k_bar, ready, empty, QS, LSE, DOS, DELTA, QSR, k_row, q_head0, vec_head0, s_vech, n_q, group,
+            seqlen_q, lo, hi, DO_DK: gl.constexpr, DO_DV: gl.constexpr, FOLD: gl.constexpr,
+            BLOCK_Q: gl.constexpr):
+    """One warp: K (and V for dK) once; then per query head of the group and query tile in ``[lo, hi)``: Q8
+    (for S^T), dO8^T (dV's operand), dO (dK's dP^T) and Q8^T (dK's operand), with the per-query vectors
+    (q_scale, lse (+inf past the end), and dO's scale, delta, the raw Q scale as the products need them)."""
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + (v_desc.block_type.nbytes if DO_DK else 0)
     mbarrier.expect(k_bar, 2 * kv_bytes)
     tma.async_copy_global_to_shared(k_desc, [k_row, 0], k_bar, k_smem.index(0))
@@ -80,154 +95,181 @@ def _loader(q_desc, op_desc, do_desc, k_desc, v_desc, q_smem, op_smem, do_smem, 
     if DO_DK:
         tma.async_copy_global_to_shared(v_desc, [k_row, 0], k_bar, v_smem.index(0))
         tma.async_copy_global_to_shared(v_desc, [k_row + HALF_N, 0], k_bar, v_smem.index(1))
-    nbytes: gl.constexpr = (q_desc.block_type.nbytes + op_desc.block_type.nbytes
-                            + (do_desc.block_type.nbytes if DO_DK else 0))
-    vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    offs = gl.arange(0, BLOCK_M, layout=vec_layout)
-    head_dim: gl.constexpr = op_desc.block_type.shape[0]
+    nbytes: gl.constexpr = (q_desc.block_type.nbytes
+                            + (dot_desc.block_type.nbytes if DO_DV else 0)
+                            + (do_desc.block_type.nbytes + qt_desc.block_type.nbytes if DO_DK else 0))
+    vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_Q // 32], [32], [1], [0])
+    offs = gl.arange(0, BLOCK_Q, layout=vec_layout)
+    head_dim: gl.constexpr = q_desc.block_type.shape[1]
     i = 0
     for g in range(group):
-        for start_m in range(lo, hi, BLOCK_M):
+        for start_m in range(lo, hi, BLOCK_Q):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
             q_row = (q_head0 + g) * n_q + start_m
+            t_row = (q_head0 + g) * head_dim
             tma.async_copy_global_to_shared(q_desc, [q_row, 0], ready.index(s), q_smem.index(s))
-            tma.async_copy_global_to_shared(op_desc, [(q_head0 + g) * head_dim, start_m], ready.index(s),
-                                            op_smem.index(s))
+            if DO_DV:
+                tma.async_copy_global_to_shared(dot_desc, [t_row, start_m], ready.index(s), dot_smem.index(s))
             if DO_DK:
                 tma.async_copy_global_to_shared(do_desc, [q_row, 0], ready.index(s), do_smem.index(s))
+                tma.async_copy_global_to_shared(qt_desc, [t_row, start_m], ready.index(s), qt_smem.index(s))
             rows = start_m + offs
             ok = rows < seqlen_q
             base = vec_head0 + g * s_vech + rows
-            vec_smem.index(4 * s).store(gl.load(QS + base, mask=ok, other=0.0))
+            vec_smem.index(NVEC * s + VQS).store(gl.load(QS + base, mask=ok, other=0.0))
             lse = gl.load(LSE + base, mask=ok, other=float("inf"))
-            vec2 = gl.load(VEC2 + base, mask=ok, other=0.0)
+            if DO_DV:
+                do_scale = gl.load(DOS + base, mask=ok, other=0.0)
+                vec_smem.index(NVEC * s + VDOS).store(do_scale)
+                if FOLD:    # log2 of dO's scale folded into P^T's exponent (log2(0) - lse = -inf: P^T 0)
+                    lse = lse - gl.log2(do_scale)
             if DO_DK:
-                vec3 = gl.load(VEC3 + base, mask=ok, other=0.0)
-                vec_smem.index(4 * s + 3).store(vec3)
-            if FOLD:    # log2 of the scale folded into P's exponent (log2(0) - lse = -inf: P 0)
-                if DO_DK:
-                    lse = lse - gl.log2(vec3)
-                else:
-                    lse = lse - gl.log2(vec2)
-            vec_smem.index(4 * s + 1).store(lse)
-            vec_smem.index(4 * s + 2).store(vec2)
+                vec_smem.index(NVEC * s + VDELTA).store(gl.load(DELTA + base, mask=ok, other=0.0))
+                vec_smem.index(NVEC * s + VQSR).store(gl.load(QSR + base, mask=ok, other=0.0))
+            vec_smem.index(NVEC * s + VLSE).store(lse)
             mbarrier.arrive(ready.index(s), count=1)     # the second of ready's two arrivals
             i += 1
 
 
 @gluon.jit
-def _quantized_product(acc, x, x_max, b_smem, empty_bar, o_zero, p_layout: gl.constexpr, o_layout: gl.constexpr):
-    """``acc += x @ B`` with ``x`` quantized per row (``x_max`` its row maxima of |x|, mapped to 127;
-    backward._quantize_rows) and ``B`` an int8 tile in shared memory, whose ring stage is released
-    (``empty_bar``) once the product is done; the int32 result is dequantized by the forward's add trick
-    (quantize.int32_times)."""
+def _quantize_rows(x, x_max, p_layout: gl.constexpr, o_layout: gl.constexpr):
+    """``x`` quantized per row (``x_max`` its row maxima of |x|, mapped to 127; backward._quantize_rows) as an
+    int8 wgmma A operand, and the row scales in the product's row layout."""
     x8 = gl.convert_layout(_round_to_int8(x * gl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None]), p_layout)
-    prod_tok = warpgroup_mma(x8, b_smem.permute((1, 0)), o_zero, use_acc=False, is_async=True)
-    x_scale = gl.convert_layout(x_max * (1.0 / 127.0), gl.SliceLayout(1, o_layout))
-    prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod_tok, ))
-    mbarrier.arrive(empty_bar, count=1)
+    return x8, gl.convert_layout(x_max * (1.0 / 127.0), gl.SliceLayout(1, o_layout))
+
+
+@gluon.jit
+def _accumulate_product(acc, x8, x_scale, b_smem, o_zero):
+    """``acc += x_scale * (x8 @ B)``, ``B`` an int8 tile in shared memory; the int32 product is dequantized by
+    the forward's add trick (quantize.int32_times)."""
+    prod = warpgroup_mma(x8, b_smem.permute((1, 0)), o_zero, use_acc=False)
     return gl.fma((prod + 0x4B400000).to(gl.float32, bitcast=True), x_scale[:, None],
                   acc + (x_scale * -12582912.0)[:, None])
 
 
 @gluon.jit
-def _key_tiles_bwd(acc, it, k8, v16, k_scale, k_bias, q_smem, op_smem, do_smem, vec_smem, ready, empty, keys,
-                   lo, hi, seqlen_q, seqlen_k, window_left, window_right,
+def _quantized_product(acc, x, x_max, b_smem, empty_bar, o_zero, p_layout: gl.constexpr, o_layout: gl.constexpr):
+    """``acc += x @ B`` with ``x`` quantized per row, then ``B``'s ring stage released (``empty_bar``)."""
+    x8, x_scale = _quantize_rows(x, x_max, p_layout, o_layout)
+    acc = _accumulate_product(acc, x8, x_scale, b_smem, o_zero)
+    mbarrier.arrive(empty_bar, count=1)
+    return acc
+
+
+@gluon.jit
+def _key_tiles_bwd(dv_acc, dk_acc, it, k8, v16, k_scale, k_bias, q_smem, qt_smem, do_smem, dot_smem, vec_smem,
+                   ready, empty, keys, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
                    MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DO_DK: gl.constexpr,
-                   FOLD: gl.constexpr, s_layout: gl.constexpr, dp_layout: gl.constexpr, o_layout: gl.constexpr,
-                   p_layout: gl.constexpr):
-    """Query tiles ``[lo, hi)`` of one head for one warpgroup's 64 keys: dV += P^T dO, or dK += dS^T Q."""
+                   DO_DV: gl.constexpr, FOLD: gl.constexpr, BLOCK_Q: gl.constexpr, s_layout: gl.constexpr,
+                   dp_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Query tiles ``[lo, hi)`` of one head for one warpgroup's 64 keys: dV += P^T dO and/or dK += dS^T Q."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    offs_m = gl.arange(0, BLOCK_M, layout=col_layout)
-    s_zero = gl.zeros([HALF_N, BLOCK_M], gl.int32, s_layout)
-    dp_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, dp_layout)
-    o_zero = gl.zeros(acc.shape, gl.int32, o_layout)
+    offs_m = gl.arange(0, BLOCK_Q, layout=col_layout)
+    s_zero = gl.zeros([HALF_N, BLOCK_Q], gl.int32, s_layout)
+    dp_zero = gl.zeros([HALF_N, BLOCK_Q], gl.float32, dp_layout)
+    o_zero = gl.zeros(dv_acc.shape, gl.int32, o_layout)
     diag = seqlen_k - seqlen_q
-    for start_m in range(lo, hi, BLOCK_M):
+    for start_m in range(lo, hi, BLOCK_Q):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         st_tok = warpgroup_mma(k8, q_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if DO_DK:   # dP^T = V dO^T in the input dtype (quantizing it would feed error into dS), beside S^T
             dpt_tok = warpgroup_mma(v16, do_smem.index(s).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
-        q_scale = vec_smem.index(4 * s).load(col_layout)
-        lse = vec_smem.index(4 * s + 1).load(col_layout)
-        if DO_DK:
-            st_int, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st_tok, dpt_tok))
+            st_int = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))   # P^T's math under dP^T's product
         else:
             st_int = warpgroup_mma_wait(num_outstanding=0, deps=(st_tok, ))
+        q_scale = vec_smem.index(NVEC * s + VQS).load(col_layout)
+        lse = vec_smem.index(NVEC * s + VLSE).load(col_layout)
         st = gl.fma((st_int + 0x4B400000).to(gl.float32, bitcast=True), k_scale[:, None], k_bias[:, None])
         pt = gl.exp2(gl.fma(st, q_scale[None, :], -lse[None, :]))   # lse is +inf past the end: 0
         if MASKED:
             valid = _band_mask((start_m + offs_m)[None, :], keys[:, None], seqlen_q, seqlen_k, diag, window_left,
                                window_right, MASK_LEFT, MASK_RIGHT)
             pt = gl.where(valid, pt, 0.0)
-        # the other operand's per-token scale folded in, then one scale per key over the tile
-        # (backward._quantize_rows: unsigned for P^T, signed for dS^T)
-        # (each per-query vector costs 32 registers per thread: each is loaded where it is used)
-        # (FOLD: the loader put that scale in P^T's exponent already: one multiply per score less)
+        # Each product's operand: the other operand's per-token scale folded in, then one scale per key over the
+        # tile (backward._quantize_rows: unsigned for P^T, signed for dS^T). Both operands are quantized before
+        # either product runs, so P^T, dP^T and dS^T in fp32 are dead by then. (Each per-query vector costs
+        # registers: each is loaded where it is used. FOLD: dO's scale already sits in P^T's exponent.)
+        if DO_DV:
+            xv = pt
+            if not FOLD:
+                xv = xv * vec_smem.index(NVEC * s + VDOS).load(col_layout)[None, :]
+            pv8, pv_scale = _quantize_rows(xv, gl.max(xv, 1), p_layout, o_layout)
         if DO_DK:
-            delta = vec_smem.index(4 * s + 2).load(col_layout)
-            x = pt * (gl.convert_layout(dpt, s_layout) - delta[None, :])
-            if not FOLD:
-                qr_scale = vec_smem.index(4 * s + 3).load(col_layout)
-                x = x * qr_scale[None, :]
-            x_max = gl.max(gl.abs(x), 1)
-        else:
-            x = pt
-            if not FOLD:
-                do_scale = vec_smem.index(4 * s + 2).load(col_layout)
-                x = pt * do_scale[None, :]
-            x_max = gl.max(x, 1)
-        acc = _quantized_product(acc, x, x_max, op_smem.index(s), empty.index(s), o_zero, p_layout, o_layout)
+            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_tok, ))
+            delta = vec_smem.index(NVEC * s + VDELTA).load(col_layout)
+            qr_scale = vec_smem.index(NVEC * s + VQSR).load(col_layout)
+            xk = pt * (gl.convert_layout(dpt, s_layout) - delta[None, :]) * qr_scale[None, :]
+            ds8, ds_scale = _quantize_rows(xk, gl.max(gl.abs(xk), 1), p_layout, o_layout)
+        if DO_DV:
+            dv_acc = _accumulate_product(dv_acc, pv8, pv_scale, dot_smem.index(s), o_zero)
+        if DO_DK:
+            dk_acc = _accumulate_product(dk_acc, ds8, ds_scale, qt_smem.index(s), o_zero)
+        mbarrier.arrive(empty.index(s), count=1)
         it += 1
-    return acc, it
+    return dv_acc, dk_acc, it
 
 
 @gluon.jit
-def _bwd_consumer(k8, v16, first, q_smem, op_smem, do_smem, vec_smem, k_bar, ready, empty, KS, OUT, ks_off,
-                  out_off, s_ot, seqlen_q, seqlen_k, window_left, window_right, group, lo, full_lo, full_hi, hi,
-                  out_scale, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                  DO_DK: gl.constexpr, FOLD: gl.constexpr):
+def _store_rows(acc, rows, seqlen, OUT, out_off, s_ot, out_scale, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
+    ptrs = OUT + out_off + rows_o.to(gl.int64)[:, None] * s_ot + offs_d[None, :]
+    gl.store(ptrs, (acc * out_scale).to(OUT.dtype.element_ty), mask=(rows_o < seqlen)[:, None])
+
+
+@gluon.jit
+def _bwd_consumer(k8, v16, first, q_smem, qt_smem, do_smem, dot_smem, vec_smem, k_bar, ready, empty, KS, DV, DK,
+                  ks_off, dv_off, s_dvt, dk_off, s_dkt, seqlen_q, seqlen_k, window_left, window_right, group, lo,
+                  full_lo, full_hi, hi, softmax_scale, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr,
+                  MASK_RIGHT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr, FOLD: gl.constexpr,
+                  BLOCK_Q: gl.constexpr):
     """One warpgroup: keys ``[first, first + 64)`` (their int8 K in ``k8``, V in ``v16``) against every query
-    tile of every query head of the group; writes their dV or dK rows."""
+    tile of every query head of the group; writes their dV and/or dK rows."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 32])
+                                                       instr_shape=[16, BLOCK_Q, 32])
     dp_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
+                                                        instr_shape=[16, BLOCK_Q, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 32])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     keys = first + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     k_scale = gl.load(KS + ks_off + keys, mask=keys < seqlen_k, other=0.0)
     k_bias = k_scale * -12582912.0
-    acc = gl.zeros([HALF_N, HEAD_DIM], gl.float32, o_layout)
+    dv_acc = gl.zeros([HALF_N, HEAD_DIM], gl.float32, o_layout)
+    dk_acc = gl.zeros([HALF_N, HEAD_DIM], gl.float32, o_layout)
     mbarrier.wait(k_bar, 0)
     it = lo * 0
     for g in range(group):
-        acc, it = _key_tiles_bwd(acc, it, k8, v16, k_scale, k_bias, q_smem, op_smem, do_smem, vec_smem, ready,
-                                 empty, keys, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right, True,
-                                 MASK_LEFT, MASK_RIGHT, DO_DK, FOLD, s_layout, dp_layout, o_layout, p_layout)
-        acc, it = _key_tiles_bwd(acc, it, k8, v16, k_scale, k_bias, q_smem, op_smem, do_smem, vec_smem, ready,
-                                 empty, keys, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right, False,
-                                 MASK_LEFT, MASK_RIGHT, DO_DK, FOLD, s_layout, dp_layout, o_layout, p_layout)
-        acc, it = _key_tiles_bwd(acc, it, k8, v16, k_scale, k_bias, q_smem, op_smem, do_smem, vec_smem, ready,
-                                 empty, keys, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right, True,
-                                 MASK_LEFT, MASK_RIGHT, DO_DK, FOLD, s_layout, dp_layout, o_layout, p_layout)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    keys_o = gl.convert_layout(keys, gl.SliceLayout(1, o_layout))
-    ptrs = OUT + out_off + keys_o.to(gl.int64)[:, None] * s_ot + offs_d[None, :]
-    gl.store(ptrs, (acc * out_scale).to(OUT.dtype.element_ty), mask=(keys_o < seqlen_k)[:, None])
+        dv_acc, dk_acc, it = _key_tiles_bwd(
+            dv_acc, dk_acc, it, k8, v16, k_scale, k_bias, q_smem, qt_smem, do_smem, dot_smem, vec_smem, ready,
+            empty, keys, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
+            DO_DK, DO_DV, FOLD, BLOCK_Q, s_layout, dp_layout, o_layout, p_layout)
+        dv_acc, dk_acc, it = _key_tiles_bwd(
+            dv_acc, dk_acc, it, k8, v16, k_scale, k_bias, q_smem, qt_smem, do_smem, dot_smem, vec_smem, ready,
+            empty, keys, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right, False, MASK_LEFT,
+            MASK_RIGHT, DO_DK, DO_DV, FOLD, BLOCK_Q, s_layout, dp_layout, o_layout, p_layout)
+        dv_acc, dk_acc, it = _key_tiles_bwd(
+            dv_acc, dk_acc, it, k8, v16, k_scale, k_bias, q_smem, qt_smem, do_smem, dot_smem, vec_smem, ready,
+            empty, keys, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
+            DO_DK, DO_DV, FOLD, BLOCK_Q, s_layout, dp_layout, o_layout, p_layout)
+    if DO_DV:
+        _store_rows(dv_acc, keys, seqlen_k, DV, dv_off, s_dvt, 1.0, HEAD_DIM, o_layout)
+    if DO_DK:
+        _store_rows(dk_acc, keys, seqlen_k, DK, dk_off, s_dkt, softmax_scale, HEAD_DIM, o_layout)
 
 
 @gluon.jit
 def _attn_bwd_dkdv_hopper_kernel(
-    q_desc, op_desc, do_desc, k_desc, v_desc, QS, LSE, VEC2, VEC3, KS, OUT,
-    s_qsb, s_qsh, s_ksb, s_ksh, s_ob, s_oh, s_ot,
-    n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, out_scale,
+    q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, QS, LSE, DOS, DELTA, QSR, KS, DV, DK,
+    s_qsb, s_qsh, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt,
+    n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softmax_scale,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr, DO_DK: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FOLD: gl.constexpr,
+    DO_DV: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FOLD: gl.constexpr,
+    BLOCK_Q: gl.constexpr,
 ):
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -237,22 +279,27 @@ def _attn_bwd_dkdv_hopper_kernel(
     seqlen_k = n_k + b * 0
     start_n = pid_n * BLOCK_N
     lo, full_lo, full_hi, hi = _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
-                                            MASK_LEFT, MASK_RIGHT)
-    # rows of the 2-D views the descriptors see: Q8 and dO [B*H*Nq, D], dO8^T / Q8^T [B*H*D, Nq_pad],
+                                            MASK_LEFT, MASK_RIGHT, BLOCK_Q)
+    # rows of the 2-D views the descriptors see: Q8 and dO [B*H*Nq, D], dO8^T and Q8^T [B*H*D, Nq_pad],
     # K8 and V [B*Hk*Nk, D]
     q_head0 = b * num_heads + hk * group
     k_row = (b * num_kv_heads + hk) * n_k + start_n
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    op_smem = gl.allocate_shared_memory(op_desc.dtype, [STAGES] + op_desc.block_type.shape, op_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    if DO_DV:
+        dot_smem = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_type.shape, dot_desc.layout)
+    else:   # unused: a buffer that exists stands in
+        dot_smem = q_smem
     if DO_DK:
         do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        qt_smem = gl.allocate_shared_memory(qt_desc.dtype, [STAGES] + qt_desc.block_type.shape, qt_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-    else:   # unused: one small buffer stands in
-        do_smem = op_smem
+    else:
+        do_smem = q_smem
+        qt_smem = q_smem
         v_smem = k_smem
-    vec_smem = gl.allocate_shared_memory(gl.float32, [4 * STAGES, BLOCK_M],
+    vec_smem = gl.allocate_shared_memory(gl.float32, [NVEC * STAGES, BLOCK_Q],
                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -264,19 +311,21 @@ def _attn_bwd_dkdv_hopper_kernel(
 
     vec_head0 = b.to(gl.int64) * s_qsb + (hk * group) * s_qsh
     ks_off = b.to(gl.int64) * s_ksb + hk * s_ksh
-    out_off = b.to(gl.int64) * s_ob + hk.to(gl.int64) * s_oh
+    dv_off = b.to(gl.int64) * s_dvb + hk.to(gl.int64) * s_dvh
+    dk_off = b.to(gl.int64) * s_dkb + hk.to(gl.int64) * s_dkh
+    # (each argument written out: a tuple built with + would turn the constexprs into runtime values)
     gl.warp_specialize([
-        (_bwd_consumer, (k_smem.index(0), v_smem.index(0), start_n, q_smem, op_smem, do_smem, vec_smem, k_bar,
-                         ready, empty, KS, OUT, ks_off, out_off, s_ot, seqlen_q, seqlen_k, window_left,
-                         window_right, group, lo, full_lo, full_hi, hi, out_scale, HEAD_DIM, MASK_LEFT, MASK_RIGHT,
-                         DO_DK, FOLD)),
-        (_bwd_consumer, (k_smem.index(1), v_smem.index(1), start_n + HALF_N, q_smem, op_smem, do_smem, vec_smem,
-                         k_bar, ready, empty, KS, OUT, ks_off, out_off, s_ot, seqlen_q, seqlen_k, window_left,
-                         window_right, group, lo, full_lo, full_hi, hi, out_scale, HEAD_DIM, MASK_LEFT, MASK_RIGHT,
-                         DO_DK, FOLD)),
-        (_loader, (q_desc, op_desc, do_desc, k_desc, v_desc, q_smem, op_smem, do_smem, k_smem, v_smem, vec_smem,
-                   k_bar, ready, empty, QS, LSE, VEC2, VEC3, k_row, q_head0, vec_head0, s_qsh, n_q, group,
-                   seqlen_q, lo, hi, DO_DK, FOLD)),
+        (_bwd_consumer, (k_smem.index(0), v_smem.index(0), start_n, q_smem, qt_smem, do_smem, dot_smem, vec_smem,
+                         k_bar, ready, empty, KS, DV, DK, ks_off, dv_off, s_dvt, dk_off, s_dkt, seqlen_q, seqlen_k,
+                         window_left, window_right, group, lo, full_lo, full_hi, hi, softmax_scale, HEAD_DIM,
+                         MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, BLOCK_Q)),
+        (_bwd_consumer, (k_smem.index(1), v_smem.index(1), start_n + HALF_N, q_smem, qt_smem, do_smem, dot_smem,
+                         vec_smem, k_bar, ready, empty, KS, DV, DK, ks_off, dv_off, s_dvt, dk_off, s_dkt, seqlen_q,
+                         seqlen_k, window_left, window_right, group, lo, full_lo, full_hi, hi, softmax_scale,
+                         HEAD_DIM, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, BLOCK_Q)),
+        (_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem,
+                   v_smem, vec_smem, k_bar, ready, empty, QS, LSE, DOS, DELTA, QSR, k_row, q_head0, vec_head0,
+                   s_qsh, n_q, group, seqlen_q, lo, hi, DO_DK, DO_DV, FOLD, BLOCK_Q)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -440,47 +489,54 @@ def _rows(x4):
     return x4.reshape(-1, x4.shape[-1])
 
 
-def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, out4, num_heads, group, head_dim,
-                     window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None):
-    """(grid, args, kwargs) of one launch, ``part`` "dv" or "dk": padded ``[B, H, N, D]`` tensors as
-    ``backward.launch_backward`` takes them (``quant`` from ``quantize_qk(..., transposed=True)``)."""
+def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
+                     window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None, block_q=None):
+    """(grid, args, kwargs) of one launch, ``part`` "dv", "dk" or "dkdv" (both in one program): padded
+    ``[B, H, N, D]`` tensors as ``backward.launch_backward`` takes them (``quant`` from
+    ``quantize_qk(..., transposed=True)``); ``dv4`` / ``dk4`` may be None where not written."""
     import torch
     import triton
 
-    assert part in ("dv", "dk") and head_dim in (64, 128) and out4.stride(3) == 1
-    if fold is None:    # measured (H100): dV 1.09-1.12x with it; dK 0.95-1.03x (more spills at D=128)
+    assert part in ("dv", "dk", "dkdv") and head_dim in (64, 128)
+    do_dv, do_dk = part in ("dv", "dkdv"), part in ("dk", "dkdv")
+    if fold is None:    # measured (H100): dV alone 1.09-1.12x with it; dK 0.95-1.03x (more spills at D=128)
         fold = part == "dv"
+    assert not (fold and do_dk), "FOLD scales P^T by dO's scale: dS^T needs it unscaled"
+    block_q = block_q or dkdv_query_tile(head_dim, part == "dkdv")
     assert quant["q_mean"] is None, "no Q-smoothing on this path"
     q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]
     bsz, hq, n_q, d = q8.shape
     hk, n_k = k8.shape[1], k8.shape[2]
-    dk = part == "dk"
-    vec2, vec3 = (delta, quant["q_scale_raw"]) if dk else (do_scale, q_scale)
-    for t in (lse, vec2, vec3):
+    q_scale_raw = quant["q_scale_raw"]
+    for t in (lse, do_scale, delta, q_scale_raw):
         assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
-    q_desc = _tma_desc(_rows(q8), [BLOCK_M.value, d], gl.int8)
-    op = quant["q8t"] if dk else do8t
-    op_desc = _tma_desc(op.reshape(-1, op.shape[-1]), [d, BLOCK_M.value], gl.int8)
+    io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
+    q_desc = _tma_desc(_rows(q8), [block_q, d], gl.int8)
     k_desc = _tma_desc(_rows(k8), [HALF_N.value, d], gl.int8)
-    if dk:
-        io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
-        do_desc = _tma_desc(_rows(do4), [BLOCK_M.value, d], io_dtype)
+    dot_desc = _tma_desc(do8t.reshape(-1, do8t.shape[-1]), [d, block_q], gl.int8) if do_dv else q_desc
+    if do_dk:
+        qt = quant["q8t"]
+        qt_desc = _tma_desc(qt.reshape(-1, qt.shape[-1]), [d, block_q], gl.int8)
+        do_desc = _tma_desc(_rows(do4), [block_q, d], io_dtype)
         v_desc = _tma_desc(_rows(v4), [HALF_N.value, d], io_dtype)
     else:
-        do_desc, v_desc = q_desc, k_desc          # unused
+        qt_desc, do_desc, v_desc = q_desc, q_desc, k_desc          # unused
+    dv4 = dv4 if do_dv else dk4
+    dk4 = dk4 if do_dk else dv4
+    assert dv4.stride(3) == 1 and dk4.stride(3) == 1
     grid = (triton.cdiv(n_k, BLOCK_N.value), bsz * hk)
     return grid, (
-        q_desc, op_desc, do_desc, k_desc, v_desc, q_scale, lse, vec2, vec3, k_scale, out4,
-        q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1), *out4.stride()[:3],
-        n_q, n_k, hq, hk, group, window[0], window[1], softmax_scale if dk else 1.0,
-    ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim, DO_DK=dk,
-            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, num_warps=4)
+        q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_scale, lse, do_scale, delta, q_scale_raw, k_scale,
+        dv4, dk4, q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1), *dv4.stride()[:3],
+        *dk4.stride()[:3], n_q, n_k, hq, hk, group, window[0], window[1], softmax_scale,
+    ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim, DO_DK=do_dk, DO_DV=do_dv,
+            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, BLOCK_Q=block_q, num_warps=4)
 
 
-def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, out4, num_heads, group, head_dim,
+def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
                        window, softmax_scale, **tuning):
-    """dV (``part="dv"``) or dK (``"dk"``) into ``out4`` ``[B, Hk, N, D]`` on the Gluon kernel."""
-    grid, args, kwargs = dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, out4, num_heads,
+    """dV (``part="dv"``), dK (``"dk"``) or both (``"dkdv"``) into ``dv4`` / ``dk4`` ``[B, Hk, N, D]``."""
+    grid, args, kwargs = dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads,
                                           group, head_dim, window, softmax_scale, **tuning)
     return _attn_bwd_dkdv_hopper_kernel[grid](*args, **kwargs)
 
@@ -522,13 +578,16 @@ def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim
 
 
 def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4, dv4, num_heads, num_kv_heads,
-                           head_dim, window, softmax_scale, **tuning):
+                           head_dim, window, softmax_scale, split_dkdv=True, **tuning):
     """backward.launch_backward's contract on the Gluon kernels, for padded batches without Q-smoothing:
-    three launches (dV, dK, dQ), each deterministic (no atomics)."""
+    dK and dV in one launch (or two with ``split_dkdv``), then dQ; each deterministic (no atomics)."""
     group = num_heads // num_kv_heads
     common = (num_heads, group, head_dim, window, softmax_scale)
     lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides
-    launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, *common, **tuning)
-    launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, dk4, *common, **tuning)
+    if split_dkdv:
+        launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, None, *common, **tuning)
+        launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, None, dk4, *common, **tuning)
+    else:
+        launch_dkdv_hopper("dkdv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common, **tuning)
     launch_dq_hopper(quant, lse, do4, delta, v4, dq4, *common,
-                     **{key: value for key, value in tuning.items() if key != "fold"})   # fold: a dV/dK option
+                     **{key: value for key, value in tuning.items() if key not in ("fold", "block_q")})

@@ -156,6 +156,27 @@ def _quantize_kernel(
         tl.store(DELTA + bx * s_sb + h * s_sh + t0 + rows, tl.sum(x * o, 1), mask=t_ok)
 
 
+@triton.jit
+def _combine_chunks_kernel(PART, OUT, s_ph, s_pb, s_oh, s_ob, num_heads, chunks, chunk_tokens, n, head_dim,
+                           ABS_MAX: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A whole sequence's mean (or max |x|) from its chunks' (``_token_stats_kernel``), in a fixed order."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // num_heads
+    h = pid % num_heads
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for c in range(0, chunks):
+        part = tl.load(PART + h * s_ph + (b * chunks + c) * s_pb + offs_d, mask=d_ok, other=0.0)
+        if ABS_MAX:
+            acc = tl.maximum(acc, part)
+        else:   # chunk means back to sums: every chunk holds chunk_tokens tokens but the last
+            acc += part * tl.minimum(chunk_tokens, n - c * chunk_tokens).to(tl.float32)
+    if not ABS_MAX:
+        acc = acc / n
+    tl.store(OUT + h * s_oh + b * s_ob + offs_d, acc, mask=d_ok)
+
+
 def _blocks_cu(layout: SeqLayout, block_tokens: int, device) -> torch.Tensor:
     """First block of every sequence when each is cut into runs of ``block_tokens`` (int32 [S + 1])."""
     if layout.is_varlen:
@@ -178,13 +199,10 @@ def token_stats(x4: torch.Tensor, layout: SeqLayout, abs_max: bool, block_tokens
         # on an H100): statistics per chunk in parallel, then a fixed-order reduction (no atomics, so every
         # call gives the same bytes).
         part, _ = token_stats(x4, layout, abs_max, block_tokens=STATS_CHUNK)
-        n, chunks = layout.max_len, -(-layout.max_len // STATS_CHUNK)
-        part = part.view(h, layout.num_seqs, chunks, d)
-        if abs_max:
-            stats = part.amax(2)
-        else:   # chunk means back to sums: every chunk holds STATS_CHUNK tokens but the last
-            last = n - (chunks - 1) * STATS_CHUNK
-            stats = (part[:, :, :-1].sum(2) * STATS_CHUNK + part[:, :, -1] * last) / n
+        stats = torch.empty(h, layout.num_seqs, d, device=x4.device, dtype=torch.float32)
+        _combine_chunks_kernel[(layout.num_seqs * h,)](
+            part, stats, part.stride(0), part.stride(1), stats.stride(0), stats.stride(1), h,
+            -(-layout.max_len // STATS_CHUNK), STATS_CHUNK, layout.max_len, d, ABS_MAX=abs_max, BLOCK_D=_block_d(d))
         return stats, torch.arange(layout.num_seqs + 1, dtype=torch.int32, device=x4.device)
     block_tokens = max(layout.max_len, 1) if whole else block_tokens
     cu_blocks = (torch.arange(layout.num_seqs + 1, dtype=torch.int32, device=x4.device) if whole
@@ -192,7 +210,9 @@ def token_stats(x4: torch.Tensor, layout: SeqLayout, abs_max: bool, block_tokens
     # a varlen batch's block count is only known on the device; an upper bound sizes the buffer
     total = layout.num_seqs if whole else (int(cu_blocks[-1]) if layout.is_varlen else
                                             layout.num_seqs * -(-layout.max_len // block_tokens))
-    out = torch.zeros(h, max(total, 1), d, device=x4.device, dtype=torch.float32)
+    # (a padded batch's programs write every entry: no zero fill)
+    alloc = torch.zeros if layout.is_varlen or total == 0 else torch.empty
+    out = alloc(h, max(total, 1), d, device=x4.device, dtype=torch.float32)
     grid = (1 if whole else triton.cdiv(max(layout.max_len, 1), block_tokens), layout.num_seqs * h)
     _token_stats_kernel[grid](
         x4, layout.cu_seqlens if layout.is_varlen else cu_blocks, cu_blocks, out,

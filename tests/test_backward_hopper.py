@@ -1,5 +1,5 @@
-"""GPU (sm_90): the Gluon dV, dK and dQ kernels (kernels/backward_hopper.py) against the portable
-dV, dK and dQ launches on the same quantized inputs. Same tile rules, so they differ only by fp32 rounding order and
+"""GPU (sm_90): the Gluon dV, dK and dQ kernels (kernels/backward_hopper.py), and dK with dV in one program
+("dkdv"), against the portable dV, dK and dQ launches on the same quantized inputs and query tile. Same tile rules, so they differ only by fp32 rounding order and
 exp2 (and, for dK, the bf16 dP^T product's accumulation order)."""
 import pytest
 import torch
@@ -24,10 +24,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("part", ["dv", "dk", "dq"])
+@pytest.mark.parametrize("part", ["dv", "dk", "dkdv", "dq"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}kv{c[2]}-n{c[3]}-d{c[4]}-w{c[5][0]}_{c[5][1]}")
 def test_gluon_dkdv_matches_portable(case, part):
-    from sagebwd_hf.kernels.backward_hopper import launch_dkdv_hopper, launch_dq_hopper
+    from sagebwd_hf.kernels.backward_hopper import dkdv_query_tile, launch_dkdv_hopper, launch_dq_hopper
 
     b, h, hk, n, d, window = case
     q, k, v, do = make_qkv(b, h, hk, n, n, d, torch.bfloat16, "cuda")
@@ -42,18 +42,22 @@ def test_gluon_dkdv_matches_portable(case, part):
     dkdv = cfg["dkdv"][0] if cfg["split_dkdv"] else cfg["dkdv"]
     assert dkdv[0] == 128, "the Gluon kernels' query tile (P^T's and dS^T's scales) is the portable kernel's"
     assert cfg["dq"][1] == 128, "the Gluon dQ kernel's key tile (dS's scales) is the portable kernel's"
+    # the fused kernel's query tile may be smaller (D=128): the portable launches get the same one
+    block_q = dkdv_query_tile(d, fused=part == "dkdv")
+    dkdv_cfg = tuple((block_q,) + c[1:] for c in (cfg["dkdv"] if cfg["split_dkdv"] else (cfg["dkdv"],) * 2))
     want = {"dq": torch.full_like(q, float("nan")), "dk": torch.full_like(k, float("nan")),
             "dv": torch.full_like(v, float("nan"))}
     launch_backward(quant, quant["q8t"], quant["q_scale_raw"], quant["k8t"], v, do, do_q["x8t"], do_q["scale"],
                     lse, do_q["delta"], want["dq"], want["dk"], want["dv"], lay, lay, h, hk, d, window,
-                    scale, cfg["dkdv"], cfg["dq"], kernels=(part,), split_dkdv=True)
-    got = torch.full_like(want[part], float("nan"))
+                    scale, dkdv_cfg, cfg["dq"], kernels=("dv", "dk") if part == "dkdv" else (part,), split_dkdv=True)
+    got = {name: torch.full_like(t, float("nan")) for name, t in want.items()}
     if part == "dq":
-        launch_dq_hopper(quant, lse, do, do_q["delta"], v, got, h, h // hk, d, window, scale)
+        launch_dq_hopper(quant, lse, do, do_q["delta"], v, got["dq"], h, h // hk, d, window, scale)
     else:
-        launch_dkdv_hopper(part, quant, lse, do, do_q["x8t"], do_q["scale"], do_q["delta"], v, got, h, h // hk, d,
-                           window, scale)
-    assert torch.isfinite(got).all(), "an element the Gluon kernel never wrote"
-    cos, rel = error_stats(got, want[part])
-    print(f"{case} {part}: gluon vs portable cos {cos:.6f} rel {rel:.2e}")
-    assert cos >= 0.9999 and rel <= 6e-3
+        launch_dkdv_hopper(part, quant, lse, do, do_q["x8t"], do_q["scale"], do_q["delta"], v, got["dv"], got["dk"],
+                           h, h // hk, d, window, scale)
+    for name in ("dk", "dv") if part == "dkdv" else (part,):
+        assert torch.isfinite(got[name]).all(), f"{name}: an element the Gluon kernel never wrote"
+        cos, rel = error_stats(got[name], want[name])
+        print(f"{case} {part} {name}: gluon vs portable cos {cos:.6f} rel {rel:.2e}")
+        assert cos >= 0.9999 and rel <= 6e-3, name

@@ -226,6 +226,21 @@ def test_backward_is_deterministic(device):
 
 
 @pytest.mark.parametrize("device", kernel_devices())
+def test_token_stats_match_torch(device):
+    """Whole-sequence mean and max |x|, including the long-sequence path (chunks, then a fixed-order combine)."""
+    from sagebwd_hf.kernels.layout import SeqLayout
+    from sagebwd_hf.kernels.quantize import STATS_CHUNK, token_stats
+    for n in (37, 2 * STATS_CHUNK + 77):
+        x = torch.randn(2, 3, n, 24, device=device, dtype=torch.bfloat16) * 3 + 0.5
+        lay = SeqLayout(2, n, None)
+        mean, cu = token_stats(x, lay, abs_max=False)
+        amax, _ = token_stats(x, lay, abs_max=True)
+        assert cu.tolist() == [0, 1, 2]
+        torch.testing.assert_close(mean, x.float().mean(2).transpose(0, 1), rtol=1e-5, atol=1e-5)
+        assert torch.equal(amax, x.float().abs().amax(2).transpose(0, 1))
+
+
+@pytest.mark.parametrize("device", kernel_devices())
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "packed"])
 def test_backward_from_kept_quantization_is_bit_equal(device, varlen, monkeypatch):
     """The forward hands its INT8 Q and K to the backward; the backward that quantizes them again itself (its

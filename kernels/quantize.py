@@ -227,7 +227,7 @@ def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def padded_tokens(n: int) -> int:
+def _padded_tokens(n: int) -> int:
     return -(-max(n, 1) // TOKEN_ALIGN) * TOKEN_ALIGN
 
 
@@ -249,7 +249,7 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
     dev = x4.device
     x8 = torch.empty(bsz, h, n, d, dtype=torch.int8, device=dev) if natural else None
     # with t_starts, each sequence pads by under TOKEN_ALIGN columns: a bound that needs no device sync
-    width = padded_tokens(n + (TOKEN_ALIGN - 1) * layout.num_seqs if t_starts is not None else n)
+    width = _padded_tokens(n + (TOKEN_ALIGN - 1) * layout.num_seqs if t_starts is not None else n)
     x8t = torch.zeros(bsz, h, d, width, dtype=torch.int8, device=dev) if transposed else None
     scale = None if channel_scale is not None else torch.empty(bsz, h, n, dtype=torch.float32, device=dev)
     delta = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if out_for_delta is not None else None

@@ -8,7 +8,7 @@ interpreter when ``TRITON_INTERPRET=1``.
 """
 import os
 import warnings
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -17,7 +17,7 @@ from .kernels import dispatch
 from .kernels.backward import launch_backward
 from .kernels.forward import launch_forward
 from .kernels.layout import SeqLayout, as_bhnd
-from .kernels.quantize import LOG2E, aligned_starts, padded_tokens, quantize, quantize_qk, quantize_v
+from .kernels.quantize import aligned_starts, quantize, quantize_qk, quantize_v
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -89,25 +89,9 @@ def _new_like(x: torch.Tensor, varlen: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
 
 
-def _keeps_quantized(q, k, v, q_smoothing, backend) -> bool:
-    """Whether the forward hands its INT8 Q and K (with the token-major copies the backward multiplies by) to
-    the backward instead of the backward quantizing them again: when a backward will run on the kernels."""
-    return (backend == "triton" and not q_smoothing and torch.is_grad_enabled()
-            and any(x.requires_grad for x in (q, k, v)))
-
-
-def _nothing_kept(q):
-    """Six distinct empty tensors in place of (q8, q8t, q_scale_raw, k8, k8t, k_scale): a custom op's outputs
-    may not alias one another."""
-    return tuple(q.new_empty(0, dtype=torch.int8) for _ in range(6))
-
-
-def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, backend,
-             keep_quantized=False):
-    """q/k/v padded ``[B, H, N, D]`` or packed ``[T, H, D]`` (then cu_* given). Returns (out, lse2, q8, q8t,
-    q_scale_raw, k8, k8t, k_scale): the quantized Q and K when ``keep_quantized``, else empty tensors."""
+def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, backend):
+    """q/k/v padded ``[B, H, N, D]`` or packed ``[T, H, D]`` (then cu_* given). Returns (out, lse2)."""
     varlen = cu_q is not None
-    nothing = _nothing_kept(q)
     cfg = tile_configs(q.shape[-1], q.device)
     out = _new_like(q, varlen)
     if backend == "naive":
@@ -118,14 +102,11 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_sm
             if qs.shape[2] and ks.shape[2] else   # an empty sequence: zeros, lse +inf (no key seen)
             (torch.zeros_like(qs), torch.full(qs.shape[:3], float("inf"), device=qs.device)),
             q, k, v, cu_q, cu_k)
-        return (out.copy_(out_naive), lse) + nothing
+        return out.copy_(out_naive), lse
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
     lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
-    # kept for the backward, the token-major copies cost one more write of each INT8 tensor here and save the
-    # backward a whole K-mean and quantization pass over Q and K (0.86 ms at D=128 N=4K, H100)
-    keep_quantized = keep_quantized and not q_smoothing
-    quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, transposed=keep_quantized)
+    quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing)
     # (an empty side has nothing to tile: a TMA descriptor cannot have a zero extent)
     gluon = q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
                                                                       lay_k.max_len)
@@ -143,15 +124,11 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_sm
     else:
         launch_forward(*args, cfg["fwd"])
         dispatch.count("fwd_triton")
-    if not keep_quantized:
-        return (out, lse) + nothing
-    return out, lse, quant["q8"], quant["q8t"], quant["q_scale_raw"], quant["k8"], quant["k8t"], quant["k_scale"]
+    return out, lse
 
 
-def _backward(dout, q, k, v, out, lse, kept, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
+def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
               q_smoothing, backend):
-    """``kept``: the forward's (q8, q8t, q_scale_raw, k8, k8t, k_scale), or empty tensors or None; when kept, q and k
-    may be stand-ins of the right shape (``_shape_of``): only their shapes are read."""
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device)
     dq, dk, dv = _poisoned(_new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen))
@@ -174,12 +151,8 @@ def _backward(dout, q, k, v, out, lse, kept, cu_q, cu_k, max_q, max_k, scale, wi
     do4, o4 = as_bhnd(dout, varlen), as_bhnd(out, varlen)
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
     lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
-    if kept is not None and kept[0].dim() == 4:   # kept (an empty placeholder is 1-D)
-        q8, q8t, q_scale_raw, k8, k8t, k_scale = kept
-        quant = dict(q8=q8, q_scale=q_scale_raw * (scale * LOG2E), q_scale_raw=q_scale_raw, q8t=q8t, k8=k8,
-                     k_scale=k_scale, k8t=k8t, q_mean=None, q_mean_cu=None)
-    else:   # the forward's bytes again (same inputs, same deterministic quantization), with token-major copies
-        quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, transposed=True)
+    # the forward's bytes again (same inputs, same deterministic quantization), plus token-major copies
+    quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, transposed=True)
     if q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
         raw = quantize(q4, lay_q, natural=False, transposed=True)
         q8rt, q_scale_raw = raw["x8t"], raw["scale"]
@@ -230,69 +203,46 @@ def _per_sequence(fn, q, k, v, cu_q, cu_k, extra_q=()):
 @torch.library.custom_op("sagebwd::attn_fwd", mutates_args=())
 def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
                  cu_k: Optional[torch.Tensor], max_q: int, max_k: int, scale: float, window_left: int,
-                 window_right: int, k_smoothing: bool, q_smoothing: bool, backend: str,
-                 keep_quantized: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                             torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 window_right: int, k_smoothing: bool, q_smoothing: bool,
+                 backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, (window_left, window_right), k_smoothing,
-                    q_smoothing, backend, keep_quantized)
-
-
-def _kept_like(x: torch.Tensor, varlen: bool):
-    """Empty (x8, x8t, scale) shaped as quantize(..., transposed=True) returns them for ``x``."""
-    x4 = as_bhnd(x, varlen)
-    b, h, n, d = x4.shape
-    return (x.new_empty(b, h, n, d, dtype=torch.int8), x.new_empty(b, h, d, padded_tokens(n), dtype=torch.int8),
-            x.new_empty(b, h, n, dtype=torch.float32))
+                    q_smoothing, backend)
 
 
 @_attn_fwd_op.register_fake
-def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing, q_smoothing, backend,
-      keep_quantized):
+def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing, q_smoothing, backend):
     varlen = cu_q is not None
     lse_shape = (1, q.shape[1], q.shape[0]) if varlen else q.shape[:3]
-    if keep_quantized and not q_smoothing and backend != "naive":
-        kept = _kept_like(q, varlen) + _kept_like(k, varlen)
-    else:
-        kept = _nothing_kept(q)
-    return (_new_like(q, varlen), q.new_empty(lse_shape, dtype=torch.float32)) + kept
+    return _new_like(q, varlen), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("sagebwd::attn_bwd", mutates_args=())
 def _attn_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, kept: List[torch.Tensor], cu_q: Optional[torch.Tensor],
-                 cu_k: Optional[torch.Tensor], max_q: int, max_k: int, scale: float, window_left: int,
-                 window_right: int, k_smoothing: bool, q_smoothing: bool,
-                 backend: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(dout, q, k, v, out, lse, kept, cu_q, cu_k, max_q, max_k, scale, (window_left, window_right),
+                 lse: torch.Tensor, cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor], max_q: int,
+                 max_k: int, scale: float, window_left: int, window_right: int, k_smoothing: bool,
+                 q_smoothing: bool, backend: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, (window_left, window_right),
                      k_smoothing, q_smoothing, backend)
 
 
 @_attn_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, kept, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing,
+def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing,
       q_smoothing, backend):
     varlen = cu_q is not None
     return _new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen)
 
 
-def _shape_of(x: torch.Tensor) -> torch.Tensor:
-    """A stand-in with ``x``'s shape, dtype and device and one element of storage."""
-    return x.new_empty(1).expand(x.shape)
-
-
 def _setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, *args = inputs
-    out, lse, *kept = output
-    if kept[0].dim() == 4:   # the backward reads the forward's INT8 Q and K: q and k need not stay alive
-        q, k = _shape_of(q), _shape_of(k)
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, *kept)
-    ctx.args = args[:-1]     # all but keep_quantized
-    ctx.mark_non_differentiable(lse, *kept)
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
+    ctx.args = args
+    ctx.mark_non_differentiable(output[1])
 
 
-def _attn_backward(ctx, dout, *_grads_of_non_differentiable):
-    q, k, v, out, lse, cu_q, cu_k, *kept = ctx.saved_tensors
-    dq, dk, dv = _attn_bwd_op(dout, q, k, v, out, lse, kept, cu_q, cu_k, *ctx.args)
-    return (dq, dk, dv) + (None,) * 11
+def _attn_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = _attn_bwd_op(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    return (dq, dk, dv) + (None,) * 10
 
 
 _attn_fwd_op.register_autograd(_attn_backward, setup_context=_setup_context)
@@ -438,8 +388,8 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     window, scale = _check_options(window_size, softmax_scale, q.shape[-1], causal)
     backend = _backend(q, backend)
     q, k, v, restore = _compute_dtype(q, k, v)
-    out, lse, *_ = _attn_fwd_op(q, k, v, None, None, q.shape[2], k.shape[2], scale, *window, bool(k_smoothing),
-                                bool(q_smoothing), backend, _keeps_quantized(q, k, v, q_smoothing, backend))
+    out, lse = _attn_fwd_op(q, k, v, None, None, q.shape[2], k.shape[2], scale, *window,
+                            bool(k_smoothing), bool(q_smoothing), backend)
     if restore is not None:
         out = out.to(restore)
     if not return_lse:
@@ -469,9 +419,8 @@ def sagebwd_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     window, scale = _check_options(window_size, softmax_scale, q.shape[-1], causal)
     backend = _backend(q, backend)
     q, k, v, restore = _compute_dtype(q, k, v)
-    out, lse, *_ = _attn_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *window,
-                                bool(k_smoothing), bool(q_smoothing), backend,
-                                _keeps_quantized(q, k, v, q_smoothing, backend))
+    out, lse = _attn_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *window,
+                            bool(k_smoothing), bool(q_smoothing), backend)
     if restore is not None:
         out = out.to(restore)
     if not return_lse:

@@ -113,12 +113,12 @@ def _segmented_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
     plan = _plan(q, k, mask, ids, causal)
     window = (window_left, window_right)
     if plan.cu_q is None:
-        out, lse, *_ = _forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, plan.max_q,
-                                plan.max_k, scale, window, k_smoothing, q_smoothing, backend)
+        out, lse = _forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, plan.max_q,
+                            plan.max_k, scale, window, k_smoothing, q_smoothing, backend)
         return out.transpose(1, 2).contiguous(), _to_tokens(lse)
-    out, lse_packed, *_ = _forward(_gather(q, plan.idx_q), _gather(k, plan.idx_k), _gather(v, plan.idx_k),
-                                   plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale, window, k_smoothing,
-                                   q_smoothing, backend)
+    out, lse_packed = _forward(_gather(q, plan.idx_q), _gather(k, plan.idx_k), _gather(v, plan.idx_k),
+                               plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale, window, k_smoothing,
+                               q_smoothing, backend)
     if plan.idx_q is None:
         return out.view(q.shape), lse_packed
     lse = lse_packed.new_full((1, q.shape[2], q.shape[0] * q.shape[1]), float("inf"))
@@ -141,12 +141,12 @@ def _segmented_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     if plan.cu_q is None:
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         lse_bhn = lse.view(q.shape[2], q.shape[0], q.shape[1]).transpose(0, 1).contiguous()
-        grads = _backward(t(dout), t(q), t(k), t(v), t(out), lse_bhn, None, None, None, plan.max_q, plan.max_k,
+        grads = _backward(t(dout), t(q), t(k), t(v), t(out), lse_bhn, None, None, plan.max_q, plan.max_k,
                           scale, window, k_smoothing, q_smoothing, backend)
         return tuple(t(g).contiguous() for g in grads)
     lse_packed = lse if plan.idx_q is None else lse[:, :, plan.idx_q].contiguous()
     dq, dk, dv = _backward(_gather(dout, plan.idx_q), _gather(q, plan.idx_q), _gather(k, plan.idx_k),
-                           _gather(v, plan.idx_k), _gather(out, plan.idx_q), lse_packed, None, plan.cu_q, plan.cu_k,
+                           _gather(v, plan.idx_k), _gather(out, plan.idx_q), lse_packed, plan.cu_q, plan.cu_k,
                            plan.max_q, plan.max_k, scale, window, k_smoothing, q_smoothing, backend)
     return _scatter(dq, plan.idx_q, q), _scatter(dk, plan.idx_k, k), _scatter(dv, plan.idx_k, v)
 

@@ -8,7 +8,7 @@ from sagebwd_hf.testing import make_qkv, run_with_grads
 
 def test_opcheck_forward_and_backward():
     q, k, v, _ = make_qkv(1, 4, 2, 40, 40, 64, torch.float16, "cpu")
-    args = (None, None, 40, 40, 0.125, -1, 0, True, False, "naive", True)
+    args = (None, None, 40, 40, 0.125, -1, 0, True, False, "naive")
     for x in (q, k, v):
         x.requires_grad_()
     torch.library.opcheck(interface._attn_fwd_op, (q, k, v) + args,

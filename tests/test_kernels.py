@@ -240,34 +240,6 @@ def test_token_stats_match_torch(device):
         assert torch.equal(amax, x.float().abs().amax(2).transpose(0, 1))
 
 
-@pytest.mark.parametrize("device", kernel_devices())
-@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "packed"])
-def test_backward_from_kept_quantization_is_bit_equal(device, varlen, monkeypatch):
-    """The forward hands its INT8 Q and K to the backward; the backward that quantizes them again itself (its
-    path when nothing was kept) must give the same bytes. Inference keeps nothing."""
-    from sagebwd_hf import interface
-    q, k, v, do = make_qkv(2, 4, 2, 70, 70, 64, torch.bfloat16, device)
-    if varlen:
-        cu = torch.tensor([0, 23, 140], dtype=torch.int32, device=device)
-        q, k, v, do = (x.transpose(1, 2).reshape(-1, x.shape[1], 64) for x in (q, k, v, do))
-        fn = lambda x, y, z: sagebwd_attn_varlen_func(x, y, z, cu, cu, 117, 117, causal=True)  # noqa: E731
-    else:
-        fn = lambda x, y, z: sagebwd_attn_func(x, y, z, causal=True)  # noqa: E731
-    kept = run_with_grads(fn, q, k, v, do)
-    monkeypatch.setattr(interface, "_keeps_quantized", lambda *args: False)
-    again = run_with_grads(fn, q, k, v, do)
-    for name in kept:
-        assert torch.equal(kept[name], again[name]), name
-    monkeypatch.undo()
-    outputs = []
-    real_forward = interface._forward
-    monkeypatch.setattr(interface, "_forward", lambda *a: outputs.append(real_forward(*a)) or outputs[-1])
-    with torch.no_grad():
-        fn(q, k, v)
-    fn(q.requires_grad_(), k, v)
-    assert [o[2].dim() for o in outputs] == [1, 4], "kept only when a backward can follow"
-
-
 # ------------------------------------------------------------------------------------------------
 # GPU only: real sizes, bf16, the shapes the interpreter is too slow for
 # ------------------------------------------------------------------------------------------------

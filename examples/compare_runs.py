@@ -1,32 +1,41 @@
 #!/usr/bin/env python
-"""Train with SDPA and with SageBwd from the same initial weights on the same batches, then draw both loss
-curves and their difference into a PNG with a summary table: the picture to look at before trusting INT8
-attention with a training run.
+"""Train with SDPA and with SageBwd from the same initial weights on the same batches, over several seeds, then
+draw the loss curves, their difference and the run-to-run noise into a PNG with a summary table and a verdict:
+the picture to look at before trusting INT8 attention with a training run.
 
-    python examples/compare_runs.py                   # CPU default: two tiny pre-training runs, ~2-3 min
-    python examples/compare_runs.py --output_dir runs/cmp60m -- \\
+    python examples/compare_runs.py                   # CPU default: 3 seeds x 2 tiny runs of 100 steps, ~2.5 min
+    python examples/compare_runs.py --seeds 0 1 2 3 --output_dir runs/cmp60m -- \\
         --size 60m --seq_len 1024 --per_device_batch_size 8 --max_steps 300 --mixed_precision bf16
     python examples/compare_runs.py --launcher "accelerate launch --multi_gpu --num_processes 2" -- --size 60m ...
+    python examples/compare_runs.py --metrics runs/compare/sdpa runs/compare/sagebwd    # redraw, no training
     python examples/compare_runs.py --metrics runs/a/metrics.csv runs/b/metrics.csv --labels sdpa sagebwd
 
-Everything after ``--`` goes to examples/pretrain.py, once per attention implementation (the first one,
-sdpa by default, is the reference). The first run saves its initial weights (--save_init) and the others
-load them (--init_from); the same --seed gives every run the same batches in the same order. So the runs
-differ in the attention implementation alone, and the difference of their losses is what INT8 attention
-costs (plus the run-to-run noise of non-deterministic GPU kernels).
+Everything after ``--`` goes to examples/pretrain.py, once per attention implementation and seed (the first
+implementation, sdpa by default, is the reference; with nothing after ``--``, ``--max_steps 100
+--no_save_model``). For each
+seed, the reference run saves its initial weights (--save_init) and the others load them (--init_from), and the
+seed gives them the same batches in the same order: within a seed the runs differ in the attention
+implementation alone.
 
-With --metrics, nothing is trained: the given metrics.csv files (or run folders holding one) are compared.
+Why several seeds: a tiny model trained at a high learning rate is chaotic, and the smallest difference
+(INT8 rounding, or fp32 summation order) sends two runs apart by more than the INT8 error itself. One pair of
+runs cannot tell the two apart; the spread of the gap across seeds can. The summary gives, per run, the final
+loss (mean of the last --last_n steps) as mean and standard deviation over the seeds, the gap to the reference
+paired by seed with a 95% confidence interval (Student's t over the seeds), and a verdict: the gap is larger
+than the noise when that interval leaves out zero. The PNG draws the reference's seed-to-seed spread as a band
+around its curve and around zero in the difference panel.
 
-Outputs in --output_dir: one folder per run (metrics.csv, run_summary.json), comparison.png, summary.md
-and summary.json. The summary: final loss of each run (mean of the last --last_n steps), final eval loss,
-the mean and mean absolute loss gap over the last --last_n steps, and training tokens/s (the first
---skip_steps steps, compilation and autotuning, excluded). Without matplotlib the table is printed and the
-PNG skipped; draw it later, anywhere, from the CSVs with --metrics.
+With --metrics, nothing is trained: each argument is a metrics.csv, a run folder holding one, or a folder of
+``seed*/`` run folders (what this script writes per implementation).
+
+Outputs in --output_dir: ``IMPL/seedN/`` per run (metrics.csv, run_summary.json), comparison.png, summary.md and
+summary.json. Without matplotlib the table is printed and the PNG skipped; draw it later with --metrics.
 """
 import argparse
 import json
 import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -37,7 +46,12 @@ import _common as common  # noqa: E402
 
 PRETRAIN = Path(__file__).resolve().parent / "pretrain.py"
 # pretrain.py flags that this script sets for each run itself.
-RESERVED = ("--attn_implementation", "--output_dir", "--save_init", "--init_from")
+RESERVED = ("--attn_implementation", "--output_dir", "--save_init", "--init_from", "--seed")
+# With nothing after "--": 3 seeds x 2 implementations x 100 steps of the tiny model, ~2.5 min on 2 CPU cores.
+DEFAULT_PRETRAIN_ARGS = ["--max_steps", "100", "--no_save_model"]
+# Student's t, two-sided 95%, by degrees of freedom (beyond 30: the normal 1.96 is within 4%).
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       12: 2.179, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042}
 
 
 def parse_args(argv=None):
@@ -52,11 +66,14 @@ def parse_args(argv=None):
     parser.add_argument("--output_dir", default="runs/compare", help="where the runs, PNG and summary go")
     parser.add_argument("--attn_implementations", nargs="+", default=["sdpa", "sagebwd"],
                         choices=common.ATTN_IMPLEMENTATIONS, help="runs to make; the first is the reference")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
+                        help="one run per implementation and seed; two or more give a noise estimate")
     parser.add_argument("--launcher", default=None,
                         help="command that runs pretrain.py, e.g. \"accelerate launch --num_processes 2\" "
                              "(default: this Python interpreter)")
     parser.add_argument("--metrics", nargs="+", default=None,
-                        help="compare these metrics.csv files (or run folders) instead of training")
+                        help="compare these metrics.csv files, run folders or folders of seed*/ runs instead of "
+                             "training")
     parser.add_argument("--labels", nargs="+", default=None, help="names of the --metrics runs")
     parser.add_argument("--last_n", type=int, default=20, help="steps at the end that the summary averages")
     parser.add_argument("--skip_steps", type=int, default=None,
@@ -66,11 +83,11 @@ def parse_args(argv=None):
                              "(0: none; default: averages over about 2%% of the steps)")
     parser.add_argument("--title", default=None, help="title of the figure")
     args = parser.parse_args(argv)
-    args.forwarded = forwarded
+    args.forwarded = forwarded if forwarded else list(DEFAULT_PRETRAIN_ARGS)
     for flag in forwarded:
         if flag.split("=")[0] in RESERVED:
             parser.error(f"{flag.split('=')[0]} is set by compare_runs.py for each run; leave it out of the "
-                         f"pretrain.py options (use --attn_implementations / --output_dir)")
+                         f"pretrain.py options (use --attn_implementations / --output_dir / --seeds)")
     if args.metrics is not None:
         if len(args.metrics) < 2:
             parser.error("--metrics needs at least two metrics.csv files or run folders")
@@ -80,6 +97,8 @@ def parse_args(argv=None):
         parser.error("--labels goes with --metrics (launched runs are named after their attention implementation)")
     elif len(set(args.attn_implementations)) < 2:
         parser.error("--attn_implementations needs at least two different implementations")
+    if len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds must be different from each other, got {args.seeds}")
     if args.smoothing is not None and not 0 <= args.smoothing < 1:
         parser.error(f"--smoothing must be in [0, 1), got {args.smoothing}")
     if args.last_n <= 0:
@@ -88,21 +107,40 @@ def parse_args(argv=None):
 
 
 def launch_runs(args, out):
-    """Run pretrain.py once per attention implementation, all from the first run's initial weights."""
+    """pretrain.py once per seed and attention implementation; within a seed, all from the same initial weights.
+    Returns one list of metrics.csv paths (one per seed) per implementation."""
     launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
-    init = out / "init.safetensors"
-    paths = []
-    for i, impl in enumerate(args.attn_implementations):
-        run_dir = out / impl
-        same_start = ["--save_init", str(init)] if i == 0 else ["--init_from", str(init)]
-        cmd = launcher + [str(PRETRAIN)] + args.forwarded + ["--attn_implementation", impl,
-                                                               "--output_dir", str(run_dir)] + same_start
-        print(f"[compare_runs] run {i + 1}/{len(args.attn_implementations)}: {shlex.join(cmd)}", flush=True)
-        result = subprocess.run(cmd)
-        if result.returncode != 0:
-            raise SystemExit(f"[compare_runs] the {impl} run failed (exit code {result.returncode})")
-        paths.append(run_dir / "metrics.csv")
-    return paths, list(args.attn_implementations)
+    groups = {impl: [] for impl in args.attn_implementations}
+    total, done = len(args.seeds) * len(args.attn_implementations), 0
+    for seed in args.seeds:
+        init = out / f"init_seed{seed}.safetensors"
+        for i, impl in enumerate(args.attn_implementations):
+            run_dir = out / impl / f"seed{seed}"
+            same_start = ["--save_init", str(init)] if i == 0 else ["--init_from", str(init)]
+            cmd = launcher + [str(PRETRAIN)] + args.forwarded + ["--attn_implementation", impl, "--seed", str(seed),
+                                                                   "--output_dir", str(run_dir)] + same_start
+            done += 1
+            print(f"[compare_runs] run {done}/{total}: {shlex.join(cmd)}", flush=True)
+            result = subprocess.run(cmd)
+            if result.returncode != 0:
+                raise SystemExit(f"[compare_runs] the {impl} run with seed {seed} failed (exit code "
+                                 f"{result.returncode})")
+            groups[impl].append(run_dir / "metrics.csv")
+    return list(groups.values()), list(groups)
+
+
+def find_runs(path):
+    """metrics.csv files behind one --metrics argument: the file, a run folder's, or each seed*/ folder's."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if (path / "metrics.csv").exists():
+        return [path / "metrics.csv"]
+    seeds = sorted((p for p in path.glob("seed*") if (p / "metrics.csv").exists()),
+                   key=lambda p: int(re.sub(r"\D", "", p.name) or 0))
+    if not seeds:
+        raise SystemExit(f"error: no metrics file {path}/metrics.csv and no {path}/seed*/metrics.csv")
+    return [p / "metrics.csv" for p in seeds]
 
 
 def load_run(path):
@@ -139,8 +177,27 @@ def ema(values, weight):
 
 
 def mean(values):
-    values = [v for v in values if math.isfinite(v)]
+    values = [v for v in values if v is not None and math.isfinite(v)]
     return sum(values) / len(values) if values else math.nan
+
+
+def std(values):
+    """Sample standard deviation (n - 1); nan below two values."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if len(values) < 2:
+        return math.nan
+    m = mean(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def ci95(values):
+    """Half-width of the 95% confidence interval of the mean of ``values`` (Student's t); nan below two."""
+    values = [v for v in values if math.isfinite(v)]
+    df = len(values) - 1
+    if df < 1:
+        return math.nan
+    t = T95[max(k for k in T95 if k <= df)] if df <= 30 else 1.96
+    return t * std(values) / math.sqrt(len(values))
 
 
 def throughput(run, skip):
@@ -153,29 +210,57 @@ def throughput(run, skip):
     return tokens / seconds if seconds > 0 else math.nan
 
 
-def summarize(runs, labels, last_n, skip_steps):
-    ref = runs[0]
+def step_gaps(run, ref):
+    """(steps both runs logged, loss of ``run`` minus loss of ``ref`` at each)."""
+    ref_loss = dict(zip(ref["step"], ref["loss"]))
+    loss = dict(zip(run["step"], run["loss"]))
+    steps = [s for s in run["step"] if s in ref_loss]
+    return steps, [loss[s] - ref_loss[s] for s in steps]
+
+
+def summarize(groups, labels, last_n, skip_steps):
+    """One row per implementation; ``groups[i]`` holds its runs, one per seed, paired by position with the
+    reference's (``groups[0]``)."""
+    refs = groups[0]
+    ref_final = [mean(r["loss"][-last_n:]) for r in refs]
     rows = []
-    for run, label in zip(runs, labels):
-        skip = skip_steps if skip_steps is not None else max(1, len(run["step"]) // 10)
-        ref_loss = dict(zip(ref["step"], ref["loss"]))
-        common_steps = [s for s in run["step"] if s in ref_loss]
-        loss = dict(zip(run["step"], run["loss"]))
-        gaps = [loss[s] - ref_loss[s] for s in common_steps]
-        tail = gaps[-last_n:]
-        row = {"run": label, "steps": run["step"][-1],
-               "final_loss": mean(run["loss"][-last_n:]),
-               "final_eval_loss": run["eval"][-1][1] if run["eval"] else None,
-               "tokens_per_s": throughput(run, skip)}
-        if run is not ref:
-            row.update(mean_gap=mean(tail), mean_abs_gap=mean([abs(g) for g in tail]),
-                       relative_gap=mean(tail) / mean(ref["loss"][-last_n:]) if tail else math.nan,
-                       common_steps=len(common_steps))
+    for runs, label in zip(groups, labels):
+        finals = [mean(r["loss"][-last_n:]) for r in runs]
+        speeds = [throughput(r, skip_steps if skip_steps is not None else max(1, len(r["step"]) // 10))
+                  for r in runs]
+        evals = [r["eval"][-1][1] for r in runs if r["eval"]]
+        row = {"run": label, "seeds": len(runs), "steps": runs[0]["step"][-1],
+               "final_loss": mean(finals), "final_loss_sd": std(finals), "final_loss_per_seed": finals,
+               "final_eval_loss": mean(evals) if evals else None, "tokens_per_s": mean(speeds)}
+        if runs is not refs:
+            pairs = list(zip(runs, refs))       # paired by seed
+            tails = [step_gaps(run, ref)[1][-last_n:] for run, ref in pairs]
+            per_seed = [mean(tail) for tail in tails]
+            row.update(mean_gap=mean(per_seed), gap_per_seed=per_seed, gap_ci95=ci95(per_seed),
+                       mean_abs_gap=mean([mean([abs(g) for g in tail]) for tail in tails]),
+                       relative_gap=mean(per_seed) / mean(ref_final[:len(pairs)]),
+                       common_steps=min(len(step_gaps(run, ref)[0]) for run, ref in pairs))
+            row["verdict"] = verdict(row, labels[0], std(ref_final))
         rows.append(row)
     ref_speed = rows[0]["tokens_per_s"]
     for row in rows:
         row["speed_vs_ref"] = row["tokens_per_s"] / ref_speed if ref_speed and math.isfinite(ref_speed) else math.nan
     return rows
+
+
+def verdict(row, ref_label, ref_sd):
+    """One sentence: is the gap to the reference larger than the run-to-run noise?"""
+    gap, half, n = row["mean_gap"], row["gap_ci95"], row["seeds"]
+    head = f"{row['run']} - {ref_label}: final loss gap {gap:+.4f} ({100 * row['relative_gap']:+.2f}%)"
+    if not math.isfinite(half):
+        return (f"{head} from one seed: no noise estimate, so no verdict (run two or more seeds, e.g. "
+                f"--seeds 0 1 2)")
+    interval = f"95% CI [{gap - half:+.4f}, {gap + half:+.4f}] over {n} seeds"
+    noise = f"{ref_label}'s own seed-to-seed sd {ref_sd:.4f}"
+    if gap - half > 0 or gap + half < 0:
+        direction = "worse" if gap > 0 else "better"
+        return f"{head}, {interval}: larger than the noise ({noise}): {row['run']} trains {direction}"
+    return f"{head}, {interval}: within the noise ({noise}): no difference shown"
 
 
 def _f(value, fmt):
@@ -185,13 +270,19 @@ def _f(value, fmt):
 
 
 def table_lines(rows, labels, last_n):
-    header = ["run", "steps", f"final loss (last {last_n})", "final eval loss", f"gap vs {labels[0]} (mean)",
-              "mean abs gap", "tokens/s", f"speed vs {labels[0]}"]
-    body = [[r["run"], str(r["steps"]), _f(r["final_loss"], ".4f"), _f(r["final_eval_loss"], ".4f"),
-             _f(r.get("mean_gap"), "+.4f") + (f" ({_f(100 * r['relative_gap'], '+.2f')}%)" if "relative_gap" in r
-                                              else ""),
-             _f(r.get("mean_abs_gap"), ".4f"), _f(r["tokens_per_s"], ",.0f"), _f(r["speed_vs_ref"], ".2f") + "x"]
-            for r in rows]
+    header = ["run", "seeds", "steps", f"final loss (last {last_n}, mean ± sd)", "final eval loss",
+              f"gap vs {labels[0]} (mean ± 95% CI)", "mean abs gap", "tokens/s", f"speed vs {labels[0]}"]
+    body = []
+    for r in rows:
+        gap = "-"
+        if "mean_gap" in r:
+            gap = _f(r["mean_gap"], "+.4f") + (f" ± {_f(r['gap_ci95'], '.4f')}" if math.isfinite(r["gap_ci95"])
+                                               else "") + f" ({_f(100 * r['relative_gap'], '+.2f')}%)"
+        body.append([r["run"], str(r["seeds"]), str(r["steps"]),
+                     _f(r["final_loss"], ".4f") + (f" ± {r['final_loss_sd']:.4f}" if math.isfinite(r["final_loss_sd"])
+                                                   else ""),
+                     _f(r["final_eval_loss"], ".4f"), gap, _f(r.get("mean_abs_gap"), ".4f"),
+                     _f(r["tokens_per_s"], ",.0f"), _f(r["speed_vs_ref"], ".2f") + "x"])
     return header, body
 
 
@@ -200,54 +291,80 @@ def markdown(header, body):
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
 
 
-def plot(runs, labels, rows, header, body, path, smoothing, title):
+def _across_seeds(curves):
+    """Steps every curve has, and per step the mean and sd over the curves (each a dict step -> value)."""
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    return steps, [mean([c[s] for c in curves]) for s in steps], [std([c[s] for c in curves]) for s in steps]
+
+
+def plot(groups, labels, rows, header, body, path, smoothing, title):
     try:
         import matplotlib
     except ImportError:
         print("[compare_runs] matplotlib is not installed: skipped the PNG (pip install matplotlib, then rerun "
-              "with --metrics on the CSVs to draw it)")
+              "with --metrics on the run folders to draw it)")
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_gap, ax_table) = plt.subplots(3, 1, figsize=(10, 10.5),
-                                                    gridspec_kw={"height_ratios": [3, 2, 1.1]})
+    fig, (ax_loss, ax_gap, ax_table) = plt.subplots(3, 1, figsize=(11, 11.5),
+                                                    gridspec_kw={"height_ratios": [3, 2, 1.3]})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     if smoothing is None:
-        smoothing = 1.0 - 1.0 / max(1.0, max(len(r["step"]) for r in runs) / 50)
-    for i, (run, label) in enumerate(zip(runs, labels)):
+        smoothing = 1.0 - 1.0 / max(1.0, max(len(r["step"]) for runs in groups for r in runs) / 50)
+    smooth = lambda run: dict(zip(run["step"], ema(run["loss"], smoothing)))  # noqa: E731
+    for i, (runs, label) in enumerate(zip(groups, labels)):
         c = colors[i % len(colors)]
-        ax_loss.plot(run["step"], run["loss"], color=c, alpha=0.25, linewidth=0.8)
+        for run in runs:
+            ax_loss.plot(run["step"], run["loss"], color=c, alpha=0.12, linewidth=0.6)
+        steps, avg, sd = _across_seeds([smooth(r) for r in runs])
         # Later runs dashed: where the curves coincide, both stay visible.
-        ax_loss.plot(run["step"], ema(run["loss"], smoothing), color=c, linewidth=1.8, label=f"{label} (train)",
-                     linestyle="-" if i == 0 else "--")
-        if run["eval"]:
-            ax_loss.plot(*zip(*run["eval"]), "o--", color=c, markersize=4, linewidth=1, label=f"{label} (eval)")
+        ax_loss.plot(steps, avg, color=c, linewidth=1.8, linestyle="-" if i == 0 else "--",
+                     label=f"{label} (train, mean of {len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        if len(runs) > 1 and i == 0:
+            ax_loss.fill_between(steps, [a - s for a, s in zip(avg, sd)], [a + s for a, s in zip(avg, sd)], color=c,
+                                 alpha=0.2, linewidth=0, label=f"{label}: ±1 sd over seeds")
+        evals = [dict(r["eval"]) for r in runs if r["eval"]]
+        if evals:
+            e_steps, e_avg, _ = _across_seeds(evals)
+            ax_loss.plot(e_steps, e_avg, "o--", color=c, markersize=4, linewidth=1, label=f"{label} (eval)")
     ax_loss.set_ylabel("loss")
     ax_loss.set_xlabel("optimizer step")
-    ax_loss.legend()
+    ax_loss.legend(fontsize=8)
     ax_loss.grid(alpha=0.3)
-    ax_loss.set_title(title or f"{' vs '.join(labels)}: same initial weights, same batches")
+    ax_loss.set_title(title or f"{' vs '.join(labels)}: same initial weights and batches per seed")
 
-    ref_loss = dict(zip(runs[0]["step"], runs[0]["loss"]))
-    for i, (run, label) in enumerate(zip(runs[1:], labels[1:]), start=1):
+    ref_steps, _, ref_sd = _across_seeds([smooth(r) for r in groups[0]])
+    if len(groups[0]) > 1:
+        ax_gap.fill_between(ref_steps, [-s for s in ref_sd], ref_sd, color="grey", alpha=0.25, linewidth=0,
+                            label=f"noise: {labels[0]}'s ±1 sd over seeds")
+    for i, (runs, label) in enumerate(zip(groups[1:], labels[1:]), start=1):
         c = colors[i % len(colors)]
-        steps = [s for s in run["step"] if s in ref_loss]
-        loss = dict(zip(run["step"], run["loss"]))
-        gap = [loss[s] - ref_loss[s] for s in steps]
-        ax_gap.plot(steps, gap, color=c, alpha=0.25, linewidth=0.8)
-        ax_gap.plot(steps, ema(gap, smoothing), color=c, linewidth=1.8, label=f"{label} - {labels[0]}")
+        gaps = []
+        for run, ref in zip(runs, groups[0]):
+            steps, gap = step_gaps(run, ref)
+            gaps.append(dict(zip(steps, ema(gap, smoothing))))
+            ax_gap.plot(steps, gaps[-1].values(), color=c, alpha=0.3, linewidth=0.8)
+        steps, avg, sd = _across_seeds(gaps)
+        ax_gap.plot(steps, avg, color=c, linewidth=1.8, label=f"{label} - {labels[0]} (mean over seeds)")
+        if len(gaps) > 1:
+            half = [ci95([g[s] for g in gaps]) for s in steps]
+            ax_gap.fill_between(steps, [a - h for a, h in zip(avg, half)], [a + h for a, h in zip(avg, half)],
+                                color=c, alpha=0.15, linewidth=0, label="95% CI of the mean gap")
     ax_gap.axhline(0.0, color="black", linewidth=0.8)
     ax_gap.set_ylabel(f"loss difference vs {labels[0]}")
     ax_gap.set_xlabel("optimizer step")
-    ax_gap.legend()
+    ax_gap.legend(fontsize=8)
     ax_gap.grid(alpha=0.3)
 
     ax_table.axis("off")
-    table = ax_table.table(cellText=body, colLabels=header, loc="center", cellLoc="center")
+    table = ax_table.table(cellText=body, colLabels=header, loc="upper center", cellLoc="center")
     table.auto_set_font_size(False)
-    table.set_fontsize(8)
+    table.set_fontsize(7)
+    table.auto_set_column_width(list(range(len(header))))
     table.scale(1, 1.4)
+    verdicts = "\n".join(r["verdict"] for r in rows if "verdict" in r)
+    ax_table.text(0.5, 0.0, verdicts, ha="center", va="bottom", fontsize=8, wrap=True, transform=ax_table.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -259,25 +376,33 @@ def main(argv=None):
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.metrics is not None:
-        paths = args.metrics
-        labels = args.labels or [Path(p).parent.name if Path(p).is_file() else Path(p).name for p in paths]
+        paths = [find_runs(p) for p in args.metrics]
+        labels = args.labels or [Path(p).parent.name if Path(p).is_file() else Path(p).name for p in args.metrics]
     else:
         paths, labels = launch_runs(args, out)
-    runs = [load_run(p) for p in paths]
-    rows = summarize(runs, labels, args.last_n, args.skip_steps)
+    groups = [[load_run(p) for p in group] for group in paths]
+    n = min(len(g) for g in groups)
+    if any(len(g) != n for g in groups):
+        print(f"[compare_runs] the runs have different numbers of seeds ({[len(g) for g in groups]}): the first "
+              f"{n} of each are compared, paired in order")
+        groups = [g[:n] for g in groups]
+    rows = summarize(groups, labels, args.last_n, args.skip_steps)
     header, body = table_lines(rows, labels, args.last_n)
     table = markdown(header, body)
-    info = runs[0]["run_summary"]
+    verdicts = "\n".join("verdict: " + r["verdict"] for r in rows if "verdict" in r)
+    info = groups[0][0]["run_summary"]
     context = ""
     if info:
         context = (f"{info.get('parameters', 0) / 1e6:.1f}M parameters, {info.get('tokens_per_step', 0):,} tokens per "
                    f"step, {info.get('num_processes', 1)} process(es) ({info.get('distributed_type', '?')}), "
                    f"mixed precision {info.get('mixed_precision', '?')}, device {info.get('device', '?')}")
-    print("\n" + (context + "\n\n" if context else "") + table + "\n")
-    (out / "summary.md").write_text((context + "\n\n" if context else "") + table + "\n")
-    (out / "summary.json").write_text(json.dumps({"context": info, "runs": rows, "metrics": [str(p) for p in paths]},
+    text = (context + "\n\n" if context else "") + table + "\n\n" + verdicts + "\n"
+    print("\n" + text)
+    (out / "summary.md").write_text(text)
+    (out / "summary.json").write_text(json.dumps({"context": info, "runs": rows,
+                                                  "metrics": [[str(p) for p in g] for g in paths]},
                                                  indent=1, default=str))
-    png = plot(runs, labels, rows, header, body, out / "comparison.png", args.smoothing, args.title)
+    png = plot(groups, labels, rows, header, body, out / "comparison.png", args.smoothing, args.title)
     if png:
         print(f"[compare_runs] wrote {png}, {out / 'summary.md'}, {out / 'summary.json'}")
 

@@ -12,14 +12,15 @@
 # (default runs/gpu_proof) gets a few small files: log.txt (everything printed, versions and the summary
 # tables included), MODE_comparison.png for each mode, and metrics.tar.gz (every run's metrics.csv and
 # run_summary.json, each mode's summary.md/json) to redraw or re-summarise anywhere with
-# `python examples/compare_runs.py --metrics`. Knobs: STEPS (300), BATCH (global sequences per step, 8),
+# `python examples/compare_runs.py --metrics`. Knobs: STEPS (300), SEEDS ("0 1": one sdpa and one sagebwd run
+# per seed; the verdict needs two or more), BATCH (global sequences per step, 8),
 # SEQ (1024); PRETRAIN_ARGS: more pretrain.py options, appended (they win). Carried wheels in .whl/ (e.g. datasets and its dependencies) are installed into /tmp/site first.
 # Every mode trains on the same global batch (BATCH x SEQ = 8,192 tokens per step): 2 GPUs take BATCH/2 each.
 # Needs torch, transformers, accelerate and datasets; matplotlib is optional (without it the PNG is skipped
 # and can be drawn later from the CSVs: python examples/compare_runs.py --metrics A/metrics.csv B/metrics.csv).
 #
 # Expected time on one H100/H200 (60m, 8K tokens per step): tens of steps per second for SDPA, a few times
-# slower for SageBwd's first steps (Triton compilation and autotuning), so about 2-4 minutes for "single"
+# slower for SageBwd's first steps (Triton compilation and autotuning), so about 2-4 minutes per seed for "single"
 # including start-up, and about as much again for each 2-GPU mode.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,7 @@ MODE="${1:-single}"
 OUT="${OUT:-runs/gpu_proof}"
 WORK="${WORK:-/tmp/gpu_proof_work}"
 STEPS="${STEPS:-300}"
+SEEDS="${SEEDS:-0 1}"
 BATCH="${BATCH:-8}"
 SEQ="${SEQ:-1024}"
 PY="${PYTHON:-python3}"
@@ -80,7 +82,8 @@ run_mode() {
   rm -rf "${WORK:?}/$mode"
   echo "=== $mode: $STEPS steps, $BATCH x $SEQ tokens per step ($per_device sequences per GPU)" | tee -a "$LOG"
   local start=$SECONDS
-  if ! "$PY" examples/compare_runs.py --output_dir "$WORK/$mode" --launcher "$(echo $launcher)" \
+  # shellcheck disable=SC2086
+  if ! "$PY" examples/compare_runs.py --output_dir "$WORK/$mode" --launcher "$(echo $launcher)" --seeds $SEEDS \
       --title "60m Llama, seq $SEQ, bf16, $mode: sdpa vs sagebwd (same init, same batches)" \
       -- "${COMMON[@]}" --per_device_batch_size "$per_device" "${EXTRA[@]}" 2>&1 | tee -a "$LOG"; then
     echo "=== $mode FAILED" | tee -a "$LOG"
@@ -89,7 +92,7 @@ run_mode() {
   echo "=== $mode took $((SECONDS - start)) s" | tee -a "$LOG"
   [ -f "$WORK/$mode/comparison.png" ] && cp "$WORK/$mode/comparison.png" "$OUT/${mode}_comparison.png"
   # Small files only (the device tool returns at most 8): the CSVs and summaries of every mode in one archive.
-  (cd "$WORK" && tar czf "$OUT/metrics.tar.gz" */summary.* */*/metrics.csv */*/run_summary.json 2>/dev/null || true)
+  (cd "$WORK" && tar czf "$OUT/metrics.tar.gz" */summary.* */*/*/metrics.csv */*/*/run_summary.json 2>/dev/null || true)
 }
 
 status=0

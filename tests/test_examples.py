@@ -4,6 +4,7 @@ model / LoRA adapter, the comparison PNG and summary."""
 import json
 import math
 import os
+import random
 import shlex
 import subprocess
 import sys
@@ -271,47 +272,87 @@ def test_finetune_lora_local_qk_norm_model_padding_free_jsonl(tmp_path, env, mon
 
 def test_compare_runs_launch_and_metrics(tmp_path, env):
     out_dir = tmp_path / "cmp"
-    cmd = [sys.executable, EXAMPLES / "compare_runs.py", "--output_dir", out_dir, "--last_n", "3",
+    cmd = [sys.executable, EXAMPLES / "compare_runs.py", "--output_dir", out_dir, "--last_n", "3", "--seeds", "0", "1",
            "--launcher", shlex.join(LAUNCH), "--", *SMALL, "--max_steps", "5", "--no_save_model"]
     out = run(cmd, env, tmp_path).stdout
-    assert "| sdpa |" in out and "| sagebwd |" in out
+    assert "| sdpa | 2 |" in out and "| sagebwd | 2 |" in out and "verdict: sagebwd - sdpa" in out
     png = out_dir / "comparison.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
-    assert (out_dir / "init.safetensors").exists()
+    assert (out_dir / "init_seed0.safetensors").exists() and (out_dir / "init_seed1.safetensors").exists()
     summary = json.loads((out_dir / "summary.json").read_text())
     ref, sage = summary["runs"]
-    assert (ref["run"], sage["run"]) == ("sdpa", "sagebwd")
+    assert (ref["run"], sage["run"]) == ("sdpa", "sagebwd") and ref["seeds"] == sage["seeds"] == 2
     assert ref["tokens_per_s"] > 0 and sage["tokens_per_s"] > 0 and ref["speed_vs_ref"] == 1.0
-    # Same initial weights, same batches: the runs differ by INT8 attention error only.
-    assert abs(sage["mean_gap"]) < 0.02 and sage["mean_abs_gap"] < 0.02
-    first = [float(train_rows(out_dir / impl)[0]["loss"]) for impl in ("sdpa", "sagebwd")]
-    assert first[0] == pytest.approx(first[1], abs=1e-2)
+    # Same initial weights, same batches within a seed: the runs differ by INT8 attention error only.
+    assert abs(sage["mean_gap"]) < 0.02 and sage["mean_abs_gap"] < 0.02 and math.isfinite(sage["gap_ci95"])
+    first = {(impl, seed): float(train_rows(out_dir / impl / f"seed{seed}")[0]["loss"])
+             for impl in ("sdpa", "sagebwd") for seed in (0, 1)}
+    for seed in (0, 1):
+        assert first["sdpa", seed] == pytest.approx(first["sagebwd", seed], abs=1e-2)
+    assert first["sdpa", 0] != first["sdpa", 1], "another seed, another start"
 
-    # Drawing from existing CSVs, with custom labels.
+    # Drawing again from the run folders (all seeds), with custom labels; and from single CSVs (one seed).
     again = tmp_path / "again"
-    out = run([sys.executable, EXAMPLES / "compare_runs.py", "--output_dir", again, "--metrics",
-               out_dir / "sdpa" / "metrics.csv", out_dir / "sagebwd", "--labels", "ref", "int8", "--last_n", "3"], env, tmp_path).stdout
-    assert "| ref |" in out and "| int8 |" in out and "gap vs ref" in out
+    out = run([sys.executable, EXAMPLES / "compare_runs.py", "--output_dir", again, "--metrics", out_dir / "sdpa",
+               out_dir / "sagebwd", "--labels", "ref", "int8", "--last_n", "3"], env, tmp_path).stdout
+    assert "| ref | 2 |" in out and "| int8 | 2 |" in out and "gap vs ref" in out
     assert (again / "comparison.png").exists()
-    assert json.loads((again / "summary.json").read_text())["runs"][1]["mean_gap"] == pytest.approx(
-        json.loads((out_dir / "summary.json").read_text())["runs"][1]["mean_gap"])
+    assert json.loads((again / "summary.json").read_text())["runs"][1]["mean_gap"] == pytest.approx(sage["mean_gap"])
+    out = run([sys.executable, EXAMPLES / "compare_runs.py", "--output_dir", tmp_path / "one", "--metrics",
+               out_dir / "sdpa" / "seed0" / "metrics.csv", out_dir / "sagebwd" / "seed0", "--last_n", "3"],
+              env, tmp_path).stdout
+    assert "no noise estimate" in out
+
+
+def _synthetic_runs(root, offsets, seeds, jitter):
+    """metrics.csv per run and seed: a falling loss + the run's offset + a per-seed shift (``jitter`` sd)."""
+    rnd = random.Random(0)
+    for name, offset in offsets.items():
+        for seed in range(seeds):
+            logger = common.CSVLogger(root / name / f"seed{seed}" / "metrics.csv")
+            shift = rnd.gauss(0.0, jitter)
+            for step in range(1, 41):
+                logger.log(step=step, loss=5.0 - step / 40 + offset + shift, tokens=100 * step,
+                           step_time_s=0.5 if name == "a" else 1.0)
+            logger.close()
 
 
 def test_compare_runs_from_diverging_csvs(tmp_path):
     """The summary measures the gap: two synthetic runs 0.5 apart give a mean gap of 0.5."""
     import compare_runs
 
-    for name, offset in (("a", 0.0), ("b", 0.5)):
-        logger = common.CSVLogger(tmp_path / name / "metrics.csv")
-        for step in range(1, 41):
-            logger.log(step=step, loss=5.0 - step / 40 + offset, tokens=100 * step, step_time_s=0.5 if name == "a" else 1.0)
-        logger.close()
-    compare_runs.main(["--output_dir", str(tmp_path / "out"), "--metrics", str(tmp_path / "a"), str(tmp_path / "b"),
-                       "--last_n", "10", "--skip_steps", "0"])
+    _synthetic_runs(tmp_path, {"a": 0.0, "b": 0.5}, seeds=1, jitter=0.0)
+    compare_runs.main(["--output_dir", str(tmp_path / "out"), "--metrics", str(tmp_path / "a" / "seed0"),
+                       str(tmp_path / "b" / "seed0"), "--last_n", "10", "--skip_steps", "0"])
     runs = json.loads((tmp_path / "out" / "summary.json").read_text())["runs"]
     assert runs[1]["mean_gap"] == pytest.approx(0.5) and runs[1]["mean_abs_gap"] == pytest.approx(0.5)
     assert runs[0]["tokens_per_s"] == pytest.approx(200) and runs[1]["speed_vs_ref"] == pytest.approx(0.5)
     assert runs[0]["final_loss"] == pytest.approx(5.0 - 35.5 / 40)
+    assert "no verdict" in runs[1]["verdict"]
+
+
+@pytest.mark.parametrize("offset,expected", [(0.05, "larger than the noise"), (0.0, "within the noise")])
+def test_compare_runs_verdict_against_seed_noise(tmp_path, offset, expected):
+    """Per-seed shifts of sd 0.05 are the noise: a gap of 0.05 on every seed stands out of it, none does not.
+    The seeds pair up (each b run shares its seed's shift with its a run, as runs from one start do)."""
+    import compare_runs
+
+    rnd = random.Random(1)
+    for seed in range(4):
+        shift = rnd.gauss(0.0, 0.05)
+        for name, extra in (("a", 0.0), ("b", offset + rnd.gauss(0.0, 0.01))):
+            logger = common.CSVLogger(tmp_path / name / f"seed{seed}" / "metrics.csv")
+            for step in range(1, 41):
+                logger.log(step=step, loss=5.0 - step / 40 + shift + extra, tokens=100 * step, step_time_s=0.5)
+            logger.close()
+    compare_runs.main(["--output_dir", str(tmp_path / "out"), "--metrics", str(tmp_path / "a"), str(tmp_path / "b"),
+                       "--last_n", "10"])
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    ref, other = summary["runs"]
+    assert ref["seeds"] == other["seeds"] == 4 and ref["final_loss_sd"] > 0.01
+    assert expected in other["verdict"], other["verdict"]
+    assert other["mean_gap"] == pytest.approx(offset, abs=0.02)
+    assert expected in (tmp_path / "out" / "summary.md").read_text()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -368,6 +409,8 @@ def test_resume_from_another_models_checkpoint_fails_before_training(tmp_path, e
     ("finetune_lora", ["--packing", "--padding_free"], ["--padding_free", "--packing"]),
     ("compare_runs", ["--attn_implementations", "sdpa", "flash"], ["--attn_implementations", "sagebwd"]),
     ("compare_runs", ["--", "--output_dir", "x"], ["--output_dir", "compare_runs.py"]),
+    ("compare_runs", ["--", "--seed", "3"], ["--seed", "--seeds"]),
+    ("compare_runs", ["--seeds", "1", "1"], ["--seeds", "different"]),
 ])
 def test_bad_flags(script, argv, expected, capsys):
     module = __import__(script)

@@ -53,6 +53,8 @@ FALLBACK_REASONS = {
                "(or_mask_function/and_mask_function overlays, block-wise or chunked attention)",
     "position_bias": "an additive position_bias (T5-style relative attention)",
     "shape": "a causal query longer than its keys, or an empty tensor",
+    "sparse_indices": "DeepSeek sparse attention's top-k keys (`indices`, DSA models such as deepseek_v32 and "
+                      "glm_moe_dsa): the selected keys become a 4D mask",
 }
 
 
@@ -157,7 +159,10 @@ def sagebwd_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     ``[batch, kv_len]`` (True = real token) that the attention turns into varlen, or, for a pattern the
     kernel cannot express, the dense 4D ``sdpa_mask`` (the attention then runs SDPA)."""
     compiling = torch.compiler.is_compiling()
-    if not (_expressible_compiled(mask_function, kwargs) if compiling else _expressible(mask_function)):
+    # DeepSeek sparse attention (a config with index_topk): the model reads the mask itself (its indexer takes
+    # attention_mask[:, 0]), so it gets the materialized 4D mask, as with sdpa and eager.
+    if getattr(kwargs.get("config"), "index_topk", None) is not None or not (
+            _expressible_compiled(mask_function, kwargs) if compiling else _expressible(mask_function)):
         kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)  # keep the pattern
         return masking_utils.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                                        q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
@@ -286,6 +291,18 @@ def _sequence_ids(batch, q_len, kv_len, kwargs, check):
     return per_tensor(f"position_ids:{batch}", position_ids, from_positions)
 
 
+def _with_selected_keys(mask, indices, batch, q_len, kv_len, causal, window, device):
+    """A bool 4D mask ``[B, 1, q, kv]`` keeping only the keys ``indices`` ``[B, q, topk]`` selects, within
+    ``mask`` (4D bool or additive; a 2D padding mask or None: the pattern the kernel path would compute)."""
+    selected = torch.zeros(batch, q_len, kv_len, dtype=torch.bool, device=device)
+    selected = selected.scatter(-1, indices.long().clamp(0, kv_len - 1), True)[:, None]
+    if mask is None or mask.dim() == 2:
+        mask = _dense_mask(batch, q_len, kv_len, causal, window, mask, None, device)
+    elif mask.dtype != torch.bool:
+        mask = mask == 0                      # additive: 0 where a key is seen
+    return mask & selected
+
+
 def _sdpa_fallback(reason, module, query, key, value, attention_mask, dropout, scaling, causal, window,
                    kwargs):
     _fallback_calls[reason] += 1
@@ -350,6 +367,14 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     mask = attention_mask.bool() if attention_mask is not None and attention_mask.dim() == 2 else attention_mask
+    if kwargs.get("indices") is not None:
+        # DeepSeek sparse attention hands backends that are not eager/sdpa its top-k keys per query and leaves
+        # them out of the mask (a sparse MLA kernel would consume them; flash_attention_2 ignores them): fold
+        # them into the mask, as the model's eager path does, and let SDPA run it.
+        mask = _with_selected_keys(mask, kwargs["indices"], batch, q_len, kv_len, causal, window, query.device)
+        kwargs = {k: v for k, v in kwargs.items() if k != "indices"}
+        return _sdpa_fallback("sparse_indices", module, query, key, value, mask, dropout, scaling, causal, window,
+                              kwargs), None
     reason = _fallback_reason(query, key, value, mask, dropout, kwargs)
     if reason is None and causal and q_len > kv_len:
         reason = "shape"

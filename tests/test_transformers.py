@@ -560,6 +560,38 @@ def test_fallback_mask_pattern_the_kernel_cannot_express(fresh_warnings):
     _assert_fallback(tiny_model("gemma3", use_bidirectional_attention=True), batch(), "mask_4d", calls=2)
 
 
+# DeepSeek sparse attention (DSA): an indexer picks each query's top-k keys. Tiny MLA configs (q/k head dim 24,
+# v 16), 8 keys kept of up to 24.
+DSA_TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=16, index_n_heads=2, index_head_dim=16, index_topk=8,
+                n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                topk_group=1, max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_deepseek_sparse_attention_runs_its_selected_keys(model_type, fresh_warnings):
+    """The indexer reads the 4D mask (``attention_mask[:, 0]``), and the backend gets the selected keys as
+    ``indices`` (which flash_attention_2 ignores: dense attention, silently). sagebwd gives the indexer its
+    mask and runs exactly the selected keys (through SDPA), padded rows included."""
+    inputs = batch(padding="left")
+    logits = {}
+    for impl in ("sdpa", "sagebwd"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **DSA_TINY), attn_implementation=impl)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            logits[impl] = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(logits["sagebwd"][real], logits["sdpa"][real], atol=1e-5, rtol=1e-4)
+    assert sagebwd_hf.attention_stats()["fallback"] == {"sparse_indices": 2}
+    torch.manual_seed(0)
+    dense = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **dict(DSA_TINY, index_topk=64)),
+                                             attn_implementation="sdpa")
+    dense_logits = dense(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+    assert (dense_logits[real] - logits["sdpa"][real]).abs().max() > 1e-3, "the selection must matter here"
+
+
 def test_softcap_raises():
     model = tiny_model("llama")
     attn = model.model.layers[0].self_attn

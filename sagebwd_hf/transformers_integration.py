@@ -117,11 +117,17 @@ _KNOWN_CODES = tuple(c for c in (
     _code_of(masking_utils.packed_sequence_mask_function, None)) if c is not None)
 
 
-def _expressible(mask_function) -> bool:
+_CHUNK_CODE = _code_of(getattr(masking_utils, "chunked_overlay", None), 1, None)
+_PACKED_CODE = _code_of(masking_utils.packed_sequence_mask_function, None)
+CHUNK_IDS_DTYPE = torch.int32   # sagebwd_mask's chunk ids [B, N]; padding masks are bool, user masks int64
+
+
+def _mask_parts(mask_function):
     """Eager: walk the and_masks tree of ``mask_function`` (through the closures masking_utils builds) and
-    accept only known building blocks. A Transformers version whose blocks look different lands on the safe
-    side (SDPA). This is the one place that reads masking_utils' internals."""
-    stack = [mask_function]
+    accept only known building blocks. Returns None for anything else (a Transformers version whose blocks look
+    different lands on the safe side: SDPA), else ``(chunk_size, left_padding)`` of a chunked-attention overlay,
+    or ``(None, None)`` without one. This is the one place that reads masking_utils' internals."""
+    stack, chunk, packed = [mask_function], (None, None), False
     try:
         while stack:
             fn = stack.pop()
@@ -132,11 +138,36 @@ def _expressible(mask_function) -> bool:
                 stack.extend(fn.__closure__[code.co_freevars.index("mask_functions")].cell_contents)
             elif code is _REMAP_CODE:   # packed sequences (5.2x): positions counted per sequence
                 stack.append(fn.__closure__[code.co_freevars.index("mask_function")].cell_contents)
+                packed = True
+            elif code is not None and code is _CHUNK_CODE and chunk[0] is None:   # Llama 4's chunked layers
+                cells = {name: cell.cell_contents for name, cell in zip(code.co_freevars, fn.__closure__)}
+                chunk = (int(cells["chunk_size"]), cells["left_padding"])
             elif code is None or code not in _KNOWN_CODES:
-                return False
-        return True
-    except (AttributeError, ValueError, IndexError, TypeError):
-        return False
+                return None
+            packed = packed or code is _PACKED_CODE
+        # chunks inside packed sequences: the chunk boundaries would need each sequence's start (dense mask)
+        return None if packed and chunk[0] is not None else chunk
+    except (AttributeError, ValueError, IndexError, TypeError, KeyError):
+        return None
+
+
+def _expressible(mask_function) -> bool:
+    parts = _mask_parts(mask_function)
+    return parts is not None and parts[0] is None
+
+
+def _chunk_ids(chunk_size, left_padding, batch, q_len, kv_len, q_offset, kv_offset, attention_mask, device):
+    """Chunked attention as the kernel runs it: each chunk of ``chunk_size`` tokens a sequence of its own (the
+    packed path, causal inside), given as chunk ids ``[B, N]`` (``CHUNK_IDS_DTYPE``). Only self-attention
+    without a cache and without padding; None otherwise (the dense 4D mask then)."""
+    if isinstance(q_offset, torch.Tensor) or q_offset != 0 or kv_offset != 0 or q_len != kv_len:
+        return None
+    if left_padding is not None and bool((left_padding != 0).any()):
+        return None
+    if attention_mask is not None and not bool(attention_mask[:, -kv_len:].bool().all()):
+        return None
+    ids = (torch.arange(kv_len, device=device) // chunk_size).to(CHUNK_IDS_DTYPE)
+    return ids[None].expand(batch, -1)
 
 
 def _expressible_compiled(mask_function, kwargs) -> bool:
@@ -159,6 +190,13 @@ def sagebwd_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     ``[batch, kv_len]`` (True = real token) that the attention turns into varlen, or, for a pattern the
     kernel cannot express, the dense 4D ``sdpa_mask`` (the attention then runs SDPA)."""
     compiling = torch.compiler.is_compiling()
+    if not compiling:
+        chunk_size, left_padding = _mask_parts(mask_function) or (None, None)
+        if chunk_size is not None:
+            ids = _chunk_ids(chunk_size, left_padding, batch_size, q_length, kv_length, q_offset, kv_offset,
+                             attention_mask, kwargs.get("device", "cpu"))
+            if ids is not None:
+                return ids
     # DeepSeek sparse attention (a config with index_topk): the model reads the mask itself (its indexer takes
     # attention_mask[:, 0]), so it gets the materialized 4D mask, as with sdpa and eager.
     if getattr(kwargs.get("config"), "index_topk", None) is not None or not (
@@ -304,7 +342,7 @@ def _with_selected_keys(mask, indices, batch, q_len, kv_len, causal, window, dev
 
 
 def _sdpa_fallback(reason, module, query, key, value, attention_mask, dropout, scaling, causal, window,
-                   kwargs):
+                   kwargs, segments=None):
     _fallback_calls[reason] += 1
     _warn_once("fallback:" + reason, f"sagebwd: {FALLBACK_REASONS[reason]}: this attention call runs "
                                      f"through SDPA instead (counted in sagebwd_hf.attention_stats()).")
@@ -312,9 +350,9 @@ def _sdpa_fallback(reason, module, query, key, value, attention_mask, dropout, s
     kv_len = key.shape[2]
     if attention_mask is not None and attention_mask.dim() == 4:
         mask = attention_mask
-    else:   # the same pattern the kernel path would have computed, packed sequences included
-        segments = None if attention_mask is not None else _sequence_ids(
-            batch, q_len, kv_len, kwargs, check=not torch.compiler.is_compiling())
+    else:   # the same pattern the kernel path would have computed, packed sequences (or chunks) included
+        if segments is None and attention_mask is None:
+            segments = _sequence_ids(batch, q_len, kv_len, kwargs, check=not torch.compiler.is_compiling())
         mask = _dense_mask(batch, q_len, kv_len, causal, window, attention_mask, segments, query.device)
     return _sdpa(module, query, key, value, mask, dropout, scaling, kwargs)
 
@@ -362,6 +400,9 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         raise ValueError(f"sagebwd: attention_mask must be None, a 2D padding mask from the 'sagebwd' mask "
                          f"function or a 4D mask; got shape {tuple(attention_mask.shape)}")
 
+    chunks = None
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.dtype == CHUNK_IDS_DTYPE:
+        chunks, attention_mask = attention_mask, None   # chunked attention: chunk ids from sagebwd_mask
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = _window(sliding_window, causal)
     batch, _, q_len, _ = query.shape
@@ -379,7 +420,8 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     if reason is None and causal and q_len > kv_len:
         reason = "shape"
     if reason is not None:
-        out = _sdpa_fallback(reason, module, query, key, value, mask, dropout, scaling, causal, window, kwargs)
+        out = _sdpa_fallback(reason, module, query, key, value, mask, dropout, scaling, causal, window, kwargs,
+                             segments=chunks)
         return out, None
 
     out_dtype = query.dtype
@@ -392,7 +434,10 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     q, k, v = (x.to(dtype).transpose(1, 2) for x in (query, key, value))
     compiling = torch.compiler.is_compiling()
 
-    if mask is not None:                                        # 1. padding (precedes packing, as flash)
+    if chunks is not None:                                      # 0. chunked attention: chunks as sequences
+        _kernel_calls["chunked"] += 1
+        out = segmented_attention(q, k, v, None, chunks, **op)
+    elif mask is not None:                                      # 1. padding (precedes packing, as flash)
         _kernel_calls["padding"] += 1
         out = segmented_attention(q, k, v, mask, None, **op)
     elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from transformers import AttentionInterface, AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import masking_utils
 from transformers.masking_utils import AttentionMaskInterface
 
 import sagebwd_hf
@@ -153,6 +154,8 @@ def test_mask_patterns_the_kernel_expresses():
                mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: q >= 0)]
     assert all(ti._expressible(fn) for fn in known)
     assert not any(ti._expressible(fn) for fn in unknown)
+    assert ti._mask_parts(unknown[0])[0] == 4           # chunked: the chunk ids path (without padding or cache)
+    assert ti._mask_parts(mu.and_masks(unknown[0], mu.packed_sequence_mask_function(packed_ids))) is None
     config = tiny_config("llama", attention_chunk_size=4)
     assert ti._expressible_compiled(mu.causal_mask_function, dict(use_vmap=False, config=config))
     assert not ti._expressible_compiled(mu.causal_mask_function, dict(use_vmap=True, config=config))
@@ -558,6 +561,32 @@ def test_fallback_mask_pattern_the_kernel_cannot_express(fresh_warnings):
     """Gemma3's use_bidirectional_attention overlays or_mask_function: the mask function hands on the dense
     pattern and those layers run SDPA, rather than losing the overlay as flash_attention_mask does."""
     _assert_fallback(tiny_model("gemma3", use_bidirectional_attention=True), batch(), "mask_4d", calls=2)
+
+
+def _llama4(chunk=8):
+    from transformers import Llama4TextConfig
+    torch.manual_seed(0)
+    config = Llama4TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              max_position_embeddings=256, attention_chunk_size=chunk, num_local_experts=2,
+                              num_experts_per_tok=1, interleave_moe_layer_step=2)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sagebwd")
+
+
+def test_chunked_attention_runs_chunks_as_sequences():
+    """Llama 4's chunked layers (query i sees keys of its own chunk of 8, causally): each chunk runs on the
+    kernels as a sequence of a packed batch (the pattern the kernel skips, not a dense mask); gradients too."""
+    model = _llama4()
+    assert set(model.config.layer_types) == {"chunked_attention"}
+    assert ti.sagebwd_mask(2, 24, 24, mask_function=masking_utils.chunked_causal_mask_function(
+        8, torch.zeros(2, dtype=torch.long))).tolist() == [[i // 8 for i in range(24)]] * 2
+    assert_close_to_sdpa(model, batch())
+    assert sagebwd_hf.attention_stats()["paths"] == {"chunked": 2}
+
+
+def test_chunked_attention_with_padding_falls_back(fresh_warnings):
+    """Padding inside chunked attention moves the chunk boundaries per row: the dense mask, through SDPA."""
+    _assert_fallback(_llama4(), batch(padding="left"), "mask_4d", 2)
 
 
 # DeepSeek sparse attention (DSA): an indexer picks each query's top-k keys. Tiny MLA configs (q/k head dim 24,

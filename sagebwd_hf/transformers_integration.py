@@ -50,7 +50,8 @@ FALLBACK_REASONS = {
     "head_dim": f"a head dim the kernel does not take (q/k/v must share one, a multiple of 8 up to {MAX_HEAD_DIM})",
     "dtype": "q/k/v in a dtype other than float16, bfloat16 or float32",
     "mask_4d": "a 4D attention mask: one passed by the user, or a mask pattern the kernel cannot express "
-               "(or_mask_function/and_mask_function overlays, block-wise or chunked attention)",
+               "(or_mask_function/and_mask_function overlays, block-wise attention, chunked attention with padding, "
+               "packing or a cache)",
     "position_bias": "an additive position_bias (T5-style relative attention)",
     "shape": "a causal query longer than its keys, or an empty tensor",
     "sparse_indices": "DeepSeek sparse attention's top-k keys (`indices`, DSA models such as deepseek_v32 and "
@@ -187,8 +188,9 @@ def sagebwd_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
                  **kwargs):
     """``AttentionMaskInterface`` entry for ``"sagebwd"``, as ``flash_attention_mask``. Returns ``None`` (no
     padding: causality, windows and packing come from the layer's kwargs), a 2D bool padding mask
-    ``[batch, kv_len]`` (True = real token) that the attention turns into varlen, or, for a pattern the
-    kernel cannot express, the dense 4D ``sdpa_mask`` (the attention then runs SDPA)."""
+    ``[batch, kv_len]`` (True = real token) that the attention turns into varlen, chunk ids ``[batch, kv_len]``
+    (``CHUNK_IDS_DTYPE``) for chunked attention, which it runs as packed sequences, or, for a pattern the
+    kernel cannot express (or a model that reads the mask itself), the dense 4D ``sdpa_mask`` (SDPA then)."""
     compiling = torch.compiler.is_compiling()
     if not compiling:
         chunk_size, left_padding = _mask_parts(mask_function) or (None, None)

@@ -22,15 +22,12 @@ from sagebwd_hf.kernels.layout import SeqLayout
 from sagebwd_hf.kernels.quantize import quantize, quantize_qk, quantize_v
 from sagebwd_hf.testing import error_stats
 
-from forward_kernels import median_ms
+from forward_kernels import add_shape_arguments, median_ms, print_versions
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
-    p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
-    p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--width", type=int, default=2048)
+    add_shape_arguments(p, seqlens=[4096, 16384])
     p.add_argument("--parts", nargs="+", default=["dv", "dk", "dkdv", "dq", "bwd"])
     p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help="also time the Gluon launches with these tuning arguments (e.g. pingpong=1), printed as "
@@ -39,7 +36,7 @@ def main():
     variants = [(v, {k: int(x) for k, x in (kv.split("=") for kv in v.split(","))}) for v in args.variant]
     from sagebwd_hf.kernels.backward_hopper import launch_backward_hopper, launch_dkdv_hopper, launch_dq_hopper
 
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {__import__('triton').__version__}")
+    print_versions()
     print(f"{'shape':<22} {'part':<4} | {'portable ms':>11} {'TFLOP/s':>8} | {'gluon ms':>9} {'TFLOP/s':>8} "
           f"{'x port':>6} {'relL2':>8}")
     for d in args.head_dims:

@@ -19,6 +19,18 @@ from sagebwd_hf.kernels.quantize import aligned_starts, quantize_qk, quantize_v
 from sagebwd_hf.testing import error_stats
 
 
+def add_shape_arguments(parser, seqlens):
+    """The shape grid every kernel benchmark here sweeps: B*N tokens and H*D fixed, N and D varied."""
+    parser.add_argument("--seqlens", type=int, nargs="+", default=seqlens)
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--width", type=int, default=2048)
+
+
+def print_versions():
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {__import__('triton').__version__}")
+
+
 def median_ms(fn, reps=30, warmup=3):
     for _ in range(warmup):
         fn()
@@ -62,10 +74,7 @@ def check_varlen(variants):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlens", type=int, nargs="+", default=[4096])
-    p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
-    p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--width", type=int, default=2048)
+    add_shape_arguments(p, seqlens=[4096])
     p.add_argument("--varlen", choices=["only", "skip", "first"], default="skip",
                    help="the varlen check alone (a crash then takes no timing with it), not at all, or first")
     p.add_argument("--variants", nargs="+", default=None, help="Gluon launch variants to run (default: all)")
@@ -74,7 +83,7 @@ def main():
 
     variants = {"gluon": {}, "gluon_pingpong": dict(pingpong=True), "gluon_no_pingpong": dict(pingpong=False)}
     variants = {k: v for k, v in variants.items() if args.variants is None or k in args.variants}
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {__import__('triton').__version__}")
+    print_versions()
 
     if args.varlen != "skip":
         check_varlen(variants)

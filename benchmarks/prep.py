@@ -13,17 +13,14 @@ import torch
 from sagebwd_hf.kernels.layout import SeqLayout
 from sagebwd_hf.kernels.quantize import quantize, token_stats
 
-from forward_kernels import median_ms
+from forward_kernels import add_shape_arguments, median_ms, print_versions
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
-    p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
-    p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--width", type=int, default=2048)
+    add_shape_arguments(p, seqlens=[4096, 16384])
     args = p.parse_args()
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {__import__('triton').__version__}")
+    print_versions()
     print(f"{'shape':<12} {'pass':<16} {'call ms':>7} {'GB/s':>6} | {'GPU ms':>7} {'GB/s':>6}")
     for d in args.head_dims:
         for n in args.seqlens:

@@ -192,17 +192,19 @@ def sagebwd_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     (``CHUNK_IDS_DTYPE``) for chunked attention, which it runs as packed sequences, or, for a pattern the
     kernel cannot express (or a model that reads the mask itself), the dense 4D ``sdpa_mask`` (SDPA then)."""
     compiling = torch.compiler.is_compiling()
-    if not compiling:
-        chunk_size, left_padding = _mask_parts(mask_function) or (None, None)
-        if chunk_size is not None:
+    if compiling:
+        expressible = _expressible_compiled(mask_function, kwargs)
+    else:   # one walk of the mask's building blocks: chunked attention, or a pattern the kernel expresses
+        chunk_size, left_padding = _mask_parts(mask_function) or (False, None)
+        if chunk_size:
             ids = _chunk_ids(chunk_size, left_padding, batch_size, q_length, kv_length, q_offset, kv_offset,
                              attention_mask, kwargs.get("device", "cpu"))
             if ids is not None:
                 return ids
+        expressible = chunk_size is None
     # DeepSeek sparse attention (a config with index_topk): the model reads the mask itself (its indexer takes
     # attention_mask[:, 0]), so it gets the materialized 4D mask, as with sdpa and eager.
-    if getattr(kwargs.get("config"), "index_topk", None) is not None or not (
-            _expressible_compiled(mask_function, kwargs) if compiling else _expressible(mask_function)):
+    if getattr(kwargs.get("config"), "index_topk", None) is not None or not expressible:
         kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)  # keep the pattern
         return masking_utils.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                                        q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
@@ -335,7 +337,7 @@ def _with_selected_keys(mask, indices, batch, q_len, kv_len, causal, window, dev
     """A bool 4D mask ``[B, 1, q, kv]`` keeping only the keys ``indices`` ``[B, q, topk]`` selects, within
     ``mask`` (4D bool or additive; a 2D padding mask or None: the pattern the kernel path would compute)."""
     selected = torch.zeros(batch, q_len, kv_len, dtype=torch.bool, device=device)
-    selected = selected.scatter(-1, indices.long().clamp(0, kv_len - 1), True)[:, None]
+    selected = selected.scatter(-1, indices.long(), True)[:, None]
     if mask is None or mask.dim() == 2:
         mask = _dense_mask(batch, q_len, kv_len, causal, window, mask, None, device)
     elif mask.dtype != torch.bool:

@@ -304,24 +304,20 @@ def test_compare_runs_launch_and_metrics(tmp_path, env):
     assert "no noise estimate" in out
 
 
-def _synthetic_runs(root, offsets, seeds, jitter):
-    """metrics.csv per run and seed: a falling loss + the run's offset + a per-seed shift (``jitter`` sd)."""
-    rnd = random.Random(0)
-    for name, offset in offsets.items():
-        for seed in range(seeds):
-            logger = common.CSVLogger(root / name / f"seed{seed}" / "metrics.csv")
-            shift = rnd.gauss(0.0, jitter)
-            for step in range(1, 41):
-                logger.log(step=step, loss=5.0 - step / 40 + offset + shift, tokens=100 * step,
-                           step_time_s=0.5 if name == "a" else 1.0)
-            logger.close()
+def _synthetic_run(path, offset, step_time_s=0.5):
+    """A metrics.csv of 40 steps: a falling loss moved by ``offset``."""
+    logger = common.CSVLogger(path / "metrics.csv")
+    for step in range(1, 41):
+        logger.log(step=step, loss=5.0 - step / 40 + offset, tokens=100 * step, step_time_s=step_time_s)
+    logger.close()
 
 
 def test_compare_runs_from_diverging_csvs(tmp_path):
     """The summary measures the gap: two synthetic runs 0.5 apart give a mean gap of 0.5."""
     import compare_runs
 
-    _synthetic_runs(tmp_path, {"a": 0.0, "b": 0.5}, seeds=1, jitter=0.0)
+    _synthetic_run(tmp_path / "a" / "seed0", 0.0, step_time_s=0.5)
+    _synthetic_run(tmp_path / "b" / "seed0", 0.5, step_time_s=1.0)
     compare_runs.main(["--output_dir", str(tmp_path / "out"), "--metrics", str(tmp_path / "a" / "seed0"),
                        str(tmp_path / "b" / "seed0"), "--last_n", "10", "--skip_steps", "0"])
     runs = json.loads((tmp_path / "out" / "summary.json").read_text())["runs"]
@@ -341,10 +337,7 @@ def test_compare_runs_verdict_against_seed_noise(tmp_path, offset, expected):
     for seed in range(4):
         shift = rnd.gauss(0.0, 0.05)
         for name, extra in (("a", 0.0), ("b", offset + rnd.gauss(0.0, 0.01))):
-            logger = common.CSVLogger(tmp_path / name / f"seed{seed}" / "metrics.csv")
-            for step in range(1, 41):
-                logger.log(step=step, loss=5.0 - step / 40 + shift + extra, tokens=100 * step, step_time_s=0.5)
-            logger.close()
+            _synthetic_run(tmp_path / name / f"seed{seed}", shift + extra)
     compare_runs.main(["--output_dir", str(tmp_path / "out"), "--metrics", str(tmp_path / "a"), str(tmp_path / "b"),
                        "--last_n", "10"])
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())

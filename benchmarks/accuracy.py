@@ -7,6 +7,10 @@ it shows what the smoothing buys. The bar (issue 2): O and dV cosine >= 0.999, d
 
     python benchmarks/accuracy.py                      # GPU: D=128, N=4096; CPU: a small shape
     python benchmarks/accuracy.py --check --csv out.csv
+    python benchmarks/accuracy.py --softcap 20 --sinks    # Gemma 2's cap / gpt-oss's sinks, on both sides
+
+With --softcap or --sinks, the bf16 baseline is eager attention (attention_exact) in the input dtype: SDPA
+computes neither.
 """
 import argparse
 import csv
@@ -18,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from sagebwd_hf import sagebwd_attn_func
-from sagebwd_hf.testing import compare, exact_reference, make_qkv, run_with_grads
+from sagebwd_hf.naive import attention_exact
+from sagebwd_hf.testing import compare, make_qkv, run_with_grads
 
 BAR = {"O": 0.999, "dV": 0.999, "dQ": 0.99, "dK": 0.99}
 
@@ -44,6 +49,8 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--csv", default=None)
     p.add_argument("--check", action="store_true", help="exit 1 if the bar is missed")
+    p.add_argument("--softcap", type=float, default=0.0, help="logit soft-capping (Gemma 2 uses 50)")
+    p.add_argument("--sinks", action="store_true", help="attention sinks: one N(0, 2^2) logit per head")
     args = p.parse_args()
 
     dtype = getattr(torch, args.dtype)
@@ -53,7 +60,15 @@ def main():
     import triton
     print(f"# device {device_name} | torch {torch.__version__} | triton {triton.__version__} | "
           f"B={args.batch} H={args.heads}/{kv_heads} N={args.seqlen} D={args.head_dim} {args.dtype} | "
-          f"reference {ref_dtype} | Triton interpreter: {os.environ.get('TRITON_INTERPRET') == '1'}")
+          f"reference {ref_dtype} | Triton interpreter: {os.environ.get('TRITON_INTERPRET') == '1'} | "
+          f"softcap {args.softcap:g} | sinks {args.sinks}")
+    extras = bool(args.softcap) or args.sinks
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    sinks = (torch.randn(args.heads, generator=gen) * 2.0).to(args.device) if args.sinks else None
+
+    def exact(q, k, v, causal, dtype):
+        return attention_exact(q.to(dtype), k.to(dtype), v.to(dtype), None, (-1, 0) if causal else (-1, -1), dtype,
+                               softcap=args.softcap, sinks=sinks)[0]
 
     rows = []
     for inputs in ("gaussian", "k_outliers"):
@@ -61,14 +76,16 @@ def main():
             q, k, v, do = make_qkv(args.batch, args.heads, kv_heads, args.seqlen, args.seqlen, args.head_dim,
                                    dtype, args.device, k_outliers=args.outlier if inputs == "k_outliers" else 0.0,
                                    seed=args.seed)
-            exact = exact_reference(q, k, v, do, window_size=(-1, 0) if causal else (-1, -1), dtype=ref_dtype)
-            ours = compare(run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, causal=causal),
-                                          q, k, v, do), exact)
-            base = compare(run_with_grads(lambda a, b, c: sdpa(a, b, c, causal), q, k, v, do), exact)
-            plain = compare(run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, causal=causal,
-                                                                             k_smoothing=False),
-                                           q, k, v, do), exact)
-            del exact
+            ref = run_with_grads(lambda a, b, c: exact(a, b, c, causal, ref_dtype), q.to(ref_dtype),
+                                 k.to(ref_dtype), v.to(ref_dtype), do.to(ref_dtype))
+            opts = dict(causal=causal, softcap=args.softcap, sinks=sinks)
+            ours = compare(run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, **opts), q, k, v, do), ref)
+            base = compare(run_with_grads((lambda a, b, c: exact(a, b, c, causal, dtype)) if extras else
+                                          (lambda a, b, c: sdpa(a, b, c, causal)), q, k, v, do), ref)
+            plain = compare(run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, k_smoothing=False, **opts),
+                                           q, k, v, do), ref)
+            exact_out = ref
+            del ref, exact_out
             for name in ("O", "dQ", "dK", "dV"):
                 rows.append(dict(inputs=inputs, causal=causal, tensor=name,
                                  sagebwd_cos=ours[name][0], sagebwd_rel_l2=ours[name][1],

@@ -35,11 +35,16 @@ QUICK_SEQLENS = [1024, 4096]
 # The first is Llama-3-like (D=128, 4 queries per KV head); the second is Llama-3.2-1B's attention
 # (32 query heads, 8 KV heads, D=64) at 8K, the e2e benchmark's main point.
 GQA_SHAPES = [(128, 16, 4, 4096, True), (64, 32, 8, 8192, True)]
-METHODS = ["sagebwd", "sagebwd_portable", "cudnn", "flash", "sageattn"]
+METHODS = ["sagebwd", "sagebwd_portable", "sagebwd_sinks", "sagebwd_softcap", "cudnn", "flash", "sageattn"]
+# The model-zoo options on the same shapes (issue 15): sinks (one logit per head, gpt-oss) on the default
+# kernels; a soft cap of 50 (Gemma 2), which only the portable kernels compute. Their "cos" is against plain
+# SDPA, which computes neither (a cap of 50 barely moves these scores; sinks rescale every row).
+FEATURE_METHODS = {"sagebwd_sinks": "sagebwd", "sagebwd_softcap": "sagebwd_portable"}
+SOFTCAP = 50.0
 # sagebwd runs what the dispatch picks (SAGEBWD_KERNELS=gluon: the Gluon forward on Hopper); sagebwd_portable
 # forces the tl.dot kernels. Not in the default list while the dispatch picks those anyway.
 DEFAULT_METHODS = ["sagebwd", "cudnn", "flash", "sageattn"]
-TRAIN_METHODS = {"sagebwd", "sagebwd_portable", "cudnn", "flash", "efficient"}   # sageattn has no backward
+TRAIN_METHODS = {"sagebwd", "sagebwd_portable", "sagebwd_sinks", "sagebwd_softcap", "cudnn", "flash", "efficient"}   # sageattn has no backward
 REFS = ("cudnn", "flash")
 
 
@@ -97,6 +102,11 @@ def make_method(name, shape, torch, F, ctx):
     causal, group = shape.causal, shape.heads // shape.kv_heads
     if name == "sagebwd":
         return (lambda q, k, v: ctx["sagebwd_attn_func"](q, k, v, causal=causal)), ""
+    if name == "sagebwd_sinks":
+        sinks = torch.randn(shape.heads, device="cuda", requires_grad=True)   # its gradient is computed too
+        return (lambda q, k, v: ctx["sagebwd_attn_func"](q, k, v, causal=causal, sinks=sinks)), ""
+    if name == "sagebwd_softcap":
+        return (lambda q, k, v: ctx["sagebwd_attn_func"](q, k, v, causal=causal, softcap=SOFTCAP)), ""
     if name == "sagebwd_portable":
         def portable(q, k, v):
             before = os.environ.get("SAGEBWD_KERNELS")
@@ -247,6 +257,25 @@ def print_summary(rows_list, shapes, meta):
               f"{fmt(sb.get('peak_gib'), '.2f', 4)} {fmt(g('cudnn', 'peak_gib'), '.2f', 5)} "
               f"{fmt(g('flash', 'peak_gib'), '.2f', 5)} | {fmt(sb.get('out_cos'), '.4f', 6)}")
     print_targets(rows, shapes)
+    print_features(rows, shapes)
+
+
+def print_features(rows, shapes):
+    """Each model-zoo option against the plain call it runs on (same FLOPs, so time ratios are throughput
+    per FLOP ratios): plain / option, 1.00 = free."""
+    measured = [m for m in FEATURE_METHODS if any((s.name, m) in rows for s in shapes)]
+    if not measured:
+        return
+    print("options (throughput per FLOP against the plain call on the same kernels, and against the default):")
+    for m in measured:
+        base = FEATURE_METHODS[m]
+        for s in shapes:
+            if (s.name, m) not in rows:
+                continue
+            same = [ratio(rows, s.name, m, base, k) for k in ("fwd_ms", "bwd_ms", "fwd_bwd_ms")]
+            dflt = ratio(rows, s.name, m, "sagebwd", "fwd_bwd_ms")
+            print(f"  {m:<16} {s.name:<24} x {base:<16} fwd {fmt(same[0], '.2f')} bwd {fmt(same[1], '.2f')} "
+                  f"f+b {fmt(same[2], '.2f')} | f+b x sagebwd {fmt(dflt, '.2f')}")
 
 
 def print_targets(rows, shapes):
@@ -329,7 +358,7 @@ def main():
            "backends": {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                         "efficient": SDPBackend.EFFICIENT_ATTENTION}}
     methods = list(args.methods)
-    if "sagebwd" in methods or "sagebwd_portable" in methods:
+    if any(m.startswith("sagebwd") for m in methods):
         from sagebwd_hf import sagebwd_attn_func
         ctx["sagebwd_attn_func"] = sagebwd_attn_func
     sa_version = "-"

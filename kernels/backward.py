@@ -10,6 +10,9 @@ deterministic and GQA head groups are summed in registers):
 * ``_attn_bwd_dq_kernel``: one program per (query tile, sequence, query head); walks the key tiles:
   ``S`` and ``dP`` again, then ``dQ += dS K`` (INT8).
 
+With ``SOFTCAP`` both kernels recompute the capped scores as the forward does and multiply dS by the cap's
+derivative ``1 - tanh^2``; the dQ kernel also writes rowsum(dS) (``ROW_DS``), for the op's K-smoothing term.
+
 P and dS are quantized on the fly with one scale per row of the reduced-over tile: per key for dV and dK
 (reduction over queries), per query for dQ (reduction over keys). The other operand's per-token scale is
 folded into P or dS first, so that operand's INT8 bytes are the forward's, read token-contiguous.
@@ -18,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import _ceil_to, _floor_to, _key_tiles, _score_mask
+from .forward import _ceil_to, _floor_to, _key_tiles, _score_mask, softcap_scores
 from .layout import SeqLayout, maybe, strides3, strides4
-from .quantize import Q_SMOOTH_BLOCK, _seq_bounds, int32_times, round_to_int8
+from .quantize import LOG2E, Q_SMOOTH_BLOCK, _seq_bounds, int32_times, round_to_int8
 
 
 @triton.jit
@@ -32,6 +35,13 @@ def _quantize_rows(x, SIGNED: tl.constexpr):
         x_max = tl.max(x, 1)
     x8 = round_to_int8(x * tl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None])   # see quantize.py
     return x8, x_max * (1.0 / 127.0)
+
+
+@triton.jit
+def _through_cap(ds, capped, cap2):
+    """dS with respect to the uncapped score: times d(cap tanh(x / cap))/dx = 1 - (capped / cap)^2."""
+    r = capped / cap2
+    return ds * (1.0 - r * r)
 
 
 @triton.jit
@@ -60,26 +70,28 @@ def _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 @triton.jit
 def _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, lo, hi, b, offs_m, offs_n, offs_d, d_ok,
-                Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, QM_h, QMEAN_CU,
-                q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd, s_dot, s_dod, s_dtd, s_qmb,
-                BLOCK_M: tl.constexpr, QSB: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr,
+                Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, QM_h, QMEAN_CU,
+                q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot, s_dod, s_dtd,
+                s_qmb, BLOCK_M: tl.constexpr, QSB: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr,
                 MASK_RIGHT: tl.constexpr, Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr,
-                DO_DK: tl.constexpr, DO_DV: tl.constexpr):
+                DO_DK: tl.constexpr, DO_DV: tl.constexpr, SOFTCAP: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         q_mean = _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB, Q_SMOOTH)
         dk, dv = _dkdv_tile(dk, dv, k8, k8f, k_scale, v, tl.multiple_of(start_m, BLOCK_M), offs_m, offs_n,
-                            offs_d, d_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h,
-                            q_mean, q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd,
-                            s_dot, s_dod, s_dtd, MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, DO_DK, DO_DV)
+                            offs_d, d_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h,
+                            q_mean, q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd,
+                            s_dot, s_dod, s_dtd, MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, DO_DK, DO_DV,
+                            SOFTCAP)
     return dk, dv
 
 
 @triton.jit
 def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_ok,
-               Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, q_mean_h,
-               q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd, s_dot, s_dod, s_dtd,
+               Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, q_mean_h,
+               q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot, s_dod, s_dtd,
                MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-               Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr):
+               Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
+               SOFTCAP: tl.constexpr):
     rows = start_m + offs_m
     m_ok = rows < seqlen_q
     md_ok_t = d_ok[:, None] & m_ok[None, :]
@@ -88,7 +100,15 @@ def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_o
     lse = tl.load(LSE_h + q0 + rows, mask=m_ok, other=float("inf"))
     # S^T in two FMAs per score (int32_times, then q_scale inside exp2's argument); lse is +inf past the end
     st = int32_times(tl.dot(k8, q8t, out_dtype=tl.int32), k_scale[:, None])
-    if Q_SMOOTH:
+    if SOFTCAP:   # capped scores as in the forward (row shift back, then cap); ct kept for the derivative
+        shift = tl.load(SH_h + q0 + rows, mask=m_ok, other=0.0)
+        if Q_SMOOTH:
+            shift = shift[None, :] + (tl.sum(k8f * q_mean_h[None, :], 1) * k_scale)[:, None]
+        else:
+            shift = shift[None, :]
+        ct = softcap_scores(tl.fma(st, q_scale[None, :], shift), softcap2)
+        pt = tl.exp2(ct - lse[None, :])
+    elif Q_SMOOTH:
         pt = tl.exp2(tl.fma(st, q_scale[None, :], (tl.sum(k8f * q_mean_h[None, :], 1) * k_scale)[:, None]
                             - lse[None, :]))
     else:
@@ -113,6 +133,8 @@ def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_o
         dpt = tl.dot(v, dot_t)
         delta = tl.load(DELTA_h + q0 + rows, mask=m_ok, other=0.0)
         dst = pt * (dpt - delta[None, :])
+        if SOFTCAP:
+            dst = _through_cap(dst, ct, softcap2)
 
         # dK += dS^T Q, Q's per-token scale folded into dS^T
         qr_scale = tl.load(QSR_h + q0 + rows, mask=m_ok, other=0.0)
@@ -125,7 +147,7 @@ def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_o
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q8, QS, QS_RAW, Q8RT, K8, KS, V, DO, DO8T, DOS, LSE, DELTA, QMEAN, QMEAN_CU, DK, DV, CU_Q, CU_K,
+    Q8, QS, QS_RAW, Q8RT, K8, KS, V, DO, DO8T, DOS, LSE, DELTA, SHIFT, QMEAN, QMEAN_CU, DK, DV, CU_Q, CU_K,
     s_q8b, s_q8h, s_q8t,
     s_qsb, s_qsh,
     s_qtb, s_qth, s_qtd,
@@ -137,9 +159,9 @@ def _attn_bwd_dkdv_kernel(
     s_qmh, s_qmb,
     s_dkb, s_dkh, s_dkt, s_dkd,
     s_dvb, s_dvh, s_dvt, s_dvd,
-    n_q, n_k, num_kv_heads, group, head_dim, window_left, window_right, softmax_scale,
+    n_q, n_k, num_kv_heads, group, head_dim, window_left, window_right, softmax_scale, softcap2,
     IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, DOT_FP32: tl.constexpr,
+    Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DO_DK: tl.constexpr, DO_DV: tl.constexpr,
 ):
@@ -186,20 +208,24 @@ def _attn_bwd_dkdv_kernel(
         DOS_h = DOS + bq * s_qsb + h * s_qsh
         LSE_h = LSE + bq * s_qsb + h * s_qsh
         DELTA_h = DELTA + bq * s_qsb + h * s_qsh
+        SH_h = SHIFT + bq * s_qsb + h * s_qsh
         QM_h = QMEAN + h * s_qmh
         # masked edge, unmasked middle, masked edge
         dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, lo, full_lo, b, offs_m, offs_n, offs_d, d_ok,
-                             Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, QM_h, QMEAN_CU,
-                             q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd, s_dot, s_dod,
-                             s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, DO_DK, DO_DV)
+                             Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, QM_h, QMEAN_CU,
+                             q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot,
+                             s_dod, s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32,
+                             DO_DK, DO_DV, SOFTCAP)
         dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, full_lo, full_hi, b, offs_m, offs_n, offs_d, d_ok,
-                             Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, QM_h, QMEAN_CU,
-                             q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd, s_dot, s_dod,
-                             s_dtd, s_qmb, BLOCK_M, QSB, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, DO_DK, DO_DV)
+                             Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, QM_h, QMEAN_CU,
+                             q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot,
+                             s_dod, s_dtd, s_qmb, BLOCK_M, QSB, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32,
+                             DO_DK, DO_DV, SOFTCAP)
         dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, full_hi, hi, b, offs_m, offs_n, offs_d, d_ok,
-                             Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, QM_h, QMEAN_CU,
-                             q0, seqlen_q, seqlen_k, window_left, window_right, s_q8t, s_qtd, s_dot, s_dod,
-                             s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, DO_DK, DO_DV)
+                             Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, QM_h, QMEAN_CU,
+                             q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot,
+                             s_dod, s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32,
+                             DO_DK, DO_DV, SOFTCAP)
 
     if DO_DK:
         tl.store(DK + bk * s_dkb + hk * s_dkh + (k0 + offs_n)[:, None] * s_dkt + offs_d[None, :] * s_dkd,
@@ -221,31 +247,38 @@ def _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB: tl.constexpr, 
 
 
 @triton.jit
-def _dq_tiles(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base, lo, hi,
-              offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
+def _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base, KS_base,
+              V_base, lo, hi, offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
               s_k8t, s_ktd, s_vt, s_vd, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr,
-              MASK_RIGHT: tl.constexpr, Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr):
+              MASK_RIGHT: tl.constexpr, Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
-        dq = _dq_tile(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base,
-                      tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k,
-                      window_left, window_right, s_k8t, s_ktd, s_vt, s_vd,
-                      MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
-    return dq
+        dq, row_ds = _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base,
+                              K8T_base, KS_base, V_base, tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d,
+                              d_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_ktd, s_vt, s_vd,
+                              MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP)
+    return dq, row_ds
 
 
 @triton.jit
-def _dq_tile(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base, start_n,
-             offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
+def _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base, KS_base,
+             V_base, start_n, offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
              s_k8t, s_ktd, s_vt, s_vd,
              MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-             Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr):
+             Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr):
     cols = start_n + offs_n
     n_ok = cols < seqlen_k
     dn_ok = d_ok[:, None] & n_ok[None, :]
     k8t = tl.load(K8_base + (k0 + cols)[None, :] * s_k8t + offs_d[:, None], mask=dn_ok, other=0)
     k_scale = tl.load(KS_base + k0 + cols, mask=n_ok, other=0.0)
     s = int32_times(tl.dot(q8, k8t, out_dtype=tl.int32), k_scale[None, :])
-    if Q_SMOOTH:
+    if SOFTCAP:
+        if Q_SMOOTH:
+            bias = shift[:, None] + (tl.sum(q_mean[:, None] * k8t.to(tl.float32), 0) * k_scale)[None, :]
+        else:
+            bias = shift[:, None]
+        c = softcap_scores(tl.fma(s, q_scale[:, None], bias), softcap2)
+        p = tl.exp2(c - lse[:, None])
+    elif Q_SMOOTH:
         p = tl.exp2(tl.fma(s, q_scale[:, None], (tl.sum(q_mean[:, None] * k8t.to(tl.float32), 0) * k_scale)[None, :]
                            - lse[:, None]))
     else:
@@ -260,18 +293,22 @@ def _dq_tile(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base
         vt = vt.to(tl.float32)
     dp = tl.dot(do, vt)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = _through_cap(ds, c, softcap2)
+        # (keys past the end are unmasked in the middle tiles: their K scale zeroes them in dQ, not here)
+        row_ds += tl.sum(tl.where(n_ok[None, :], ds, 0.0), 1)
 
     # dQ += dS K, K's per-token scale folded into dS
     ds8, ds_scale = _quantize_rows(ds * k_scale[None, :], True)
     k8 = tl.load(K8T_base + offs_d[None, :] * s_ktd + (k0 + cols)[:, None],
                  mask=n_ok[:, None] & d_ok[None, :], other=0)
     dq += int32_times(tl.dot(ds8, k8, out_dtype=tl.int32), ds_scale[:, None])
-    return dq
+    return dq, row_ds
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q8, QS, K8, K8T, KS, V, DO, LSE, DELTA, QMEAN, QMEAN_CU, DQ, CU_Q, CU_K,
+    Q8, QS, K8, K8T, KS, V, DO, LSE, DELTA, SHIFT, ROW_DS, QMEAN, QMEAN_CU, DQ, CU_Q, CU_K,
     s_q8b, s_q8h, s_q8t,
     s_qsb, s_qsh,
     s_k8b, s_k8h, s_k8t,
@@ -281,9 +318,9 @@ def _attn_bwd_dq_kernel(
     s_dob, s_doh, s_dot, s_dod,
     s_qmh, s_qmb,
     s_dqb, s_dqh, s_dqt, s_dqd,
-    n_q, n_k, num_heads, group, head_dim, window_left, window_right, softmax_scale,
+    n_q, n_k, num_heads, group, head_dim, window_left, window_right, softmax_scale, softcap2,
     IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, DOT_FP32: tl.constexpr,
+    Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -314,6 +351,10 @@ def _attn_bwd_dq_kernel(
     if DOT_FP32:
         do = do.to(tl.float32)
     q_mean = _q_mean(QMEAN + h * s_qmh, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB, Q_SMOOTH)
+    shift = lse  # unused unless SOFTCAP
+    if SOFTCAP:
+        shift = tl.load(SHIFT + bq * s_qsb + h * s_qsh + q0 + offs_m, mask=m_ok, other=0.0)
+    row_ds = tl.zeros([BLOCK_M], tl.float32)
 
     K8_base = K8 + bk * s_k8b + hk * s_k8h
     K8T_base = K8T + bk * s_ktb + hk * s_kth
@@ -324,33 +365,44 @@ def _attn_bwd_dq_kernel(
     lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                           BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, False)
     # masked edge, unmasked middle, masked edge
-    dq = _dq_tiles(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base, lo, full_lo,
+    dq, row_ds = _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base,
+                           KS_base, V_base, lo, full_lo,
                    offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
-                   s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
-    dq = _dq_tiles(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base, full_lo, full_hi,
+                   s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP)
+    dq, row_ds = _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base,
+                           KS_base, V_base, full_lo, full_hi,
                    offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
-                   s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
-    dq = _dq_tiles(dq, q8, q_scale, q_mean, do, lse, delta, K8_base, K8T_base, KS_base, V_base, full_hi, hi,
+                   s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP)
+    dq, row_ds = _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base,
+                           KS_base, V_base, full_hi, hi,
                    offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
-                   s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32)
+                   s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP)
 
     tl.store(DQ + bq * s_dqb + h * s_dqh + (q0 + offs_m)[:, None] * s_dqt + offs_d[None, :] * s_dqd,
              (dq * softmax_scale).to(DQ.dtype.element_ty), mask=md_ok)
+    if SOFTCAP:
+        tl.store(ROW_DS + bq * s_qsb + h * s_qsh + q0 + offs_m, row_ds, mask=m_ok)
 
 
 def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse, delta,
                     dq4, dk4, dv4, layout_q: SeqLayout, layout_k: SeqLayout,
                     num_heads, num_kv_heads, head_dim, window, softmax_scale, dkdv_config, dq_config,
-                    kernels=("dkdv", "dq"), split_dkdv=False):
+                    kernels=("dkdv", "dq"), split_dkdv=False, softcap=0.0, shift=None, row_ds=None):
     """Run the backward kernels; ``dq4, dk4, dv4`` (``[B, H, N, D]`` views, any strides) are written.
     ``kernels`` picks a subset (benchmarks time them one at a time). ``split_dkdv`` computes dV and dK in two
-    launches of the key-tile kernel (one accumulator each, S and P recomputed): fewer live registers."""
+    launches of the key-tile kernel (one accumulator each, S and P recomputed): fewer live registers.
+    ``softcap`` > 0: capped scores (``shift`` as the forward's), and rowsum(dS) written to ``row_ds`` (lse's
+    layout)."""
+    if softcap:
+        assert shift is not None and row_ds is not None and shift.stride() == row_ds.stride() == lse.stride()
     q8, k8, q_mean, q_mean_cu = quant["q8"], quant["k8"], quant["q_mean"], quant["q_mean_cu"]
     q_scale, k_scale = quant["q_scale"], quant["k_scale"]
     group = num_heads // num_kv_heads
     dot_fp32 = v4.device.type == "cpu" and v4.dtype == torch.bfloat16
     common = dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
-                  Q_SMOOTH=q_mean is not None, QSB=Q_SMOOTH_BLOCK, DOT_FP32=dot_fp32)
+                  Q_SMOOTH=q_mean is not None, QSB=Q_SMOOTH_BLOCK, DOT_FP32=dot_fp32, SOFTCAP=bool(softcap))
+    softcap2 = float(softcap) * LOG2E
+    shift, row_ds = maybe(shift, lse), maybe(row_ds, lse)
     cu_q = maybe(layout_q.cu_seqlens, q8)
     cu_k = maybe(layout_k.cu_seqlens, q8)
     q_mean_arg = maybe(q_mean, q_scale)
@@ -370,46 +422,48 @@ def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse,
             if "dkdv" not in kernels and name not in kernels:   # benchmarks time "dv" / "dk" alone
                 continue
             compiled[name] = _launch_dkdv(
-                q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta, q_mean_arg,
+                q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta, shift, q_mean_arg,
                 q_mean_cu_arg, dk4, dv4, cu_q, cu_k, q_mean, layout_k, num_kv_heads, group, head_dim, window,
-                softmax_scale, config, dict(common, **parts))
+                softmax_scale, softcap2, config, dict(common, **parts))
     if "dq" in kernels:
         compiled["dq"] = _launch_dq(
-            q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, q_mean_arg, q_mean_cu_arg, dq4, cu_q, cu_k,
-            q_mean, layout_q, num_heads, group, head_dim, window, softmax_scale, dq_config, common)
+            q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, shift, row_ds, q_mean_arg, q_mean_cu_arg, dq4,
+            cu_q, cu_k, q_mean, layout_q, num_heads, group, head_dim, window, softmax_scale, softcap2, dq_config,
+            common)
     return compiled
 
 
-def _launch_dkdv(q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta,
+def _launch_dkdv(q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta, shift,
                  q_mean_arg, q_mean_cu_arg, dk4, dv4, cu_q, cu_k, q_mean, layout_k, num_kv_heads, group,
-                 head_dim, window, softmax_scale, config, common):
+                 head_dim, window, softmax_scale, softcap2, config, common):
     block_m, block_n, block_d, num_warps, num_stages = config
     assert Q_SMOOTH_BLOCK % block_m == 0
     grid = (triton.cdiv(layout_k.max_len, block_n), layout_k.num_seqs * num_kv_heads)
     return _attn_bwd_dkdv_kernel[grid](
-        q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta,
+        q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta, shift,
         q_mean_arg, q_mean_cu_arg, dk4, dv4, cu_q, cu_k,
         *strides4(q8)[:3], *strides3(q_scale)[:2], *strides4(q8rt)[:3],
         *strides4(k8)[:3], *strides3(k_scale)[:2],
         *strides4(v4), *strides4(do4), *strides4(do8t)[:3],
         *strides3(q_mean)[:2], *strides4(dk4), *strides4(dv4),
-        q8.shape[2], k8.shape[2], num_kv_heads, group, head_dim, window[0], window[1], softmax_scale,
+        q8.shape[2], k8.shape[2], num_kv_heads, group, head_dim, window[0], window[1], softmax_scale, softcap2,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages,
         **common,
     )
 
 
-def _launch_dq(q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, q_mean_arg, q_mean_cu_arg, dq4, cu_q, cu_k,
-               q_mean, layout_q, num_heads, group, head_dim, window, softmax_scale, config, common):
+def _launch_dq(q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, shift, row_ds, q_mean_arg, q_mean_cu_arg, dq4,
+               cu_q, cu_k, q_mean, layout_q, num_heads, group, head_dim, window, softmax_scale, softcap2, config,
+               common):
     block_m, block_n, block_d, num_warps, num_stages = config
     assert Q_SMOOTH_BLOCK % block_m == 0
     grid = (triton.cdiv(layout_q.max_len, block_m), layout_q.num_seqs * num_heads)
     return _attn_bwd_dq_kernel[grid](
-        q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, q_mean_arg, q_mean_cu_arg, dq4, cu_q, cu_k,
-        *strides4(q8)[:3], *strides3(q_scale)[:2],
+        q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, shift, row_ds, q_mean_arg, q_mean_cu_arg, dq4, cu_q,
+        cu_k, *strides4(q8)[:3], *strides3(q_scale)[:2],
         *strides4(k8)[:3], *strides4(k8t)[:3], *strides3(k_scale)[:2],
         *strides4(v4), *strides4(do4), *strides3(q_mean)[:2], *strides4(dq4),
-        q8.shape[2], k8.shape[2], num_heads, group, head_dim, window[0], window[1], softmax_scale,
+        q8.shape[2], k8.shape[2], num_heads, group, head_dim, window[0], window[1], softmax_scale, softcap2,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages,
         **common,
     )

@@ -76,13 +76,15 @@ def gluon_unavailable(device: torch.device):
 
 
 def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bool = False,
-              seqlen_k: int = 1 << 30, backward: bool = False) -> bool:
+              seqlen_k: int = 1 << 30, backward: bool = False, softcap: bool = False) -> bool:
     """True when this call runs the Gluon (Hopper) kernels (``seqlen_k``: the longest key sequence;
-    ``backward``: the choice for the backward pass, whose Gluon kernels take padded batches only)."""
+    ``backward``: the choice for the backward pass, whose Gluon kernels take padded batches only;
+    ``softcap``: soft-capped scores, which only the portable kernels compute)."""
     choice = requested()
     if choice == "triton":
         return False
-    takes_call = head_dim in GLUON_HEAD_DIMS and not q_smoothing and not (backward and varlen)
+    takes_call = (head_dim in GLUON_HEAD_DIMS and not q_smoothing and not (backward and varlen)
+                  and not softcap)
     if choice == "auto":
         if backward:
             faster = GLUON_BWD_BY_DEFAULT
@@ -94,13 +96,13 @@ def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bo
         raise ValueError(f"{ENV_VAR}=gluon, but the Gluon kernels cannot run here: {reason}. "
                          f"Use {ENV_VAR}=auto or triton.")
     if not takes_call:
-        key = (head_dim, q_smoothing, backward and varlen)
+        key = (head_dim, q_smoothing, backward and varlen, softcap)
         if key not in _warned:
             _warned.add(key)
             what = "backward (packed batch)" if backward and varlen else "kernels"
             warnings.warn(f"{ENV_VAR}=gluon: the Gluon forward takes head dims {GLUON_HEAD_DIMS} without "
-                          f"Q-smoothing, the Gluon backward padded batches of those; this call's {what} "
-                          f"(head dim {head_dim}, q_smoothing={q_smoothing}, packed={varlen}) runs the portable "
-                          f"Triton kernels", stacklevel=4)
+                          f"Q-smoothing or a soft cap, the Gluon backward padded batches of those; this call's "
+                          f"{what} (head dim {head_dim}, q_smoothing={q_smoothing}, packed={varlen}, "
+                          f"softcap={softcap}) runs the portable Triton kernels", stacklevel=4)
         return False
     return True

@@ -6,6 +6,9 @@ of each key tile, with the row's largest value in the tile mapped to 127, so row
 small probabilities keep their resolution. ``P8 V8`` is again exact in int32 and
 scaled once per tile; V's per-channel scale is applied at the very end.
 
+With ``SOFTCAP`` the dequantized base-2 scores are capped, ``cap * tanh(s / cap)``, before the softmax; the
+row's K-smoothing shift (``SHIFT``) is added back first, since the cap sees the caller's scores.
+
 Key tiles always start at multiples of BLOCK_N (the P scales depend on the tiling, and the PyTorch
 reference uses the same one). Only tiles that cross the causal/window band or the end of the keys pay
 for a mask: the loop over the key range is split into masked edges and an unmasked middle.
@@ -14,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .layout import SeqLayout, maybe, strides3, strides4
-from .quantize import Q_SMOOTH_BLOCK, _seq_bounds, int32_times, round_to_int8
+from .quantize import LOG2E, Q_SMOOTH_BLOCK, _seq_bounds, int32_times, round_to_int8
 
 
 @triton.jit
@@ -25,6 +28,13 @@ def _floor_to(x, BLOCK: tl.constexpr):
 @triton.jit
 def _ceil_to(x, BLOCK: tl.constexpr):
     return ((tl.maximum(x, 0) + BLOCK - 1) // BLOCK) * BLOCK
+
+
+@triton.jit
+def softcap_scores(x, cap2):
+    """``cap2 * tanh(x / cap2)`` (base-2 scores and cap) through exp2: 1 - 2 / (e^(2y) + 1) saturates to
+    +-1 without NaN at +-inf."""
+    return cap2 - (2.0 * cap2) / (tl.exp2(x * (2.8853900817779268 / cap2)) + 1.0)   # 2 log2(e)
 
 
 @triton.jit
@@ -71,23 +81,23 @@ def _score_mask(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base, lo, hi,
+def _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base, lo, hi,
                offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-               Q_SMOOTH: tl.constexpr):
+               Q_SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base,
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base,
                                   tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0,
                                   seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
-                                  MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH)
+                                  MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base, start_n,
+def _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base, start_n,
               offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
               MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-              Q_SMOOTH: tl.constexpr):
+              Q_SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr):
     cols = start_n + offs_n
     n_ok = cols < seqlen_k
     k8t = tl.load(K8_base + (k0 + cols)[None, :] * s_k8t + offs_d[:, None],
@@ -102,6 +112,9 @@ def _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base, st
         row_scale = tl.full([offs_m.shape[0]], 1.0, tl.float32)
     else:
         row_scale = q_scale
+    if SOFTCAP:   # the whole score now, capped (masked entries are set to -inf after the cap)
+        t = softcap_scores(tl.fma(t, row_scale[:, None], shift[:, None]), softcap2)
+        row_scale = tl.full([offs_m.shape[0]], 1.0, tl.float32)
     if MASKED:
         valid = _score_mask(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
                             MASK_LEFT, MASK_RIGHT)
@@ -125,7 +138,7 @@ def _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base, st
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q8, QS, K8, KS, V8T, VS, QMEAN, QMEAN_CU, O, LSE, CU_Q, CU_K,
+    Q8, QS, K8, KS, V8T, VS, QMEAN, QMEAN_CU, O, LSE, SHIFT, CU_Q, CU_K,
     s_q8b, s_q8h, s_q8t,
     s_qsb, s_qsh,
     s_k8b, s_k8h, s_k8t,
@@ -135,9 +148,9 @@ def _attn_fwd_kernel(
     s_qmh, s_qmb,
     s_ob, s_oh, s_ot, s_od,
     s_lb, s_lh,
-    n_q, n_k, num_heads, group, head_dim, window_left, window_right,
+    n_q, n_k, num_heads, group, head_dim, window_left, window_right, softcap2,
     IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    Q_SMOOTH: tl.constexpr, QSB: tl.constexpr,
+    Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -165,6 +178,9 @@ def _attn_fwd_kernel(
     if Q_SMOOTH:  # all rows of this tile share one Q-mean block
         blk = tl.load(QMEAN_CU + b) + start_m // QSB
         q_mean = tl.load(QMEAN + h * s_qmh + blk * s_qmb + offs_d, mask=d_ok, other=0.0)
+    shift = q_scale  # unused unless SOFTCAP
+    if SOFTCAP:
+        shift = tl.load(SHIFT + bq * s_lb + h * s_lh + q0 + offs_m, mask=m_ok, other=0.0)
 
     K8_base = K8 + bk * s_k8b + hk * s_k8h
     KS_base = KS + bk * s_ksb + hk * s_ksh
@@ -177,15 +193,15 @@ def _attn_fwd_kernel(
     lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                           BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
     # masked left edge, unmasked middle, masked right edge
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base, lo, full_lo,
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base, lo, full_lo,
                                offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
-                               s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base, full_lo, full_hi,
+                               s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base, full_lo, full_hi,
                                offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
-                               s_k8t, s_vtd, BLOCK_N, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, K8_base, KS_base, V8T_base, full_hi, hi,
+                               s_k8t, s_vtd, BLOCK_N, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base, full_hi, hi,
                                offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
-                               s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH)
+                               s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP)
 
     v_scale = tl.load(VS + b * s_vsb + hk * s_vsh + offs_d, mask=d_ok, other=0.0)
     has_keys = l_i > 0
@@ -199,9 +215,10 @@ def _attn_fwd_kernel(
 
 
 def launch_forward(quant, v8t, v_scale, out4, lse, layout_q: SeqLayout, layout_k: SeqLayout,
-                   num_heads, group, head_dim, window, config):
+                   num_heads, group, head_dim, window, config, softcap=0.0, shift=None):
     """Run the forward kernel; ``out4`` ``[B, Hq, N, D]`` (any strides) and ``lse`` ``[B, Hq, N]`` fp32 are
-    written."""
+    written. ``softcap`` > 0 (natural units) caps the scores after adding ``shift`` (base 2, lse's layout)."""
+    assert not softcap or (shift is not None and shift.stride() == lse.stride())
     block_m, block_n, block_d, num_warps, num_stages = config
     assert Q_SMOOTH_BLOCK % block_m == 0
     q8, k8 = quant["q8"], quant["k8"]
@@ -209,16 +226,16 @@ def launch_forward(quant, v8t, v_scale, out4, lse, layout_q: SeqLayout, layout_k
     grid = (triton.cdiv(layout_q.max_len, block_m), layout_q.num_seqs * num_heads)
     return _attn_fwd_kernel[grid](
         q8, quant["q_scale"], k8, quant["k_scale"], v8t, v_scale,
-        maybe(q_mean, v_scale), maybe(quant["q_mean_cu"], q8), out4, lse,
+        maybe(q_mean, v_scale), maybe(quant["q_mean_cu"], q8), out4, lse, maybe(shift, lse),
         maybe(layout_q.cu_seqlens, q8), maybe(layout_k.cu_seqlens, q8),
         *strides4(q8)[:3], *strides3(quant["q_scale"])[:2],
         *strides4(k8)[:3], *strides3(quant["k_scale"])[:2],
         *strides4(v8t)[:3], *strides3(v_scale)[:2],
         *strides3(q_mean)[:2],
         *strides4(out4), *strides3(lse)[:2],
-        q8.shape[2], k8.shape[2], num_heads, group, head_dim, window[0], window[1],
+        q8.shape[2], k8.shape[2], num_heads, group, head_dim, window[0], window[1], float(softcap) * LOG2E,
         IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
-        Q_SMOOTH=q_mean is not None, QSB=Q_SMOOTH_BLOCK,
+        Q_SMOOTH=q_mean is not None, QSB=Q_SMOOTH_BLOCK, SOFTCAP=bool(softcap),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import naive
+from . import naive, sinks as sink_math
 from .kernels import dispatch
 from .kernels.backward import launch_backward
 from .kernels.forward import launch_forward
@@ -89,8 +89,41 @@ def _new_like(x: torch.Tensor, varlen: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
 
 
-def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, backend):
+def _softcap_shift(q, k, cu_q, cu_k, scale, softcap, k_smoothing):
+    """What the kernels add to their (K-smoothed) base-2 scores before a soft cap: ``[B, H, N]`` fp32,
+    contiguous like the lse; zeros without K-smoothing; None without a cap."""
+    if not softcap:
+        return None
+    varlen = cu_q is not None
+    if not k_smoothing:
+        shape = (1, q.shape[1], q.shape[0]) if varlen else q.shape[:3]
+        return torch.zeros(shape, device=q.device, dtype=torch.float32)
+    k_mean = sink_math.key_means(q, k, cu_q, cu_k)
+    return (sink_math.smoothing_shift(q, k_mean, varlen, scale) * naive.LOG2E).contiguous()
+
+
+def _sink_shift(q, k, cu_q, cu_k, scale, k_smoothing, softcap=0.0):
+    """How far K-smoothing moved the kernels' scores below the caller's (natural log, lse layout), or None.
+    Soft-capped scores are already the caller's: the kernels added the shift back before the cap."""
+    if not k_smoothing or softcap:
+        return None
+    return sink_math.smoothing_shift(q, sink_math.key_means(q, k, cu_q, cu_k), cu_q is not None, scale)
+
+
+def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, backend,
+             softcap=0.0, sinks=None):
     """q/k/v padded ``[B, H, N, D]`` or packed ``[T, H, D]`` (then cu_* given). Returns (out, lse2)."""
+    out, lse = _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing,
+                                backend, softcap)
+    if sinks is not None:
+        varlen = cu_q is not None
+        _, lse = sink_math.add_sinks(as_bhnd(out, varlen), lse, sinks,
+                                     _sink_shift(q, k, cu_q, cu_k, scale, k_smoothing, softcap))
+    return out, lse
+
+
+def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, backend,
+                     softcap):
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device)
     out = _new_like(q, varlen)
@@ -98,7 +131,7 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_sm
         dispatch.count("fwd_naive")
         out_naive, lse = _per_sequence(
             lambda qs, ks, vs: naive.sagebwd_forward_naive(qs, ks, vs, scale, window, k_smoothing,
-                                                           q_smoothing, block_n=cfg["fwd"][1])
+                                                           q_smoothing, block_n=cfg["fwd"][1], softcap=softcap)
             if qs.shape[2] and ks.shape[2] else   # an empty sequence: zeros, lse +inf (no key seen)
             (torch.zeros_like(qs), torch.full(qs.shape[:3], float("inf"), device=qs.device)),
             q, k, v, cu_q, cu_k)
@@ -109,7 +142,7 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_sm
     quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing)
     # (an empty side has nothing to tile: a TMA descriptor cannot have a zero extent)
     gluon = q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
-                                                                      lay_k.max_len)
+                                                                      lay_k.max_len, softcap=bool(softcap))
     # the Gluon kernel reads V^T by TMA, whose tiles must start 16-byte aligned: packed sequences are laid so
     v_starts = aligned_starts(lay_k) if gluon and varlen else None
     v8t, v_scale = quantize_v(v4, lay_k, v_starts)
@@ -122,13 +155,33 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_sm
         launch_forward_hopper(*args, v_starts=v_starts)
         dispatch.count("fwd_gluon")
     else:
-        launch_forward(*args, cfg["fwd"])
+        launch_forward(*args, cfg["fwd"], softcap=softcap,
+                       shift=_softcap_shift(q, k, cu_q, cu_k, scale, softcap, k_smoothing))
         dispatch.count("fwd_triton")
     return out, lse
 
 
 def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
-              q_smoothing, backend):
+              q_smoothing, backend, softcap=0.0, sinks=None):
+    """Returns (dq, dk, dv, dsinks or None)."""
+    dq, dk, dv, row_ds = _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window,
+                                           k_smoothing, q_smoothing, backend, softcap)
+    varlen = cu_q is not None
+    dsinks = None
+    if sinks is not None:
+        dsinks, sink_row_ds = sink_math.sink_grads(as_bhnd(dout, varlen), as_bhnd(out, varlen), lse, sinks,
+                                                   _sink_shift(q, k, cu_q, cu_k, scale, k_smoothing, softcap))
+        if not softcap:        # with a cap, the kernels' own rowsum(dS) already covers every key
+            row_ds = sink_row_ds
+    if row_ds is not None and k_smoothing:
+        sink_math.add_row_ds_term(dq, row_ds, sink_math.key_means(q, k, cu_q, cu_k), varlen, scale)
+    return dq, dk, dv, dsinks
+
+
+def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
+                      q_smoothing, backend, softcap):
+    """(dq, dk, dv, row_ds): ``row_ds``, the kernels' rowsum(dS) for dQ's K-smoothing term, when they still
+    owe it (soft-capped scores on the Triton kernels), else None."""
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device)
     dq, dk, dv = _poisoned(_new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen))
@@ -139,14 +192,14 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
             grads = _per_sequence(
                 lambda qs, ks, vs, os_, ls, dos: naive.sagebwd_backward_naive(
                     qs, ks, vs, os_, ls[:, :, :, 0], dos, scale, window, k_smoothing, q_smoothing,
-                    dkdv_block_m(cfg), cfg["dq"][1])
+                    dkdv_block_m(cfg), cfg["dq"][1], softcap=softcap)
                 if qs.shape[2] and ks.shape[2] else   # an empty sequence has zero gradients
                 (torch.zeros_like(qs), torch.zeros_like(ks), torch.zeros_like(vs)),
                 q, k, v, cu_q, cu_k, extra_q=(out, lse_t.unsqueeze(-1), dout))
         else:
             grads = naive.sagebwd_backward_naive(q, k, v, out, lse, dout, scale, window, k_smoothing,
-                                                 q_smoothing, dkdv_block_m(cfg), cfg["dq"][1])
-        return tuple(dst.copy_(src) for dst, src in zip((dq, dk, dv), grads))
+                                                 q_smoothing, dkdv_block_m(cfg), cfg["dq"][1], softcap=softcap)
+        return tuple(dst.copy_(src) for dst, src in zip((dq, dk, dv), grads)) + (None,)
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
     do4, o4 = as_bhnd(dout, varlen), as_bhnd(out, varlen)
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
@@ -160,19 +213,22 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
         q8rt, q_scale_raw = quant["q8t"], quant["q_scale_raw"]
     do_q = quantize(do4, lay_q, natural=False, transposed=True, out_for_delta=o4)
     if q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
-                                                                 lay_k.max_len, backward=True):
+                                                                 lay_k.max_len, backward=True,
+                                                                 softcap=bool(softcap)):
         from .kernels.backward_hopper import launch_backward_hopper   # imports Gluon: only where it runs
         launch_backward_hopper(quant, v4, do4, do_q["x8t"], do_q["scale"], lse, do_q["delta"], as_bhnd(dq, varlen),
                                as_bhnd(dk, varlen), as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3],
                                window, scale)
         dispatch.count("bwd_gluon")
-        return dq, dk, dv
+        return dq, dk, dv, None
+    shift = _softcap_shift(q, k, cu_q, cu_k, scale, softcap, k_smoothing)
+    row_ds = torch.zeros_like(shift) if softcap else None
     launch_backward(quant, q8rt, q_scale_raw, quant["k8t"], v4, do4, do_q["x8t"], do_q["scale"], lse,
                     do_q["delta"], as_bhnd(dq, varlen), as_bhnd(dk, varlen), as_bhnd(dv, varlen), lay_q, lay_k,
                     q4.shape[1], k4.shape[1], q4.shape[3], window, scale, cfg["dkdv"], cfg["dq"],
-                    split_dkdv=cfg["split_dkdv"])
+                    split_dkdv=cfg["split_dkdv"], softcap=softcap, shift=shift, row_ds=row_ds)
     dispatch.count("bwd_triton")
-    return dq, dk, dv
+    return dq, dk, dv, row_ds
 
 
 def _per_sequence(fn, q, k, v, cu_q, cu_k, extra_q=()):
@@ -203,14 +259,15 @@ def _per_sequence(fn, q, k, v, cu_q, cu_k, extra_q=()):
 @torch.library.custom_op("sagebwd::attn_fwd", mutates_args=())
 def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
                  cu_k: Optional[torch.Tensor], max_q: int, max_k: int, scale: float, window_left: int,
-                 window_right: int, k_smoothing: bool, q_smoothing: bool,
-                 backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+                 window_right: int, k_smoothing: bool, q_smoothing: bool, backend: str, softcap: float,
+                 sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, (window_left, window_right), k_smoothing,
-                    q_smoothing, backend)
+                    q_smoothing, backend, softcap, sinks)
 
 
 @_attn_fwd_op.register_fake
-def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing, q_smoothing, backend):
+def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing, q_smoothing, backend,
+      softcap, sinks):
     varlen = cu_q is not None
     lse_shape = (1, q.shape[1], q.shape[0]) if varlen else q.shape[:3]
     return _new_like(q, varlen), q.new_empty(lse_shape, dtype=torch.float32)
@@ -220,29 +277,36 @@ def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smo
 def _attn_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor], max_q: int,
                  max_k: int, scale: float, window_left: int, window_right: int, k_smoothing: bool,
-                 q_smoothing: bool, backend: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, (window_left, window_right),
-                     k_smoothing, q_smoothing, backend)
+                 q_smoothing: bool, backend: str, softcap: float, sinks: Optional[torch.Tensor]
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale,
+                                   (window_left, window_right), k_smoothing, q_smoothing, backend, softcap, sinks)
+    return dq, dk, dv, _no_sinks_grad(q) if dsinks is None else dsinks
+
+
+def _no_sinks_grad(q):
+    return q.new_empty(0, dtype=torch.float32)     # a custom op cannot return None
 
 
 @_attn_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing,
-      q_smoothing, backend):
+      q_smoothing, backend, softcap, sinks):
     varlen = cu_q is not None
-    return _new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen)
+    dsinks = _no_sinks_grad(q) if sinks is None else sinks.new_empty(sinks.shape)
+    return _new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen), dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, *args = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
+    q, k, v, cu_q, cu_k, *args, sinks = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k, sinks)
     ctx.args = args
     ctx.mark_non_differentiable(output[1])
 
 
 def _attn_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = _attn_bwd_op(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
-    return (dq, dk, dv) + (None,) * 10
+    q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = _attn_bwd_op(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args, sinks)
+    return (dq, dk, dv) + (None,) * 11 + (dsinks if sinks is not None else None,)
 
 
 _attn_fwd_op.register_autograd(_attn_backward, setup_context=_setup_context)
@@ -252,25 +316,12 @@ _attn_fwd_op.register_autograd(_attn_backward, setup_context=_setup_context)
 # Argument checks: every bad input gets a ValueError/TypeError naming the argument
 # ---------------------------------------------------------------------------------------------------
 
-def _true_lse(lse2, q, k, cu_q, cu_k, scale, k_smoothing):
+def _true_lse(lse2, q, k, cu_q, cu_k, scale, k_smoothing, softcap):
     """Natural-log lse of the caller's scores. K-smoothing moved every score of row i by
-    ``-scale * q_i . mean(k)``: the kernels' lse is that much too small."""
+    ``-scale * q_i . mean(k)``: the kernels' lse is that much too small (unless the scores were capped)."""
     lse = naive.lse_to_natural(lse2)
-    if not k_smoothing:
-        return lse
-    if cu_k is None:
-        k_mean = k.float().mean(2, keepdim=True)                                   # [B, Hkv, 1, D]
-        q_tok = q.float()
-    else:
-        seq_k = SeqLayout(cu_k.numel() - 1, 0, cu_k).seq_ids(k.shape[0], k.device)
-        seq_q = SeqLayout(cu_q.numel() - 1, 0, cu_q).seq_ids(q.shape[0], q.device)
-        sums = torch.zeros(cu_k.numel() - 1, *k.shape[1:], device=k.device).index_add_(0, seq_k, k.float())
-        counts = (cu_k[1:] - cu_k[:-1]).clamp_min(1).float()[:, None, None]
-        k_mean = (sums / counts)[seq_q].permute(1, 0, 2).unsqueeze(0)            # [1, Hkv, Tq, D]
-        q_tok = as_bhnd(q, True).float()
-    k_mean = k_mean.repeat_interleave(q_tok.shape[1] // k_mean.shape[1], dim=1)
-    shift = (q_tok * k_mean).sum(-1) * scale
-    return lse + shift
+    shift = _sink_shift(q, k, cu_q, cu_k, scale, k_smoothing, softcap)
+    return lse if shift is None else lse + shift
 
 
 def _check_tensors(q, k, v, rank, layout_name):
@@ -337,6 +388,12 @@ def _check_cu_seqlens(name, cu, total, max_seqlen, device):
         raise ValueError(f"a sequence in {name} has {longest} tokens, more than its max_seqlen {max_seqlen}")
 
 
+def _check_extras(softcap, sinks, num_heads, device) -> float:
+    if sinks is not None:
+        sink_math.check_sinks(sinks, num_heads, device)
+    return sink_math.check_softcap(softcap)
+
+
 def _compute_dtype(q, k, v):
     if q.dtype == torch.float32:
         _warn_once("fp32", "sagebwd: float32 q/k/v are computed in bfloat16 (INT8 attention has no fp32 "
@@ -362,7 +419,7 @@ def _backend(q, backend):
 def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                       softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
                       k_smoothing: bool = True, q_smoothing: bool = False, return_lse: bool = False,
-                      backend: Optional[str] = None):
+                      backend: Optional[str] = None, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None):
     """INT8 attention with an INT8 backward (SageBwd).
 
     Args:
@@ -377,6 +434,10 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
         return_lse: also return the natural-log log-sum-exp ``[batch, heads, seqlen_q]`` (fp32,
             -inf for rows that see no key; not differentiable).
         backend: None picks Triton for CUDA tensors and PyTorch for CPU ones; "naive" or "triton" force one.
+        softcap: > 0 caps the scores at ``softcap * tanh(s / softcap)`` (Gemma 2), applied to the dequantized
+            fp32 scores after the INT8 product; 0 is off. Runs the portable kernels (also on Hopper).
+        sinks: ``[heads]``, one learned logit per query head in every row's softmax denominator (gpt-oss's
+            attention sinks); differentiable. None is off.
 
     Returns:
         ``out`` ``[batch, heads, seqlen_q, head_dim]`` in q's dtype, and ``lse`` if asked.
@@ -386,15 +447,16 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     _check_heads(q.shape[1], k.shape[1])
     window, scale = _check_options(window_size, softmax_scale, q.shape[-1], causal)
+    softcap = _check_extras(softcap, sinks, q.shape[1], q.device)
     backend = _backend(q, backend)
     q, k, v, restore = _compute_dtype(q, k, v)
     out, lse = _attn_fwd_op(q, k, v, None, None, q.shape[2], k.shape[2], scale, *window,
-                            bool(k_smoothing), bool(q_smoothing), backend)
+                            bool(k_smoothing), bool(q_smoothing), backend, softcap, sinks)
     if restore is not None:
         out = out.to(restore)
     if not return_lse:
         return out
-    return out, _true_lse(lse, q.detach(), k.detach(), None, None, scale, k_smoothing)
+    return out, _true_lse(lse, q.detach(), k.detach(), None, None, scale, k_smoothing, softcap)
 
 
 def sagebwd_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -402,7 +464,8 @@ def sagebwd_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
                              softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
                              k_smoothing: bool = True, q_smoothing: bool = False, return_lse: bool = False,
-                             backend: Optional[str] = None):
+                             backend: Optional[str] = None, softcap: float = 0.0,
+                             sinks: Optional[torch.Tensor] = None):
     """Packed (padding-free) batches, as ``flash_attn_varlen_func``.
 
     ``q`` is ``[total_q, heads, head_dim]``, ``k``/``v`` ``[total_k, kv_heads, head_dim]``; sequence ``i``
@@ -417,12 +480,13 @@ def sagebwd_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
                          f"got {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
     window, scale = _check_options(window_size, softmax_scale, q.shape[-1], causal)
+    softcap = _check_extras(softcap, sinks, q.shape[1], q.device)
     backend = _backend(q, backend)
     q, k, v, restore = _compute_dtype(q, k, v)
     out, lse = _attn_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *window,
-                            bool(k_smoothing), bool(q_smoothing), backend)
+                            bool(k_smoothing), bool(q_smoothing), backend, softcap, sinks)
     if restore is not None:
         out = out.to(restore)
     if not return_lse:
         return out
-    return out, _true_lse(lse, q.detach(), k.detach(), cu_seqlens_q, cu_seqlens_k, scale, k_smoothing)[0]
+    return out, _true_lse(lse, q.detach(), k.detach(), cu_seqlens_q, cu_seqlens_k, scale, k_smoothing, softcap)[0]

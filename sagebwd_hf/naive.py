@@ -5,6 +5,12 @@
   with the kernels' tiling (it decides the P and dS scales), so it is both the tests' oracle for the
   kernels and the op's implementation when tensors live on the CPU.
 
+Logit soft-capping (Gemma 2: ``cap * tanh(s / cap)``) is applied to the dequantized fp32 scores, after
+the INT8 product and before the softmax, exactly where the kernels apply it. K-smoothing moved every
+score of row i by ``-q_i . mean(k)``; that shift is added back before the cap (tanh is not shift-invariant),
+and dQ gets ``rowsum(dS) * mean(k)``, which is no longer zero once dS is multiplied by the cap's derivative.
+Attention sinks (gpt-oss) do not touch the scores at all: ``sagebwd_hf/sinks.py``.
+
 All functions take padded ``[B, H, N, D]`` tensors (K/V may have fewer heads: GQA). Masks follow
 FlashAttention: ``window_size = (left, right)``, ``-1`` for unbounded, causal is ``right = 0``, aligned
 to the bottom-right corner when the query and key lengths differ.
@@ -40,19 +46,30 @@ def _sum_groups(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return x.view(b, num_kv_heads, h // num_kv_heads, n, d).sum(2)
 
 
-def attention_exact(q, k, v, softmax_scale=None, window_size=(-1, -1), dtype=torch.float64):
+def attention_exact(q, k, v, softmax_scale=None, window_size=(-1, -1), dtype=torch.float64, softcap=0.0,
+                    sinks=None):
     """Softmax attention computed in ``dtype``; differentiable. Returns (out, natural-log lse).
 
-    Rows that see no key give zeros (and lse -inf)."""
+    ``softcap`` > 0 caps the scores at ``softcap * tanh(s / softcap)``; ``sinks`` ``[heads]`` adds one
+    learned logit per head to every row's softmax denominator (it has no value). Rows that see no key give
+    zeros (and lse -inf, or the sink's logit)."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     q, k, v = q.to(dtype), _repeat_kv(k.to(dtype), q.shape[1]), _repeat_kv(v.to(dtype), q.shape[1])
     s = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     mask = band_mask(q.shape[2], k.shape[2], window_size, q.device)
     s = s.masked_fill(~mask, float("-inf"))
     row_max = s.amax(-1, keepdim=True)
+    sink = None
+    if sinks is not None:
+        sink = sinks.to(dtype).view(1, -1, 1, 1).expand(*s.shape[:3], 1)
+        row_max = torch.maximum(row_max, sink)
     row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max).detach()
     p = torch.exp(s - row_max)
     denom = p.sum(-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - row_max)
     out = (p @ v) / torch.where(denom > 0, denom, torch.ones_like(denom))
     lse = torch.where(denom > 0, denom.log() + row_max, torch.full_like(denom, float("-inf")))
     return out, lse.squeeze(-1)
@@ -92,13 +109,23 @@ def _q_block_means(qf: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _scores(q, k, softmax_scale, window_size, k_smoothing, q_smoothing):
-    """Dequantized base-2 scores S * softmax_scale * log2(e), masked with -inf, plus what the
-    backward reuses: (s, q8, q_scale_raw, k8, k_scale) with K/V heads already repeated."""
+def softcap_base2(s: torch.Tensor, softcap: float) -> torch.Tensor:
+    """``softcap * tanh(s / softcap)`` for base-2 scores (the cap given in natural units)."""
+    cap2 = softcap * LOG2E
+    return cap2 * torch.tanh(s / cap2)
+
+
+def _scores(q, k, softmax_scale, window_size, k_smoothing, q_smoothing, softcap=0.0):
+    """Dequantized base-2 scores S * softmax_scale * log2(e), soft-capped if asked, masked with -inf, plus
+    what the backward reuses: (s, q8, q_scale_raw, k8, k_scale, mask, k_mean) with K/V heads repeated
+    (``k_mean`` ``[B, H, 1, D]``, the mean K-smoothing took out, or None)."""
     c = softmax_scale * LOG2E
     kf = k.float()
+    k_mean = None
     if k_smoothing:
-        kf = kf - kf.mean(2, keepdim=True)
+        k_mean = kf.mean(2, keepdim=True)
+        kf = kf - k_mean
+        k_mean = _repeat_kv(k_mean, q.shape[1])
     k8, k_scale = quantize_per_token(kf)
     qf = q.float()
     if q_smoothing:
@@ -110,14 +137,18 @@ def _scores(q, k, softmax_scale, window_size, k_smoothing, q_smoothing):
     s = (q8 @ k8.transpose(-1, -2)) * (q_scale_raw * c)[..., :, None] * k_scale[..., None, :]
     if q_smoothing:
         s = s + ((q_mean * c) @ k8.transpose(-1, -2)) * k_scale[..., None, :]
+    if softcap:   # the cap sees the caller's scores: K-smoothing's row shift added back first
+        if k_mean is not None:
+            s = s + (q.float() @ k_mean.transpose(-1, -2)) * c
+        s = softcap_base2(s, softcap)
     mask = band_mask(q.shape[2], k.shape[2], window_size, q.device)
-    return s.masked_fill(~mask, float("-inf")), q8, q_scale_raw, k8, k_scale, mask
+    return s.masked_fill(~mask, float("-inf")), q8, q_scale_raw, k8, k_scale, mask, k_mean
 
 
 def sagebwd_forward_naive(q, k, v, softmax_scale, window_size=(-1, -1), k_smoothing=True,
-                          q_smoothing=False, block_n=64):
+                          q_smoothing=False, block_n=64, softcap=0.0):
     """Returns (out in q's dtype, base-2 log-sum-exp fp32 with +inf for rows that see no key)."""
-    s, _, _, _, _, _ = _scores(q, k, softmax_scale, window_size, k_smoothing, q_smoothing)
+    s = _scores(q, k, softmax_scale, window_size, k_smoothing, q_smoothing, softcap)[0]
     vf = v.float()
     v_scale = vf.abs().amax(2, keepdim=True) * (1.0 / 127.0)               # per channel
     v_inv = torch.where(v_scale > TINY_MAX / 127, 1.0 / v_scale, torch.zeros_like(v_scale))
@@ -162,13 +193,13 @@ def _tiles(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(-1, -1),
-                           k_smoothing=True, q_smoothing=False, block_m_dkdv=64, block_n_dq=64):
+                           k_smoothing=True, q_smoothing=False, block_m_dkdv=64, block_n_dq=64, softcap=0.0):
     """Gradients (dq, dk, dv) of the quantized algorithm, in the inputs' dtypes.
 
     ``block_m_dkdv``: query tile of the dK/dV kernel (P and dS get one scale per key per tile);
     ``block_n_dq``: key tile of the dQ kernel (dS gets one scale per query per tile)."""
-    s, q8, q_scale_raw, k8, k_scale, mask = _scores(q, k, softmax_scale, window_size, k_smoothing,
-                                                     q_smoothing)
+    s, q8, q_scale_raw, k8, k_scale, mask, k_mean = _scores(q, k, softmax_scale, window_size, k_smoothing,
+                                                             q_smoothing, softcap)
     if q_smoothing:   # dK needs the true Q, not the smoothed one the scores used
         q8, q_scale_raw = quantize_per_token(q)
     do8, do_scale = quantize_per_token(dout)
@@ -179,6 +210,8 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
     dp = dout.float() @ vf.transpose(-1, -2)        # stays in high precision
     delta = (dout.float() * out.float()).sum(-1)
     ds = p * (dp - delta[..., None])
+    if softcap:   # through the cap: d(cap tanh(x / cap))/dx = 1 - tanh^2
+        ds = ds * torch.where(mask, 1.0 - (s / (softcap * LOG2E)) ** 2, torch.zeros_like(s))
 
     # dV = P^T dO and dK = dS^T Q reduce over queries: one scale per key per query tile
     def over_queries(x, x8, x_scale, signed):
@@ -194,6 +227,8 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
     t8, t_scale = _row_quantize(t, 4, True)
     k_tiles = _tiles(k8, 2, block_n_dq)                                       # [B, H, T, bn, D]
     dq = ((t8.transpose(2, 3) @ k_tiles) * t_scale.transpose(2, 3)).sum(2) * softmax_scale
+    if softcap and k_mean is not None:   # the scores used K - mean(k); their rows no longer sum dS to zero
+        dq = dq + ds.sum(-1, keepdim=True) * k_mean * softmax_scale
 
     hkv = k.shape[1]
     return dq.to(q.dtype), _sum_groups(dk, hkv).to(k.dtype), _sum_groups(dv, hkv).to(v.dtype)

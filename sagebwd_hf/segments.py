@@ -107,18 +107,19 @@ def _to_tokens(lse):
 @torch.library.custom_op("sagebwd::segmented_fwd", mutates_args=())
 def _segmented_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                    ids: Optional[torch.Tensor], causal: bool, scale: float, window_left: int, window_right: int,
-                   k_smoothing: bool, q_smoothing: bool, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+                   k_smoothing: bool, q_smoothing: bool, backend: str, softcap: float,
+                   sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """q ``[B, Nq, H, D]``, k/v ``[B, Nk, Hkv, D]`` (any strides). Returns out ``[B, Nq, H, D]`` (zeros for
     padding queries) and the kernels' base-2 lse ``[1, H, B * Nq]``."""
     plan = _plan(q, k, mask, ids, causal)
     window = (window_left, window_right)
     if plan.cu_q is None:
         out, lse = _forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, plan.max_q,
-                            plan.max_k, scale, window, k_smoothing, q_smoothing, backend)
+                            plan.max_k, scale, window, k_smoothing, q_smoothing, backend, softcap, sinks)
         return out.transpose(1, 2).contiguous(), _to_tokens(lse)
     out, lse_packed = _forward(_gather(q, plan.idx_q), _gather(k, plan.idx_k), _gather(v, plan.idx_k),
                                plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale, window, k_smoothing,
-                               q_smoothing, backend)
+                               q_smoothing, backend, softcap, sinks)
     if plan.idx_q is None:
         return out.view(q.shape), lse_packed
     lse = lse_packed.new_full((1, q.shape[2], q.shape[0] * q.shape[1]), float("inf"))
@@ -127,7 +128,8 @@ def _segmented_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
 
 
 @_segmented_fwd.register_fake
-def _(q, k, v, mask, ids, causal, scale, window_left, window_right, k_smoothing, q_smoothing, backend):
+def _(q, k, v, mask, ids, causal, scale, window_left, window_right, k_smoothing, q_smoothing, backend, softcap,
+      sinks):
     return q.new_empty(q.shape), q.new_empty((1, q.shape[2], q.shape[0] * q.shape[1]), dtype=torch.float32)
 
 
@@ -135,46 +137,54 @@ def _(q, k, v, mask, ids, causal, scale, window_left, window_right, k_smoothing,
 def _segmented_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, mask: Optional[torch.Tensor], ids: Optional[torch.Tensor], causal: bool,
                    scale: float, window_left: int, window_right: int, k_smoothing: bool, q_smoothing: bool,
-                   backend: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   backend: str, softcap: float, sinks: Optional[torch.Tensor]
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = _plan(q, k, mask, ids, causal)
     window = (window_left, window_right)
     if plan.cu_q is None:
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         lse_bhn = lse.view(q.shape[2], q.shape[0], q.shape[1]).transpose(0, 1).contiguous()
-        grads = _backward(t(dout), t(q), t(k), t(v), t(out), lse_bhn, None, None, plan.max_q, plan.max_k,
-                          scale, window, k_smoothing, q_smoothing, backend)
-        return tuple(t(g).contiguous() for g in grads)
+        dq, dk, dv, dsinks = _backward(t(dout), t(q), t(k), t(v), t(out), lse_bhn, None, None, plan.max_q,
+                                       plan.max_k, scale, window, k_smoothing, q_smoothing, backend, softcap, sinks)
+        return tuple(t(g).contiguous() for g in (dq, dk, dv)) + (_sinks_grad(dsinks, q),)
     lse_packed = lse if plan.idx_q is None else lse[:, :, plan.idx_q].contiguous()
-    dq, dk, dv = _backward(_gather(dout, plan.idx_q), _gather(q, plan.idx_q), _gather(k, plan.idx_k),
-                           _gather(v, plan.idx_k), _gather(out, plan.idx_q), lse_packed, plan.cu_q, plan.cu_k,
-                           plan.max_q, plan.max_k, scale, window, k_smoothing, q_smoothing, backend)
-    return _scatter(dq, plan.idx_q, q), _scatter(dk, plan.idx_k, k), _scatter(dv, plan.idx_k, v)
+    dq, dk, dv, dsinks = _backward(_gather(dout, plan.idx_q), _gather(q, plan.idx_q), _gather(k, plan.idx_k),
+                                   _gather(v, plan.idx_k), _gather(out, plan.idx_q), lse_packed, plan.cu_q,
+                                   plan.cu_k, plan.max_q, plan.max_k, scale, window, k_smoothing, q_smoothing,
+                                   backend, softcap, sinks)
+    return (_scatter(dq, plan.idx_q, q), _scatter(dk, plan.idx_k, k), _scatter(dv, plan.idx_k, v),
+            _sinks_grad(dsinks, q))
+
+
+def _sinks_grad(dsinks, q):
+    return q.new_empty(0, dtype=torch.float32) if dsinks is None else dsinks   # a custom op cannot return None
 
 
 @_segmented_bwd.register_fake
 def _(dout, q, k, v, out, lse, mask, ids, causal, scale, window_left, window_right, k_smoothing, q_smoothing,
-      backend):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+      backend, softcap, sinks):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            _sinks_grad(None if sinks is None else sinks.new_empty(sinks.shape), q))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, ids, *args = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], mask, ids)
+    q, k, v, mask, ids, *args, sinks = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], mask, ids, sinks)
     ctx.args = args
     ctx.mark_non_differentiable(output[1])
 
 
 def _segmented_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, mask, ids = ctx.saved_tensors
-    dq, dk, dv = _segmented_bwd(dout, q, k, v, out, lse, mask, ids, *ctx.args)
-    return (dq, dk, dv) + (None,) * 9
+    q, k, v, out, lse, mask, ids, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = _segmented_bwd(dout, q, k, v, out, lse, mask, ids, *ctx.args, sinks)
+    return (dq, dk, dv) + (None,) * 10 + (dsinks if sinks is not None else None,)
 
 
 _segmented_fwd.register_autograd(_segmented_backward, setup_context=_setup_context)
 
 
 def segmented_attention(q, k, v, mask=None, ids=None, *, causal, softmax_scale, window_size=(-1, -1),
-                        k_smoothing=True, q_smoothing=False):
+                        k_smoothing=True, q_smoothing=False, softcap=0.0, sinks=None):
     """Attention over ``[B, N, H, D]`` rows cut by a padding ``mask`` ``[B, Nk]`` (bool, True = real token)
     or by sequence ``ids`` ``[B, N]`` (self-attention; a new sequence wherever the id changes). Padding
     queries get zeros. Inputs must already be float16/bfloat16; validation is the caller's."""
@@ -182,4 +192,4 @@ def segmented_attention(q, k, v, mask=None, ids=None, *, causal, softmax_scale, 
         raise ValueError("segmented_attention needs exactly one of mask and ids")
     window, scale = _check_options(window_size, softmax_scale, q.shape[-1], causal)   # causal: right = 0
     return _segmented_fwd(q, k, v, mask, ids, bool(causal), scale, *window, bool(k_smoothing), bool(q_smoothing),
-                          _backend(q, None))[0]
+                          _backend(q, None), float(softcap), sinks)[0]

@@ -31,6 +31,7 @@ from .config import options_for
 from .kernels import dispatch
 from .interface import MAX_HEAD_DIM, sagebwd_attn_func, sagebwd_attn_varlen_func
 from .segments import per_tensor, segmented_attention
+from .sinks import check_sinks, check_softcap
 
 NAME = "sagebwd"
 _HALF = (torch.float16, torch.bfloat16)
@@ -272,6 +273,17 @@ def _fallback_reason(query, key, value, attention_mask, dropout, kwargs) -> Opti
     return None
 
 
+def _score_extras(softcap, s_aux, query) -> list:
+    """What this call adds to the softmax (checked): names for an error message, empty when nothing."""
+    extras = []
+    if softcap is not None and check_softcap(softcap) > 0:
+        extras.append(f"logit soft-capping (softcap={softcap})")
+    if s_aux is not None:
+        check_sinks(s_aux, query.shape[1], query.device)
+        extras.append("attention sinks (s_aux)")
+    return extras
+
+
 def _dense_mask(batch, q_len, kv_len, causal, window, padding, segments, device):
     """The bool ``[B, 1, q, kv]`` mask meaning what the kernel path computes (for SDPA fallbacks)."""
     keys = torch.arange(kv_len, device=device)
@@ -389,12 +401,6 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     """``AttentionInterface`` entry for ``"sagebwd"``: query ``[B, Hq, S, D]``, key/value ``[B, Hkv, Skv, D]``
     (KV heads not repeated). Returns ``(out [B, S, Hq, D], None)``."""
     # What neither the kernel nor SDPA computes: a fallback would be silently wrong, so refuse.
-    if softcap is not None:
-        raise ValueError(f"sagebwd does not support attention logit softcapping (softcap={softcap}), and SDPA "
-                         "cannot stand in for it: use attn_implementation='eager' for this model.")
-    if s_aux is not None:
-        raise ValueError("sagebwd does not support attention sinks (s_aux), and SDPA cannot stand in for them: "
-                         "use attn_implementation='eager' for this model.")
     if kwargs.get("output_attentions", False):
         raise ValueError("output_attentions=True needs the attention weights, which sagebwd never forms: use "
                          "attn_implementation='eager' for that call.")
@@ -412,7 +418,16 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     mask = attention_mask.bool() if attention_mask is not None and attention_mask.dim() == 2 else attention_mask
-    if kwargs.get("indices") is not None:
+    extras = _score_extras(softcap, s_aux, query)
+    reason = "sparse_indices" if kwargs.get("indices") is not None else _fallback_reason(
+        query, key, value, mask, dropout, kwargs)
+    if reason is None and causal and q_len > kv_len:
+        reason = "shape"
+    if reason is not None and extras:
+        # SDPA has neither a soft cap nor sinks: falling back would silently drop them
+        raise ValueError(f"sagebwd: this attention call needs an SDPA fallback ({FALLBACK_REASONS[reason]}), and "
+                         f"SDPA cannot compute {' and '.join(extras)}: use attn_implementation='eager' for it.")
+    if reason == "sparse_indices":
         # DeepSeek sparse attention hands backends that are not eager/sdpa its top-k keys per query and leaves
         # them out of the mask (a sparse MLA kernel would consume them; flash_attention_2 ignores them): fold
         # them into the mask, as the model's eager path does, and let SDPA run it.
@@ -420,9 +435,6 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         kwargs = {k: v for k, v in kwargs.items() if k != "indices"}
         return _sdpa_fallback("sparse_indices", module, query, key, value, mask, dropout, scaling, causal, window,
                               kwargs), None
-    reason = _fallback_reason(query, key, value, mask, dropout, kwargs)
-    if reason is None and causal and q_len > kv_len:
-        reason = "shape"
     if reason is not None:
         out = _sdpa_fallback(reason, module, query, key, value, mask, dropout, scaling, causal, window, kwargs,
                              segments=chunks)
@@ -432,7 +444,8 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     dtype = _compute_dtype(query, module)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     # plus this layer's k_smoothing / q_smoothing (sagebwd_hf.configure: global, per model, per layer)
-    op = dict(causal=causal, softmax_scale=scale, window_size=window, **options_for(module).op_kwargs())
+    op = dict(causal=causal, softmax_scale=scale, window_size=window, **options_for(module).op_kwargs(),
+              softcap=float(softcap or 0.0), sinks=s_aux)
     # [B, N, H, D]: the layout of Transformers' projections and of the output it expects. Views: the dense
     # kernels read any strides, and the varlen paths copy only the tokens they gather.
     q, k, v = (x.to(dtype).transpose(1, 2) for x in (query, key, value))

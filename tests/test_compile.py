@@ -6,9 +6,11 @@ from sagebwd_hf import interface, sagebwd_attn_func, sagebwd_attn_varlen_func
 from sagebwd_hf.testing import make_qkv, run_with_grads
 
 
-def test_opcheck_forward_and_backward():
+@pytest.mark.parametrize("softcap, with_sinks", [(0.0, False), (5.0, True)], ids=["plain", "softcap_sinks"])
+def test_opcheck_forward_and_backward(softcap, with_sinks):
     q, k, v, _ = make_qkv(1, 4, 2, 40, 40, 64, torch.float16, "cpu")
-    args = (None, None, 40, 40, 0.125, -1, 0, True, False, "naive")
+    sinks = torch.randn(4, requires_grad=True) if with_sinks else None
+    args = (None, None, 40, 40, 0.125, -1, 0, True, False, "naive", softcap, sinks)
     for x in (q, k, v):
         x.requires_grad_()
     torch.library.opcheck(interface._attn_fwd_op, (q, k, v) + args,

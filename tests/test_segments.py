@@ -109,13 +109,15 @@ def test_rejects_both_or_neither():
         segmented_attention(q, k, v, causal=True, softmax_scale=SCALE)
 
 
-def test_opcheck():
+@pytest.mark.parametrize("softcap, with_sinks", [(0.0, False), (5.0, True)], ids=["plain", "softcap_sinks"])
+def test_opcheck(softcap, with_sinks):
     q, k, v, _ = qkv(2, 24, 24, 4, 2, 32, "cpu")
     mask = torch.ones(2, 24, dtype=torch.bool)
     mask[0, :5] = False
     for x in (q, k, v):
         x.requires_grad_()
-    args = (True, SCALE, -1, 0, True, False, "naive")
+    sinks = torch.randn(4, requires_grad=True) if with_sinks else None
+    args = (True, SCALE, -1, 0, True, False, "naive", softcap, sinks)
     torch.library.opcheck(_segmented_fwd, (q, k, v, mask, None) + args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 

@@ -621,29 +621,65 @@ def test_deepseek_sparse_attention_runs_its_selected_keys(model_type, fresh_warn
     assert (dense_logits[real] - logits["sdpa"][real]).abs().max() > 1e-3, "the selection must matter here"
 
 
-def test_softcap_raises():
+def test_bad_calls_raise():
     model = tiny_model("llama")
     attn = model.model.layers[0].self_attn
     q = torch.randn(1, 4, 8, 16)
     k = v = torch.randn(1, 2, 8, 16)
-    with pytest.raises(ValueError, match="softcap"):
-        ti.sagebwd_attention_forward(attn, q, k, v, None, softcap=50.0)
-    with pytest.raises(ValueError, match="s_aux"):
-        ti.sagebwd_attention_forward(attn, q, k, v, None, s_aux=torch.zeros(4))
     with pytest.raises(ValueError, match="output_attentions"):
         ti.sagebwd_attention_forward(attn, q, k, v, None, output_attentions=True)
     with pytest.raises(ValueError, match="sliding_window"):
         ti.sagebwd_attention_forward(attn, q, k, v, None, sliding_window=0)
     with pytest.raises(ValueError, match="attention_mask"):
         ti.sagebwd_attention_forward(attn, q, k, v, torch.ones(1, 8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"sinks must have shape \[heads\]"):
+        ti.sagebwd_attention_forward(attn, q, k, v, None, s_aux=torch.zeros(2))
 
 
-def test_softcap_model_raises():
+def test_softcap_or_sinks_that_would_need_sdpa_raise():
+    """SDPA has neither: a call that must fall back (here: dropout) would silently lose them, so it raises."""
+    attn = tiny_model("llama").model.layers[0].self_attn
+    q = torch.randn(1, 4, 8, 16)
+    k = v = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="SDPA cannot compute logit soft-capping"):
+        ti.sagebwd_attention_forward(attn, q, k, v, None, dropout=0.1, softcap=50.0)
+    with pytest.raises(ValueError, match=r"SDPA cannot compute attention sinks \(s_aux\)"):
+        ti.sagebwd_attention_forward(attn, q, k, v, torch.ones(1, 1, 8, 8, dtype=torch.bool), s_aux=torch.zeros(4))
+
+
+# Models whose attention SDPA does not compute (soft-capped logits, sinks): compared with their eager path on
+# an unpadded batch (eager gives a fully padded query row uniform attention where sdpa/flash/sagebwd give zeros,
+# and the next-token loss reads that row's logits).
+EAGER_ONLY = {
+    "gemma2": dict(model_type="gemma2", attn_logit_softcapping=50.0, final_logit_softcapping=None, sliding_window=8),
+    "gemma2_tight_cap": dict(model_type="gemma2", attn_logit_softcapping=2.0, final_logit_softcapping=None,
+                             sliding_window=8, initializer_range=0.2),   # scores of several units: the cap bends
+    "gpt_oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"]),
+}
+
+
+@pytest.mark.parametrize("family", list(EAGER_ONLY))
+def test_softcap_and_sinks_models_match_eager(family):
+    """Gemma 2's capped logits and gpt-oss's sinks run on the kernels (no fallback), close to eager."""
+    kwargs = dict(TINY, **EAGER_ONLY[family])
     torch.manual_seed(0)
-    config = AutoConfig.for_model("gemma2", **dict(TINY, attn_logit_softcapping=50.0, sliding_window=8))
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sagebwd")
-    with pytest.raises(ValueError, match="softcap"):
-        model(**batch())
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kwargs.pop("model_type"), **kwargs),
+                                             attn_implementation="eager")
+    for name, param in model.named_parameters():
+        if name.endswith("sinks"):          # initialised to zeros: make them matter
+            torch.nn.init.normal_(param, std=2.0)
+    inputs = batch()
+    eager_logits, eager_grads, _ = run(model, "eager", inputs)
+    sagebwd_hf.reset_attention_stats()
+    logits, grads, _ = run(model, "sagebwd", inputs)
+    stats = sagebwd_hf.attention_stats()
+    assert stats["fallback"] == {} and stats["sagebwd"] == 2, stats
+    assert cos(logits, eager_logits) >= COS_MIN and rel_l2(logits, eager_logits) <= REL_L2_MAX
+    assert cos(grads, eager_grads) >= GRAD_COS_MIN and rel_l2(grads, eager_grads) <= GRAD_REL_L2_MAX
+    if family == "gpt_oss":
+        sinks = model.model.layers[0].self_attn.sinks
+        assert sinks.grad is not None and sinks.grad.abs().sum() > 0
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -109,14 +109,8 @@ def make_method(name, shape, torch, F, ctx):
         return (lambda q, k, v: ctx["sagebwd_attn_func"](q, k, v, causal=causal, softcap=SOFTCAP)), ""
     if name == "sagebwd_portable":
         def portable(q, k, v):
-            before = os.environ.get("SAGEBWD_KERNELS")
-            os.environ["SAGEBWD_KERNELS"] = "triton"     # read by the dispatch on every call
-            try:
-                return ctx["sagebwd_attn_func"](q, k, v, causal=causal)
-            finally:
-                os.environ.pop("SAGEBWD_KERNELS")
-                if before is not None:
-                    os.environ["SAGEBWD_KERNELS"] = before
+            return ctx["sagebwd_attn_func"](q, k, v, causal=causal)
+        portable.kernels = "triton"   # SAGEBWD_KERNELS for all of bench(): the backward reads it too
         return portable, ""
     if name == "sageattn":
         sageattn = ctx["sageattn"]
@@ -159,7 +153,22 @@ def time_ms(torch, call, reps, warmup, pre=None):
 
 
 def bench(torch, fn, train, q, k, v, do, args):
-    """{fwd_ms, bwd_ms, fwd_bwd_ms, peak_gib, out} for one method on one shape."""
+    """{fwd_ms, bwd_ms, fwd_bwd_ms, peak_gib, out} for one method on one shape (with ``fn.kernels`` as
+    SAGEBWD_KERNELS, which the dispatch reads on every forward and backward)."""
+    kernels = getattr(fn, "kernels", None)
+    if kernels is None:
+        return _bench(torch, fn, train, q, k, v, do, args)
+    before = os.environ.get("SAGEBWD_KERNELS")
+    os.environ["SAGEBWD_KERNELS"] = kernels
+    try:
+        return _bench(torch, fn, train, q, k, v, do, args)
+    finally:
+        os.environ.pop("SAGEBWD_KERNELS")
+        if before is not None:
+            os.environ["SAGEBWD_KERNELS"] = before
+
+
+def _bench(torch, fn, train, q, k, v, do, args):
     leaves = (q, k, v)
 
     def clear():

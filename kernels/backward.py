@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import _ceil_to, _floor_to, _key_tiles, _score_mask, softcap_scores
+from .forward import _ceil_to, _floor_to, _key_tiles, _score_mask, fast_tanh, tanh_scores
 from .layout import SeqLayout, maybe, strides3, strides4
 from .quantize import LOG2E, Q_SMOOTH_BLOCK, _seq_bounds, int32_times, round_to_int8
 
@@ -38,10 +38,9 @@ def _quantize_rows(x, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _through_cap(ds, capped, cap2):
-    """dS with respect to the uncapped score: times d(cap tanh(x / cap))/dx = 1 - (capped / cap)^2."""
-    r = capped / cap2
-    return ds * (1.0 - r * r)
+def _through_cap(ds, th):
+    """dS with respect to the uncapped score: times d(cap tanh(x / cap))/dx = 1 - tanh^2."""
+    return ds * (1.0 - th * th)
 
 
 @triton.jit
@@ -74,14 +73,14 @@ def _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, lo, hi, b, offs_m, offs_n, offs_d, 
                 q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot, s_dod, s_dtd,
                 s_qmb, BLOCK_M: tl.constexpr, QSB: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr,
                 MASK_RIGHT: tl.constexpr, Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr,
-                DO_DK: tl.constexpr, DO_DV: tl.constexpr, SOFTCAP: tl.constexpr):
+                DO_DK: tl.constexpr, DO_DV: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         q_mean = _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB, Q_SMOOTH)
         dk, dv = _dkdv_tile(dk, dv, k8, k8f, k_scale, v, tl.multiple_of(start_m, BLOCK_M), offs_m, offs_n,
                             offs_d, d_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h,
                             q_mean, q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd,
                             s_dot, s_dod, s_dtd, MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, DO_DK, DO_DV,
-                            SOFTCAP)
+                            SOFTCAP, FAST_TANH)
     return dk, dv
 
 
@@ -91,7 +90,7 @@ def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_o
                q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot, s_dod, s_dtd,
                MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
-               SOFTCAP: tl.constexpr):
+               SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
     rows = start_m + offs_m
     m_ok = rows < seqlen_q
     md_ok_t = d_ok[:, None] & m_ok[None, :]
@@ -100,14 +99,15 @@ def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_o
     lse = tl.load(LSE_h + q0 + rows, mask=m_ok, other=float("inf"))
     # S^T in two FMAs per score (int32_times, then q_scale inside exp2's argument); lse is +inf past the end
     st = int32_times(tl.dot(k8, q8t, out_dtype=tl.int32), k_scale[:, None])
-    if SOFTCAP:   # capped scores as in the forward (row shift back, then cap); ct kept for the derivative
+    if SOFTCAP:   # capped scores as in the forward (row shift back, then cap); tanh kept for the derivative
+        inv_cap = 1.0 / softcap2
         shift = tl.load(SH_h + q0 + rows, mask=m_ok, other=0.0)
         if Q_SMOOTH:
-            shift = shift[None, :] + (tl.sum(k8f * q_mean_h[None, :], 1) * k_scale)[:, None]
+            shift = (shift[None, :] + (tl.sum(k8f * q_mean_h[None, :], 1) * k_scale)[:, None]) * inv_cap
         else:
-            shift = shift[None, :]
-        ct = softcap_scores(tl.fma(st, q_scale[None, :], shift), softcap2)
-        pt = tl.exp2(ct - lse[None, :])
+            shift = (shift * inv_cap)[None, :]
+        tht = tanh_scores(tl.fma(st, (q_scale * inv_cap)[None, :], shift), FAST_TANH)
+        pt = tl.exp2(tl.fma(tht, softcap2, -lse[None, :]))
     elif Q_SMOOTH:
         pt = tl.exp2(tl.fma(st, q_scale[None, :], (tl.sum(k8f * q_mean_h[None, :], 1) * k_scale)[:, None]
                             - lse[None, :]))
@@ -134,7 +134,7 @@ def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_o
         delta = tl.load(DELTA_h + q0 + rows, mask=m_ok, other=0.0)
         dst = pt * (dpt - delta[None, :])
         if SOFTCAP:
-            dst = _through_cap(dst, ct, softcap2)
+            dst = _through_cap(dst, tht)
 
         # dK += dS^T Q, Q's per-token scale folded into dS^T
         qr_scale = tl.load(QSR_h + q0 + rows, mask=m_ok, other=0.0)
@@ -162,7 +162,7 @@ def _attn_bwd_dkdv_kernel(
     n_q, n_k, num_kv_heads, group, head_dim, window_left, window_right, softmax_scale, softcap2,
     IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DO_DK: tl.constexpr, DO_DV: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -215,17 +215,17 @@ def _attn_bwd_dkdv_kernel(
                              Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, QM_h, QMEAN_CU,
                              q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot,
                              s_dod, s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32,
-                             DO_DK, DO_DV, SOFTCAP)
+                             DO_DK, DO_DV, SOFTCAP, FAST_TANH)
         dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, full_lo, full_hi, b, offs_m, offs_n, offs_d, d_ok,
                              Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, QM_h, QMEAN_CU,
                              q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot,
                              s_dod, s_dtd, s_qmb, BLOCK_M, QSB, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32,
-                             DO_DK, DO_DV, SOFTCAP)
+                             DO_DK, DO_DV, SOFTCAP, FAST_TANH)
         dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, full_hi, hi, b, offs_m, offs_n, offs_d, d_ok,
                              Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, QM_h, QMEAN_CU,
                              q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot,
                              s_dod, s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32,
-                             DO_DK, DO_DV, SOFTCAP)
+                             DO_DK, DO_DV, SOFTCAP, FAST_TANH)
 
     if DO_DK:
         tl.store(DK + bk * s_dkb + hk * s_dkh + (k0 + offs_n)[:, None] * s_dkt + offs_d[None, :] * s_dkd,
@@ -250,12 +250,13 @@ def _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB: tl.constexpr, 
 def _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base, KS_base,
               V_base, lo, hi, offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
               s_k8t, s_ktd, s_vt, s_vd, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr,
-              MASK_RIGHT: tl.constexpr, Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr):
+              MASK_RIGHT: tl.constexpr, Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
+              FAST_TANH: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         dq, row_ds = _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base,
                               K8T_base, KS_base, V_base, tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d,
                               d_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_ktd, s_vt, s_vd,
-                              MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP)
+                              MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP, FAST_TANH)
     return dq, row_ds
 
 
@@ -264,7 +265,8 @@ def _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K
              V_base, start_n, offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
              s_k8t, s_ktd, s_vt, s_vd,
              MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-             Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr):
+             Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
+             FAST_TANH: tl.constexpr):
     cols = start_n + offs_n
     n_ok = cols < seqlen_k
     dn_ok = d_ok[:, None] & n_ok[None, :]
@@ -272,12 +274,13 @@ def _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K
     k_scale = tl.load(KS_base + k0 + cols, mask=n_ok, other=0.0)
     s = int32_times(tl.dot(q8, k8t, out_dtype=tl.int32), k_scale[None, :])
     if SOFTCAP:
+        inv_cap = 1.0 / softcap2
         if Q_SMOOTH:
-            bias = shift[:, None] + (tl.sum(q_mean[:, None] * k8t.to(tl.float32), 0) * k_scale)[None, :]
+            bias = (shift[:, None] + (tl.sum(q_mean[:, None] * k8t.to(tl.float32), 0) * k_scale)[None, :]) * inv_cap
         else:
-            bias = shift[:, None]
-        c = softcap_scores(tl.fma(s, q_scale[:, None], bias), softcap2)
-        p = tl.exp2(c - lse[:, None])
+            bias = (shift * inv_cap)[:, None]
+        th = tanh_scores(tl.fma(s, (q_scale * inv_cap)[:, None], bias), FAST_TANH)
+        p = tl.exp2(tl.fma(th, softcap2, -lse[:, None]))
     elif Q_SMOOTH:
         p = tl.exp2(tl.fma(s, q_scale[:, None], (tl.sum(q_mean[:, None] * k8t.to(tl.float32), 0) * k_scale)[None, :]
                            - lse[:, None]))
@@ -294,7 +297,7 @@ def _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K
     dp = tl.dot(do, vt)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
-        ds = _through_cap(ds, c, softcap2)
+        ds = _through_cap(ds, th)
         # (keys past the end are unmasked in the middle tiles: their K scale zeroes them in dQ, not here)
         row_ds += tl.sum(tl.where(n_ok[None, :], ds, 0.0), 1)
 
@@ -321,7 +324,7 @@ def _attn_bwd_dq_kernel(
     n_q, n_k, num_heads, group, head_dim, window_left, window_right, softmax_scale, softcap2,
     IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
@@ -368,15 +371,18 @@ def _attn_bwd_dq_kernel(
     dq, row_ds = _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base,
                            KS_base, V_base, lo, full_lo,
                    offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
-                   s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP)
+                   s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP,
+                   FAST_TANH)
     dq, row_ds = _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base,
                            KS_base, V_base, full_lo, full_hi,
                    offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
-                   s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP)
+                   s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP,
+                   FAST_TANH)
     dq, row_ds = _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base,
                            KS_base, V_base, full_hi, hi,
                    offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
-                   s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP)
+                   s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP,
+                   FAST_TANH)
 
     tl.store(DQ + bq * s_dqb + h * s_dqh + (q0 + offs_m)[:, None] * s_dqt + offs_d[None, :] * s_dqd,
              (dq * softmax_scale).to(DQ.dtype.element_ty), mask=md_ok)
@@ -400,7 +406,8 @@ def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse,
     group = num_heads // num_kv_heads
     dot_fp32 = v4.device.type == "cpu" and v4.dtype == torch.bfloat16
     common = dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
-                  Q_SMOOTH=q_mean is not None, QSB=Q_SMOOTH_BLOCK, DOT_FP32=dot_fp32, SOFTCAP=bool(softcap))
+                  Q_SMOOTH=q_mean is not None, QSB=Q_SMOOTH_BLOCK, DOT_FP32=dot_fp32, SOFTCAP=bool(softcap),
+                  FAST_TANH=fast_tanh(q8.device))
     softcap2 = float(softcap) * LOG2E
     shift, row_ds = maybe(shift, lse), maybe(row_ds, lse)
     cu_q = maybe(layout_q.cu_seqlens, q8)

@@ -103,17 +103,18 @@ def _token_stats_kernel(
 
 @triton.jit
 def _quantize_kernel(
-    X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, DELTA, CU, T_CU,
+    X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, DELTA, CU, T_CU, DOTV, ROW_DOT,
     s_xb, s_xh, s_xt, s_xd,
     s_subh, s_subb, s_csh, s_csb,
     s_ob, s_oh, s_ot, s_od,
     s_8b, s_8h, s_8t,
     s_tb, s_th, s_td,
     s_sb, s_sh,
-    n_dense, num_heads, head_dim, sub_block,
+    s_dvh, s_dvb,
+    n_dense, num_heads, head_dim, sub_block, dot_group, dot_scale,
     IS_VARLEN: tl.constexpr, HAS_SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, WITH_DELTA: tl.constexpr,
-    WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr, WITH_DOT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
@@ -130,6 +131,9 @@ def _quantize_kernel(
     ok = t_ok[:, None] & d_ok[None, :]
     x = tl.load(X + bx * s_xb + h * s_xh + (t0 + rows)[:, None] * s_xt + offs_d[None, :] * s_xd,
                 mask=ok, other=0.0).to(tl.float32)
+    if WITH_DOT:   # each row . one vector per (sequence, head group): Q's rows . mean(k), K-smoothing's shift
+        vec = tl.load(DOTV + (h // dot_group) * s_dvh + b * s_dvb + offs_d, mask=d_ok, other=0.0)
+        tl.store(ROW_DOT + bx * s_sb + h * s_sh + t0 + rows, tl.sum(x * vec[None, :], 1) * dot_scale, mask=t_ok)
     if HAS_SUB:   # K mean of the sequence, or the Q-smoothing mean of each row's block
         blk = tl.load(SUB_CU + b) + rows // sub_block
         x -= tl.load(SUB + h * s_subh + blk[:, None] * s_subb + offs_d[None, :], mask=ok, other=0.0)
@@ -240,11 +244,13 @@ def aligned_starts(layout: SeqLayout) -> torch.Tensor:
 
 
 def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
-             channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None):
+             channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None):
     """One pass over ``x4`` ``[B, H, N, D]`` -> dict with ``x8`` (natural ``[B, H, N, D]``), ``x8t``
     (``[B, H, D, N_pad]``), ``scale`` (per token ``[B, H, N]``, unless ``channel_scale`` given) and
     ``delta`` (``rowsum(x * out_for_delta)``) as asked. ``t_starts`` (packed batches): each sequence's first
-    column in ``x8t`` (``aligned_starts``) instead of its first token."""
+    column in ``x8t`` (``aligned_starts``) instead of its first token. ``dot = (vectors [Hv, S, D], group,
+    factor)``: also ``row_dot`` ``[B, H, N]``, each token of head h dotted with its sequence's vector of head
+    h // group (before ``sub``), times factor."""
     bsz, h, n, d = x4.shape
     dev = x4.device
     x8 = torch.empty(bsz, h, n, d, dtype=torch.int8, device=dev) if natural else None
@@ -253,6 +259,8 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
     x8t = torch.zeros(bsz, h, d, width, dtype=torch.int8, device=dev) if transposed else None
     scale = None if channel_scale is not None else torch.empty(bsz, h, n, dtype=torch.float32, device=dev)
     delta = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if out_for_delta is not None else None
+    row_dot = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if dot is not None else None
+    assert dot is None or scale is not None    # row_dot shares scale's strides
     any_out = next(t for t in (x8, x8t) if t is not None)
     block_t = 64
     grid = (triton.cdiv(max(layout.max_len, 1), block_t), layout.num_seqs * h)
@@ -263,23 +271,27 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
         x8 if x8 is not None else any_out, x8t if x8t is not None else any_out,
         scale if scale is not None else x4, delta if delta is not None else x4,
         layout.cu_seqlens if layout.is_varlen else any_out, t_starts if t_starts is not None else any_out,
+        dot[0] if dot is not None else x4, row_dot if row_dot is not None else x4,
         *strides4(x4), *strides3(sub)[:2], *strides3(channel_scale)[:2], *strides4(out_for_delta),
         *strides4(x8)[:3], *strides4(x8t)[:3], *strides3(scale if scale is not None else delta)[:2],
-        n, h, d, sub_block or 1,
+        *strides3(dot[0] if dot is not None else None)[:2],
+        n, h, d, sub_block or 1, dot[1] if dot is not None else 1, float(dot[2]) if dot is not None else 1.0,
         IS_VARLEN=layout.is_varlen, HAS_SUB=sub is not None, PER_CHANNEL=channel_scale is not None,
         WITH_DELTA=delta is not None, WRITE_NATURAL=natural, WRITE_T=transposed, HAS_T_CU=t_starts is not None,
-        BLOCK_T=block_t, BLOCK_D=_block_d(d),
+        WITH_DOT=dot is not None, BLOCK_T=block_t, BLOCK_D=_block_d(d),
     )
-    return dict(x8=x8, x8t=x8t, scale=scale, delta=delta)
+    return dict(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot)
 
 
 def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float,
-                k_smoothing: bool, q_smoothing: bool, transposed: bool = False):
+                k_smoothing: bool, q_smoothing: bool, transposed: bool = False, row_shift: bool = False):
     """INT8 Q and K for ``S = Q K^T`` (and, with ``transposed``, their token-major copies for the backward).
 
     Returns a dict: ``q8, q_scale`` (softmax scale and log2(e) folded in, so the kernels use exp2),
-    ``q_scale_raw``, ``k8, k_scale``, ``q8t, k8t``, and for Q-smoothing ``q_mean`` (``[H, blocks, D]``,
-    scaled like ``q_scale``) and ``q_mean_cu`` (first block of each sequence)."""
+    ``q_scale_raw``, ``k8, k_scale``, ``q8t, k8t``, for Q-smoothing ``q_mean`` (``[H, blocks, D]``,
+    scaled like ``q_scale``) and ``q_mean_cu`` (first block of each sequence), and with K-smoothing ``k_mean``
+    (``[Hkv, S, D]``) and, if ``row_shift``, ``q_shift`` (``softmax_scale * q . mean(k)`` per query, ``[B, H, N]``:
+    how far K-smoothing moved each row's scores; soft-capping and sinks need it back)."""
     k_sub = k_cu = None
     if k_smoothing:   # softmax is unchanged: every score of a row moves by the same q . mean(k)
         k_sub, k_cu = token_stats(k4, layout_k, abs_max=False)
@@ -287,11 +299,13 @@ def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale:
     q_mean = q_cu = None
     if q_smoothing:   # S = (q - q_mean) K^T + q_mean K^T; the second term is added back in fp32
         q_mean, q_cu = token_stats(q4, layout_q, abs_max=False, block_tokens=Q_SMOOTH_BLOCK)
+    dot = (k_sub, q4.shape[1] // k4.shape[1], softmax_scale) if row_shift and k_smoothing else None
     q = quantize(q4, layout_q, sub=q_mean, sub_cu=q_cu, sub_block=Q_SMOOTH_BLOCK,
-                 transposed=transposed and not q_smoothing)
+                 transposed=transposed and not q_smoothing, dot=dot)
     return dict(q8=q["x8"], q_scale=q["scale"] * (softmax_scale * LOG2E), q_scale_raw=q["scale"],
                 q8t=q["x8t"], k8=k["x8"], k_scale=k["scale"], k8t=k["x8t"],
-                q_mean=None if q_mean is None else q_mean * (softmax_scale * LOG2E), q_mean_cu=q_cu)
+                q_mean=None if q_mean is None else q_mean * (softmax_scale * LOG2E), q_mean_cu=q_cu,
+                k_mean=k_sub, q_shift=q["row_dot"])
 
 
 def quantize_v(v4: torch.Tensor, layout: SeqLayout, t_starts=None):

@@ -8,7 +8,7 @@ interpreter when ``TRITON_INTERPRET=1``.
 """
 import os
 import warnings
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -89,41 +89,52 @@ def _new_like(x: torch.Tensor, varlen: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
 
 
-def _softcap_shift(q, k, cu_q, cu_k, scale, softcap, k_smoothing):
-    """What the kernels add to their (K-smoothed) base-2 scores before a soft cap: ``[B, H, N]`` fp32,
-    contiguous like the lse; zeros without K-smoothing; None without a cap."""
-    if not softcap:
-        return None
-    varlen = cu_q is not None
-    if not k_smoothing:
-        shape = (1, q.shape[1], q.shape[0]) if varlen else q.shape[:3]
-        return torch.zeros(shape, device=q.device, dtype=torch.float32)
+class Shift(NamedTuple):
+    """K-smoothing's per-row score shift ``scale * q_i . mean(k)`` (natural log, the lse's layout), and the mean
+    itself per query row (``[B, H, 1, D]`` or packed ``[1, H, T, D]``), for what soft-capping and sinks add back."""
+    rows: torch.Tensor
+    k_mean: Optional[torch.Tensor]
+
+
+def _torch_shift(q, k, cu_q, cu_k, scale) -> Shift:
+    """The PyTorch path's (the Triton path gets the shift from Q's quantization pass)."""
     k_mean = sink_math.key_means(q, k, cu_q, cu_k)
-    return (sink_math.smoothing_shift(q, k_mean, varlen, scale) * naive.LOG2E).contiguous()
+    return Shift(sink_math.smoothing_shift(q, k_mean, cu_q is not None, scale), k_mean)
 
 
-def _sink_shift(q, k, cu_q, cu_k, scale, k_smoothing, softcap=0.0):
-    """How far K-smoothing moved the kernels' scores below the caller's (natural log, lse layout), or None.
-    Soft-capped scores are already the caller's: the kernels added the shift back before the cap."""
-    if not k_smoothing or softcap:
-        return None
-    return sink_math.smoothing_shift(q, sink_math.key_means(q, k, cu_q, cu_k), cu_q is not None, scale)
+def _kernel_shift(quant, q4, cu_q) -> Shift:
+    """From ``quantize_qk(..., row_shift=True)``: the shift, and the K means ``[Hkv, S, D]`` laid per query row."""
+    k_mean = quant["k_mean"].transpose(0, 1)                                     # [S, Hkv, D]
+    if cu_q is not None:
+        seq = SeqLayout(cu_q.numel() - 1, 0, cu_q).seq_ids(q4.shape[2], q4.device)
+        k_mean = k_mean[seq].transpose(0, 1).unsqueeze(0)                         # [1, Hkv, T, D]
+    else:
+        k_mean = k_mean.unsqueeze(2)                                              # [B, Hkv, 1, D]
+    return Shift(quant["q_shift"], k_mean.repeat_interleave(q4.shape[1] // k_mean.shape[1], dim=1))
+
+
+def _kernel_softcap_shift(shift: Optional[Shift], lse_shape, device):
+    """What the kernels add to their base-2 scores before the cap (zeros without K-smoothing)."""
+    if shift is None:
+        return torch.zeros(lse_shape, device=device, dtype=torch.float32)
+    return shift.rows * naive.LOG2E
 
 
 def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, backend,
              softcap=0.0, sinks=None):
     """q/k/v padded ``[B, H, N, D]`` or packed ``[T, H, D]`` (then cu_* given). Returns (out, lse2)."""
-    out, lse = _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing,
-                                backend, softcap)
-    if sinks is not None:
-        varlen = cu_q is not None
-        _, lse = sink_math.add_sinks(as_bhnd(out, varlen), lse, sinks,
-                                     _sink_shift(q, k, cu_q, cu_k, scale, k_smoothing, softcap))
+    need_shift = k_smoothing and (bool(softcap) or sinks is not None)
+    out, lse, shift = _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing,
+                                       backend, softcap, need_shift)
+    if sinks is not None:   # capped scores are already the caller's: the kernels added the shift back
+        _, lse = sink_math.add_sinks(as_bhnd(out, cu_q is not None), lse, sinks,
+                                     None if shift is None or softcap else shift.rows)
     return out, lse
 
 
 def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, backend,
-                     softcap):
+                     softcap, need_shift):
+    """(out, lse2, Shift or None)."""
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device)
     out = _new_like(q, varlen)
@@ -135,11 +146,12 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
             if qs.shape[2] and ks.shape[2] else   # an empty sequence: zeros, lse +inf (no key seen)
             (torch.zeros_like(qs), torch.full(qs.shape[:3], float("inf"), device=qs.device)),
             q, k, v, cu_q, cu_k)
-        return out.copy_(out_naive), lse
+        return out.copy_(out_naive), lse, _torch_shift(q, k, cu_q, cu_k, scale) if need_shift else None
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
     lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
-    quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing)
+    quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, row_shift=need_shift)
+    shift = _kernel_shift(quant, q4, cu_q) if need_shift else None
     # (an empty side has nothing to tile: a TMA descriptor cannot have a zero extent)
     gluon = q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
                                                                       lay_k.max_len, softcap=bool(softcap))
@@ -156,32 +168,33 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
         dispatch.count("fwd_gluon")
     else:
         launch_forward(*args, cfg["fwd"], softcap=softcap,
-                       shift=_softcap_shift(q, k, cu_q, cu_k, scale, softcap, k_smoothing))
+                       shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
         dispatch.count("fwd_triton")
-    return out, lse
+    return out, lse, shift
 
 
 def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
               q_smoothing, backend, softcap=0.0, sinks=None):
     """Returns (dq, dk, dv, dsinks or None)."""
-    dq, dk, dv, row_ds = _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window,
-                                           k_smoothing, q_smoothing, backend, softcap)
-    varlen = cu_q is not None
+    need_shift = k_smoothing and (bool(softcap) or sinks is not None)
+    dq, dk, dv, row_ds, shift, delta = _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale,
+                                                         window, k_smoothing, q_smoothing, backend, softcap,
+                                                         need_shift)
     dsinks = None
     if sinks is not None:
-        dsinks, sink_row_ds = sink_math.sink_grads(as_bhnd(dout, varlen), as_bhnd(out, varlen), lse, sinks,
-                                                   _sink_shift(q, k, cu_q, cu_k, scale, k_smoothing, softcap))
+        dsinks, sink_row_ds = sink_math.sink_grads(delta, lse, sinks, None if shift is None or softcap else shift.rows)
         if not softcap:        # with a cap, the kernels' own rowsum(dS) already covers every key
             row_ds = sink_row_ds
-    if row_ds is not None and k_smoothing:
-        sink_math.add_row_ds_term(dq, row_ds, sink_math.key_means(q, k, cu_q, cu_k), varlen, scale)
+    if row_ds is not None and shift is not None:
+        sink_math.add_row_ds_term(dq, row_ds, shift.k_mean, cu_q is not None, scale)
     return dq, dk, dv, dsinks
 
 
 def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
-                      q_smoothing, backend, softcap):
-    """(dq, dk, dv, row_ds): ``row_ds``, the kernels' rowsum(dS) for dQ's K-smoothing term, when they still
-    owe it (soft-capped scores on the Triton kernels), else None."""
+                      q_smoothing, backend, softcap, need_shift):
+    """(dq, dk, dv, row_ds, Shift or None, delta): ``row_ds``, the kernels' rowsum(dS) for dQ's K-smoothing
+    term, when they still owe it (soft-capped scores on the Triton kernels), else None; ``delta`` =
+    rowsum(dO * O) in the lse's layout."""
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device)
     dq, dk, dv = _poisoned(_new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen))
@@ -199,13 +212,16 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
         else:
             grads = naive.sagebwd_backward_naive(q, k, v, out, lse, dout, scale, window, k_smoothing,
                                                  q_smoothing, dkdv_block_m(cfg), cfg["dq"][1], softcap=softcap)
-        return tuple(dst.copy_(src) for dst, src in zip((dq, dk, dv), grads)) + (None,)
+        delta = (as_bhnd(dout, varlen).float() * as_bhnd(out, varlen).float()).sum(-1)
+        shift = _torch_shift(q, k, cu_q, cu_k, scale) if need_shift else None
+        return tuple(dst.copy_(src) for dst, src in zip((dq, dk, dv), grads)) + (None, shift, delta)
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
     do4, o4 = as_bhnd(dout, varlen), as_bhnd(out, varlen)
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
     lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
     # the forward's bytes again (same inputs, same deterministic quantization), plus token-major copies
-    quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, transposed=True)
+    quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, transposed=True, row_shift=need_shift)
+    shift = _kernel_shift(quant, q4, cu_q) if need_shift else None
     if q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
         raw = quantize(q4, lay_q, natural=False, transposed=True)
         q8rt, q_scale_raw = raw["x8t"], raw["scale"]
@@ -220,15 +236,15 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
                                as_bhnd(dk, varlen), as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3],
                                window, scale)
         dispatch.count("bwd_gluon")
-        return dq, dk, dv, None
-    shift = _softcap_shift(q, k, cu_q, cu_k, scale, softcap, k_smoothing)
-    row_ds = torch.zeros_like(shift) if softcap else None
+        return dq, dk, dv, None, shift, do_q["delta"]
+    row_ds = torch.zeros(lse.shape, device=q.device, dtype=torch.float32) if softcap else None
     launch_backward(quant, q8rt, q_scale_raw, quant["k8t"], v4, do4, do_q["x8t"], do_q["scale"], lse,
                     do_q["delta"], as_bhnd(dq, varlen), as_bhnd(dk, varlen), as_bhnd(dv, varlen), lay_q, lay_k,
                     q4.shape[1], k4.shape[1], q4.shape[3], window, scale, cfg["dkdv"], cfg["dq"],
-                    split_dkdv=cfg["split_dkdv"], softcap=softcap, shift=shift, row_ds=row_ds)
+                    split_dkdv=cfg["split_dkdv"], softcap=softcap,
+                    shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None, row_ds=row_ds)
     dispatch.count("bwd_triton")
-    return dq, dk, dv, row_ds
+    return dq, dk, dv, row_ds, shift, do_q["delta"]
 
 
 def _per_sequence(fn, q, k, v, cu_q, cu_k, extra_q=()):
@@ -318,10 +334,12 @@ _attn_fwd_op.register_autograd(_attn_backward, setup_context=_setup_context)
 
 def _true_lse(lse2, q, k, cu_q, cu_k, scale, k_smoothing, softcap):
     """Natural-log lse of the caller's scores. K-smoothing moved every score of row i by
-    ``-scale * q_i . mean(k)``: the kernels' lse is that much too small (unless the scores were capped)."""
+    ``-scale * q_i . mean(k)``: the kernels' lse is that much too small (unless the scores were capped, which
+    added the shift back)."""
     lse = naive.lse_to_natural(lse2)
-    shift = _sink_shift(q, k, cu_q, cu_k, scale, k_smoothing, softcap)
-    return lse if shift is None else lse + shift
+    if not k_smoothing or softcap:
+        return lse
+    return lse + _torch_shift(q, k, cu_q, cu_k, scale).rows
 
 
 def _check_tensors(q, k, v, rank, layout_name):

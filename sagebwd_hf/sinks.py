@@ -58,22 +58,19 @@ def add_sinks(out, lse2, sinks, shift):
     return out, new_lse
 
 
-def sink_grads(dout, out, lse2, sinks, shift):
-    """The sink's gradient ``[H]`` (in ``sinks``' dtype) and ``rowsum(dS)`` over the real keys (the lse
-    layout, fp32; for dQ's K-smoothing term), from the backward's ``dout`` and the forward's ``out`` and
-    (sink-inclusive) ``lse2``, both in the kernels' bhnd layout."""
+def sink_grads(delta, lse2, sinks, shift):
+    """The sinks' gradient ``[H]`` (in ``sinks``' dtype) and rowsum(dS) over the real keys (the lse layout, fp32;
+    for dQ's K-smoothing term), from ``delta`` = rowsum(dO * O) and the (sink-inclusive) ``lse2``."""
     p_sink = torch.where(torch.isinf(lse2), torch.zeros_like(lse2),
                          torch.exp2(_sink_logits2(sinks, lse2, shift) - lse2))
-    delta = (dout.float() * out.float()).sum(-1)
     row_ds = p_sink * delta                 # the keys' dS sum to minus the sink's, -p_sink * delta
     dsinks = -row_ds.sum(dim=(0, 2))
     return dsinks.to(sinks.dtype), row_ds
 
 
 def add_row_ds_term(dq, row_ds, k_mean, varlen, scale):
-    """dQ += scale * rowsum(dS) * mean(k) (in place on the op's dq, whose layout as_bhnd maps)."""
-    dq4 = as_bhnd(dq, varlen)
-    dq4.add_((row_ds.unsqueeze(-1) * k_mean * scale).to(dq4.dtype))
+    """dQ += scale * rowsum(dS) * mean(k), in place on the op's dq (whose layout as_bhnd maps), in one pass."""
+    as_bhnd(dq, varlen).addcmul_(row_ds.unsqueeze(-1), k_mean, value=scale)
     return dq
 
 

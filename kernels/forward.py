@@ -13,6 +13,9 @@ Key tiles always start at multiples of BLOCK_N (the P scales depend on the tilin
 reference uses the same one). Only tiles that cross the causal/window band or the end of the keys pay
 for a mask: the loop over the key range is split into masked edges and an unmasked middle.
 """
+import os
+
+import torch
 import triton
 import triton.language as tl
 
@@ -47,10 +50,8 @@ def tanh_scores(y, FAST_RCP: tl.constexpr):
     return 1.0 - 2.0 * r
 
 
-def fast_tanh(device) -> bool:
+def fast_rcp(device) -> bool:
     """Whether the kernels may use PTX's rcp.approx (an NVIDIA GPU; not the interpreter, not ROCm)."""
-    import os
-    import torch
     return device.type == "cuda" and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
 
 
@@ -101,12 +102,12 @@ def _score_mask(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
 def _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base, lo, hi,
                offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-               Q_SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
+               Q_SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, FAST_RCP: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base,
                                   tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0,
                                   seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
-                                  MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP, FAST_TANH)
+                                  MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP, FAST_RCP)
     return acc, m_i, l_i
 
 
@@ -114,7 +115,7 @@ def _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_
 def _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base, start_n,
               offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
               MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-              Q_SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
+              Q_SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, FAST_RCP: tl.constexpr):
     cols = start_n + offs_n
     n_ok = cols < seqlen_k
     k8t = tl.load(K8_base + (k0 + cols)[None, :] * s_k8t + offs_d[:, None],
@@ -131,7 +132,7 @@ def _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_b
         row_scale = q_scale
     if SOFTCAP:   # t = tanh((s + shift) / cap), the cap left in row_scale (masked entries -inf after the cap)
         inv_cap = 1.0 / softcap2
-        t = tanh_scores(tl.fma(t, (row_scale * inv_cap)[:, None], (shift * inv_cap)[:, None]), FAST_TANH)
+        t = tanh_scores(tl.fma(t, (row_scale * inv_cap)[:, None], (shift * inv_cap)[:, None]), FAST_RCP)
         row_scale = tl.full([offs_m.shape[0]], softcap2, tl.float32)
     if MASKED:
         valid = _score_mask(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
@@ -168,7 +169,7 @@ def _attn_fwd_kernel(
     s_lb, s_lh,
     n_q, n_k, num_heads, group, head_dim, window_left, window_right, softcap2,
     IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
+    Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, SOFTCAP: tl.constexpr, FAST_RCP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -211,15 +212,18 @@ def _attn_fwd_kernel(
     lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                           BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
     # masked left edge, unmasked middle, masked right edge
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base, lo, full_lo,
-                               offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
-                               s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP, FAST_TANH)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base, full_lo, full_hi,
-                               offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
-                               s_k8t, s_vtd, BLOCK_N, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP, FAST_TANH)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base, full_hi, hi,
-                               offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
-                               s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP, FAST_TANH)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base,
+                               lo, full_lo, offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left,
+                               window_right, s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP,
+                               FAST_RCP)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base,
+                               full_lo, full_hi, offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left,
+                               window_right, s_k8t, s_vtd, BLOCK_N, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP,
+                               FAST_RCP)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base,
+                               full_hi, hi, offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left,
+                               window_right, s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP,
+                               FAST_RCP)
 
     v_scale = tl.load(VS + b * s_vsb + hk * s_vsh + offs_d, mask=d_ok, other=0.0)
     has_keys = l_i > 0
@@ -253,7 +257,7 @@ def launch_forward(quant, v8t, v_scale, out4, lse, layout_q: SeqLayout, layout_k
         *strides4(out4), *strides3(lse)[:2],
         q8.shape[2], k8.shape[2], num_heads, group, head_dim, window[0], window[1], float(softcap) * LOG2E,
         IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
-        Q_SMOOTH=q_mean is not None, QSB=Q_SMOOTH_BLOCK, SOFTCAP=bool(softcap), FAST_TANH=fast_tanh(q8.device),
+        Q_SMOOTH=q_mean is not None, QSB=Q_SMOOTH_BLOCK, SOFTCAP=bool(softcap), FAST_RCP=fast_rcp(q8.device),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=num_stages,
     )

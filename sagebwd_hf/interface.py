@@ -102,8 +102,11 @@ def _torch_shift(q, k, cu_q, cu_k, scale) -> Shift:
     return Shift(sink_math.smoothing_shift(q, k_mean, cu_q is not None, scale), k_mean)
 
 
-def _kernel_shift(quant, q4, cu_q) -> Shift:
-    """From ``quantize_qk(..., row_shift=True)``: the shift, and the K means ``[Hkv, S, D]`` laid per query row."""
+def _kernel_shift(quant, q4, cu_q, with_means) -> Shift:
+    """From ``quantize_qk(..., row_shift=True)``: the shift, and (``with_means``: the backward's dQ term needs
+    them) the K means ``[Hkv, S, D]`` laid per query row."""
+    if not with_means:
+        return Shift(quant["q_shift"], None)
     k_mean = quant["k_mean"].transpose(0, 1)                                     # [S, Hkv, D]
     if cu_q is not None:
         seq = SeqLayout(cu_q.numel() - 1, 0, cu_q).seq_ids(q4.shape[2], q4.device)
@@ -151,7 +154,7 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
     lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
     quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, row_shift=need_shift)
-    shift = _kernel_shift(quant, q4, cu_q) if need_shift else None
+    shift = _kernel_shift(quant, q4, cu_q, with_means=False) if need_shift else None
     # (an empty side has nothing to tile: a TMA descriptor cannot have a zero extent)
     gluon = q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
                                                                       lay_k.max_len, softcap=bool(softcap))
@@ -182,6 +185,8 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
                                                          need_shift)
     dsinks = None
     if sinks is not None:
+        if delta is None:      # the PyTorch path has no dO pass that gives it
+            delta = (as_bhnd(dout, cu_q is not None).float() * as_bhnd(out, cu_q is not None).float()).sum(-1)
         dsinks, sink_row_ds = sink_math.sink_grads(delta, lse, sinks, None if shift is None or softcap else shift.rows)
         if not softcap:        # with a cap, the kernels' own rowsum(dS) already covers every key
             row_ds = sink_row_ds
@@ -194,7 +199,7 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
                       q_smoothing, backend, softcap, need_shift):
     """(dq, dk, dv, row_ds, Shift or None, delta): ``row_ds``, the kernels' rowsum(dS) for dQ's K-smoothing
     term, when they still owe it (soft-capped scores on the Triton kernels), else None; ``delta`` =
-    rowsum(dO * O) in the lse's layout."""
+    rowsum(dO * O) in the lse's layout from the kernels' dO pass (None on the PyTorch path)."""
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device)
     dq, dk, dv = _poisoned(_new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen))
@@ -212,16 +217,15 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
         else:
             grads = naive.sagebwd_backward_naive(q, k, v, out, lse, dout, scale, window, k_smoothing,
                                                  q_smoothing, dkdv_block_m(cfg), cfg["dq"][1], softcap=softcap)
-        delta = (as_bhnd(dout, varlen).float() * as_bhnd(out, varlen).float()).sum(-1)
         shift = _torch_shift(q, k, cu_q, cu_k, scale) if need_shift else None
-        return tuple(dst.copy_(src) for dst, src in zip((dq, dk, dv), grads)) + (None, shift, delta)
+        return tuple(dst.copy_(src) for dst, src in zip((dq, dk, dv), grads)) + (None, shift, None)
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
     do4, o4 = as_bhnd(dout, varlen), as_bhnd(out, varlen)
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
     lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
     # the forward's bytes again (same inputs, same deterministic quantization), plus token-major copies
     quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, transposed=True, row_shift=need_shift)
-    shift = _kernel_shift(quant, q4, cu_q) if need_shift else None
+    shift = _kernel_shift(quant, q4, cu_q, with_means=True) if need_shift else None
     if q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
         raw = quantize(q4, lay_q, natural=False, transposed=True)
         q8rt, q_scale_raw = raw["x8t"], raw["scale"]

@@ -10,9 +10,12 @@ from sagebwd_hf import sagebwd_attn_func, sagebwd_attn_varlen_func
 from sagebwd_hf.naive import attention_exact
 from sagebwd_hf.testing import error_stats, make_qkv
 
-# Measured under the interpreter (fp16, these shapes, one seed): vs exact O/dK/dV/dSinks cos >= 0.9997, dQ >=
-# 0.9992; kernels vs reference rel L2 <= 2.8e-3. Without the sink's dQ term or shift, cos falls below 0.99.
-EXACT_MIN_COS = {"O": 0.999, "dQ": 0.998, "dK": 0.998, "dV": 0.999, "dSinks": 0.999}
+# Measured (fp16, these shapes): under the interpreter, one seed, vs exact O/dK/dV cos >= 0.9997, dQ >= 0.9992;
+# kernels vs reference rel L2 <= 2.8e-3. The sinks' gradient, -sum_i p_sink,i rowsum(dO_i O_i), is a sum with
+# cancellation over rows that inherits O's INT8 error through delta: over 60 seeds of the reference its cos
+# against exact went down to 0.9977 (CPU), and one fresh-input GPU run gave 0.9974 (H100). Without the sink's
+# dQ term dQ falls to cos 0.963; a missing or misplaced sink gives dSinks cos < 0.8.
+EXACT_MIN_COS = {"O": 0.999, "dQ": 0.998, "dK": 0.998, "dV": 0.999, "dSinks": 0.995}
 ORACLE_REL = 2e-2
 
 # (heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, window, softcap, sinks)

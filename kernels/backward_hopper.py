@@ -38,8 +38,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
-from .forward_hopper import (_band_mask, _ceil_to, _floor_to, _key_tiles, _round_to_int8, _stage_k_scales,
-                             _tma_desc)
+from .layout import token_rows
+from .forward_hopper import (TensorDescriptor, _band_mask, _ceil_to, _floor_to, _key_tiles, _round_to_int8,
+                             _stage_k_scales, _tma_desc)
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
@@ -82,9 +83,9 @@ def _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 @gluon.jit
 def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem,
-            vec_smem, k_bar, ready, empty, QS, LSE, DOS, DELTA, QSR, k_row, q_head0, vec_head0, s_vech, n_q, group,
-            seqlen_q, lo, hi, DO_DK: gl.constexpr, DO_DV: gl.constexpr, FOLD: gl.constexpr,
-            BLOCK_Q: gl.constexpr):
+            vec_smem, k_bar, ready, empty, QS, LSE, DOS, DELTA, QSR, k_row, v_row, v_col, q_head0, do_row0, do_col0,
+            do_rh, do_ch, vec_head0, s_vech, n_q, group, seqlen_q, lo, hi, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
+            FOLD: gl.constexpr, BLOCK_Q: gl.constexpr):
     """One warp: K (and V for dK) once; then per query head of the group and query tile in ``[lo, hi)``: Q8
     (for S^T), dO8^T (dV's operand), dO (dK's dP^T) and Q8^T (dK's operand), with the per-query vectors
     (q_scale, lse (+inf past the end), and dO's scale, delta, the raw Q scale as the products need them)."""
@@ -93,8 +94,8 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_smem, qt_smem,
     tma.async_copy_global_to_shared(k_desc, [k_row, 0], k_bar, k_smem.index(0))
     tma.async_copy_global_to_shared(k_desc, [k_row + HALF_N, 0], k_bar, k_smem.index(1))
     if DO_DK:
-        tma.async_copy_global_to_shared(v_desc, [k_row, 0], k_bar, v_smem.index(0))
-        tma.async_copy_global_to_shared(v_desc, [k_row + HALF_N, 0], k_bar, v_smem.index(1))
+        tma.async_copy_global_to_shared(v_desc, [v_row, v_col], k_bar, v_smem.index(0))
+        tma.async_copy_global_to_shared(v_desc, [v_row + HALF_N, v_col], k_bar, v_smem.index(1))
     nbytes: gl.constexpr = (q_desc.block_type.nbytes
                             + (dot_desc.block_type.nbytes if DO_DV else 0)
                             + (do_desc.block_type.nbytes + qt_desc.block_type.nbytes if DO_DK else 0))
@@ -113,7 +114,8 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_smem, qt_smem,
             if DO_DV:
                 tma.async_copy_global_to_shared(dot_desc, [t_row, start_m], ready.index(s), dot_smem.index(s))
             if DO_DK:
-                tma.async_copy_global_to_shared(do_desc, [q_row, 0], ready.index(s), do_smem.index(s))
+                tma.async_copy_global_to_shared(do_desc, [do_row0 + g * do_rh + start_m, do_col0 + g * do_ch],
+                                                ready.index(s), do_smem.index(s))
                 tma.async_copy_global_to_shared(qt_desc, [t_row, start_m], ready.index(s), qt_smem.index(s))
             rows = start_m + offs
             ok = rows < seqlen_q
@@ -265,7 +267,7 @@ def _bwd_consumer(k8, v16, first, q_smem, qt_smem, do_smem, dot_smem, vec_smem, 
 @gluon.jit
 def _attn_bwd_dkdv_hopper_kernel(
     q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, QS, LSE, DOS, DELTA, QSR, KS, DV, DK,
-    s_qsb, s_qsh, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt,
+    s_qsb, s_qsh, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch,
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softmax_scale,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr, DO_DK: gl.constexpr,
     DO_DV: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FOLD: gl.constexpr,
@@ -280,10 +282,14 @@ def _attn_bwd_dkdv_hopper_kernel(
     start_n = pid_n * BLOCK_N
     lo, full_lo, full_hi, hi = _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                             MASK_LEFT, MASK_RIGHT, BLOCK_Q)
-    # rows of the 2-D views the descriptors see: Q8 and dO [B*H*Nq, D], dO8^T and Q8^T [B*H*D, Nq_pad],
-    # K8 and V [B*Hk*Nk, D]
+    # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], dO8^T and Q8^T [B*H*D, Nq_pad], K8
+    # [B*Hk*Nk, D]; dO and V in the caller's memory (token_rows: row b*rb + h*rh + n, column h*ch)
     q_head0 = b * num_heads + hk * group
     k_row = (b * num_kv_heads + hk) * n_k + start_n
+    do_row0 = b * do_rb + (hk * group) * do_rh
+    do_col0 = (hk * group) * do_ch
+    v_row = b * v_rb + hk * v_rh + start_n
+    v_col = hk * v_ch
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
@@ -324,8 +330,9 @@ def _attn_bwd_dkdv_hopper_kernel(
                          seqlen_k, window_left, window_right, group, lo, full_lo, full_hi, hi, softmax_scale,
                          HEAD_DIM, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, BLOCK_Q)),
         (_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem,
-                   v_smem, vec_smem, k_bar, ready, empty, QS, LSE, DOS, DELTA, QSR, k_row, q_head0, vec_head0,
-                   s_qsh, n_q, group, seqlen_q, lo, hi, DO_DK, DO_DV, FOLD, BLOCK_Q)),
+                   v_smem, vec_smem, k_bar, ready, empty, QS, LSE, DOS, DELTA, QSR, k_row, v_row, v_col, q_head0,
+                   do_row0, do_col0, do_rh, do_ch, vec_head0, s_qsh, n_q, group, seqlen_q, lo, hi, DO_DK, DO_DV,
+                   FOLD, BLOCK_Q)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -335,7 +342,8 @@ def _attn_bwd_dkdv_hopper_kernel(
 
 @gluon.jit
 def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, ks_smem,
-               q_bar, ready, empty, q_row, k_row, kt_row, lo, hi, KS, ks_off, seqlen_k):
+               q_bar, ready, empty, q_row, do_row, do_col, k_row, v_row, v_col, kt_row, lo, hi, KS, ks_off,
+               seqlen_k):
     """One warp: Q8 and dO (both halves) once; then per key tile of ``[lo, hi)``: K8 (for S), V (for dP),
     K8^T (dQ's B operand, token-contiguous as 8-bit wgmma wants it), and the tile's K scales and their
     int32-to-float offsets in shared memory."""
@@ -344,7 +352,7 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem
     mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
     for i in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [q_row + i * HALF_N, 0], q_bar, q_smem.index(i))
-        tma.async_copy_global_to_shared(do_desc, [q_row + i * HALF_N, 0], q_bar, do_smem.index(i))
+        tma.async_copy_global_to_shared(do_desc, [do_row + i * HALF_N, do_col], q_bar, do_smem.index(i))
     nbytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes
     i = 0
     for start_n in range(lo, hi, BLOCK_N):
@@ -352,7 +360,7 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
-        tma.async_copy_global_to_shared(v_desc, [k_row + start_n, 0], ready.index(s), v_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [v_row + start_n, v_col], ready.index(s), v_smem.index(s))
         tma.async_copy_global_to_shared(kt_desc, [kt_row, start_n], ready.index(s), kt_smem.index(s))
         _stage_k_scales(ks_smem, s, KS, ks_off, start_n + offs, seqlen_k)
         mbarrier.arrive(ready.index(s), count=1)     # the second of ready's two arrivals
@@ -432,7 +440,7 @@ def _dq_consumer(q8, do16, first, k_smem, v_smem, kt_smem, ks_smem, q_bar, ready
 @gluon.jit
 def _attn_bwd_dq_hopper_kernel(
     q_desc, do_desc, k_desc, v_desc, kt_desc, QS, LSE, DELTA, KS, DQ,
-    s_qsb, s_qsh, s_ksb, s_ksh, s_dqb, s_dqh, s_dqt,
+    s_qsb, s_qsh, s_ksb, s_ksh, s_dqb, s_dqh, s_dqt, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch,
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, out_scale,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
@@ -447,11 +455,15 @@ def _attn_bwd_dq_hopper_kernel(
     start_m = pid_m * BLOCK_M
     lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                           BLOCK_M, MASK_LEFT, MASK_RIGHT)
-    # rows of the 2-D views the descriptors see: Q8 and dO [B*H*Nq, D], K8 and V [B*Hk*Nk, D],
-    # K8^T [B*Hk*D, Nk_pad]
+    # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], K8 [B*Hk*Nk, D], K8^T [B*Hk*D, Nk_pad];
+    # dO and V in the caller's memory (token_rows: row b*rb + h*rh + n, column h*ch)
     q_row = pid_bh * n_q + start_m
     k_row = (b * num_kv_heads + hk) * n_k
     kt_row = (b * num_kv_heads + hk) * HEAD_DIM
+    do_row = b * do_rb + h * do_rh + start_m
+    do_col = h * do_ch
+    v_row = b * v_rb + hk * v_rh
+    v_col = hk * v_ch
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
@@ -480,13 +492,20 @@ def _attn_bwd_dq_hopper_kernel(
                         window_left, window_right, lo, full_lo, full_hi, hi, out_scale, HEAD_DIM, MASK_LEFT,
                         MASK_RIGHT)),
         (_dq_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, ks_smem,
-                      q_bar, ready, empty, q_row, k_row, kt_row, lo, hi, KS, ks_off, seqlen_k)),
+                      q_bar, ready, empty, q_row, do_row, do_col, k_row, v_row, v_col, kt_row, lo, hi, KS, ks_off,
+                      seqlen_k)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 def _rows(x4):
-    """``[B, H, N, D]`` as ``[B*H*N, D]`` for a descriptor (a copy when the view has other strides)."""
+    """Our own contiguous ``[B, H, N, D]`` int8 tensors as ``[B*H*N, D]`` for a descriptor."""
     return x4.reshape(-1, x4.shape[-1])
+
+
+def _caller_desc(x4, block_shape, dtype):
+    base, shape, strides, coords = token_rows(x4)
+    layout = gl.NVMMASharedLayout.get_default_for(block_shape, dtype)
+    return TensorDescriptor(base, shape, strides, block_shape, layout), coords
 
 
 def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
@@ -517,10 +536,11 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     if do_dk:
         qt = quant["q8t"]
         qt_desc = _tma_desc(qt.reshape(-1, qt.shape[-1]), [d, block_q], gl.int8)
-        do_desc = _tma_desc(_rows(do4), [block_q, d], io_dtype)
-        v_desc = _tma_desc(_rows(v4), [HALF_N.value, d], io_dtype)
+        do_desc, do_coords = _caller_desc(do4, [block_q, d], io_dtype)
+        v_desc, v_coords = _caller_desc(v4, [HALF_N.value, d], io_dtype)
     else:
         qt_desc, do_desc, v_desc = q_desc, q_desc, k_desc          # unused
+        do_coords = v_coords = (0, 0, 0)
     dv4 = dv4 if do_dv else dk4
     dk4 = dk4 if do_dk else dv4
     assert dv4.stride(3) == 1 and dk4.stride(3) == 1
@@ -528,7 +548,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     return grid, (
         q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_scale, lse, do_scale, delta, q_scale_raw, k_scale,
         dv4, dk4, q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1), *dv4.stride()[:3],
-        *dk4.stride()[:3], n_q, n_k, hq, hk, group, window[0], window[1], softmax_scale,
+        *dk4.stride()[:3], *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1], softmax_scale,
     ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim, DO_DK=do_dk, DO_DV=do_dv,
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, BLOCK_Q=block_q, num_warps=4)
 
@@ -557,15 +577,15 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
         assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
     io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
     q_desc = _tma_desc(_rows(q8), [HALF_N.value, d], gl.int8)
-    do_desc = _tma_desc(_rows(do4), [HALF_N.value, d], io_dtype)
+    do_desc, do_coords = _caller_desc(do4, [HALF_N.value, d], io_dtype)
     k_desc = _tma_desc(_rows(k8), [BLOCK_N.value, d], gl.int8)
-    v_desc = _tma_desc(_rows(v4), [BLOCK_N.value, d], io_dtype)
+    v_desc, v_coords = _caller_desc(v4, [BLOCK_N.value, d], io_dtype)
     kt_desc = _tma_desc(k8t.reshape(-1, k8t.shape[-1]), [d, BLOCK_N.value], gl.int8)
     grid = (triton.cdiv(n_q, BLOCK_M.value), bsz * hq)
     return grid, (
         q_desc, do_desc, k_desc, v_desc, kt_desc, q_scale, lse, delta, k_scale, dq4,
         q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1), *dq4.stride()[:3],
-        n_q, n_k, hq, hk, group, window[0], window[1], softmax_scale,
+        *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1], softmax_scale,
     ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4)
 

@@ -16,6 +16,8 @@ block means, V's channel scales) and ``_quantize_kernel`` (one read of the input
 layout, the scales, and for dO also ``delta = rowsum(dO * O)``). Each program reduces its own tokens in a
 fixed order: no atomics, so forward and backward quantize the same input to the same bytes.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -188,8 +190,14 @@ def _blocks_cu(layout: SeqLayout, block_tokens: int, device) -> torch.Tensor:
         cu = torch.zeros(layout.num_seqs + 1, dtype=torch.int32, device=device)
         cu[1:] = torch.cumsum(-(-lengths // block_tokens), 0)
         return cu
-    per_seq = -(-layout.max_len // block_tokens)
-    return torch.arange(layout.num_seqs + 1, dtype=torch.int32, device=device) * per_seq
+    return _steps(layout.num_seqs + 1, -(-layout.max_len // block_tokens), device)
+
+
+@functools.lru_cache(maxsize=64)
+def _steps(count: int, step: int, device) -> torch.Tensor:
+    """``arange(count) * step`` as int32, made once per shape: a padded batch's offsets cost two launches
+    and their Python on every call otherwise (the kernels only read them)."""
+    return torch.arange(count, dtype=torch.int32, device=device) * step
 
 
 def token_stats(x4: torch.Tensor, layout: SeqLayout, abs_max: bool, block_tokens=None):
@@ -207,10 +215,9 @@ def token_stats(x4: torch.Tensor, layout: SeqLayout, abs_max: bool, block_tokens
         _combine_chunks_kernel[(layout.num_seqs * h,)](
             part, stats, part.stride(0), part.stride(1), stats.stride(0), stats.stride(1), h,
             -(-layout.max_len // STATS_CHUNK), STATS_CHUNK, layout.max_len, d, ABS_MAX=abs_max, BLOCK_D=_block_d(d))
-        return stats, torch.arange(layout.num_seqs + 1, dtype=torch.int32, device=x4.device)
+        return stats, _steps(layout.num_seqs + 1, 1, x4.device)
     block_tokens = max(layout.max_len, 1) if whole else block_tokens
-    cu_blocks = (torch.arange(layout.num_seqs + 1, dtype=torch.int32, device=x4.device) if whole
-                 else _blocks_cu(layout, block_tokens, x4.device))
+    cu_blocks = _steps(layout.num_seqs + 1, 1, x4.device) if whole else _blocks_cu(layout, block_tokens, x4.device)
     # a varlen batch's block count is only known on the device; an upper bound sizes the buffer
     total = layout.num_seqs if whole else (int(cu_blocks[-1]) if layout.is_varlen else
                                             layout.num_seqs * -(-layout.max_len // block_tokens))
@@ -256,7 +263,10 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
     x8 = torch.empty(bsz, h, n, d, dtype=torch.int8, device=dev) if natural else None
     # with t_starts, each sequence pads by under TOKEN_ALIGN columns: a bound that needs no device sync
     width = _padded_tokens(n + (TOKEN_ALIGN - 1) * layout.num_seqs if t_starts is not None else n)
-    x8t = torch.zeros(bsz, h, d, width, dtype=torch.int8, device=dev) if transposed else None
+    # padding columns are zeros; where there are none (padded batches, N a multiple of 16) no fill is needed
+    every_column = t_starts is None and not layout.is_varlen and width == n
+    x8t = ((torch.empty if every_column else torch.zeros)(bsz, h, d, width, dtype=torch.int8, device=dev)
+           if transposed else None)
     scale = None if channel_scale is not None else torch.empty(bsz, h, n, dtype=torch.float32, device=dev)
     delta = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if out_for_delta is not None else None
     row_dot = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if dot is not None else None

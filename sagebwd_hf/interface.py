@@ -81,12 +81,18 @@ def _use_triton(x: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------------
 
 def _new_like(x: torch.Tensor, varlen: bool) -> torch.Tensor:
-    """Outputs and gradients get one layout whatever the inputs' strides (a torch.compile'd graph may hand
-    the op differently strided inputs than it traced with): packed ``[T, H, D]`` contiguous, padded
-    ``[B, H, N, D]`` laid out as ``[B, N, H, D]``, so that Transformers' ``transpose(1, 2)`` is free."""
+    """The layout of outputs and gradients: packed ``[T, H, D]`` contiguous; padded ``[B, H, N, D]`` in the
+    caller's order of heads and tokens: head-major when ``x``'s heads are outer to its tokens (a user's
+    ``torch.randn(B, H, N, D)``), else token-major, laid out as ``[B, N, H, D]`` (Transformers' q/k/v: its
+    ``transpose(1, 2)`` is then free). A gradient in its leaf's own layout spares autograd a copy into it
+    (3 x 128 MB per backward at B*N = 32K, H*D = 2048). The rule reads only the order of two strides, which
+    torch.compile keeps for a custom op's inputs, so the fake implementation and the real one agree."""
     if varlen:
         return x.new_empty(x.shape)
-    return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
+    b, h, n, d = x.shape
+    if h > 1 and n > 1 and x.stride(1) > x.stride(2):
+        return x.new_empty(x.shape)
+    return x.new_empty(b, n, h, d).transpose(1, 2)
 
 
 class Shift(NamedTuple):
@@ -275,8 +281,11 @@ def _per_sequence(fn, q, k, v, cu_q, cu_k, extra_q=()):
 
 # Registered as torch custom ops with fake (meta) implementations, so torch.compile traces through the
 # attention without a graph break, and autograd is attached to the op rather than to Python code.
+# The outputs' layout follows the inputs' strides (_new_like): compiled graphs must hand the op the strides
+# it was traced with (the default for custom ops in recent torch; the tag makes it explicit).
+OP_TAGS = (torch.Tag.needs_exact_strides,) if hasattr(torch.Tag, "needs_exact_strides") else ()
 
-@torch.library.custom_op("sagebwd::attn_fwd", mutates_args=())
+@torch.library.custom_op("sagebwd::attn_fwd", mutates_args=(), tags=OP_TAGS)
 def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
                  cu_k: Optional[torch.Tensor], max_q: int, max_k: int, scale: float, window_left: int,
                  window_right: int, k_smoothing: bool, q_smoothing: bool, backend: str, softcap: float,
@@ -293,7 +302,7 @@ def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smo
     return _new_like(q, varlen), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("sagebwd::attn_bwd", mutates_args=())
+@torch.library.custom_op("sagebwd::attn_bwd", mutates_args=(), tags=OP_TAGS)
 def _attn_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor], max_q: int,
                  max_k: int, scale: float, window_left: int, window_right: int, k_smoothing: bool,

@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .interface import _backend, _backward, _check_options, _forward
+from .interface import OP_TAGS, _backend, _backward, _check_options, _forward
 
 # Values derived from a mask or sequence-id tensor that every layer of one forward gets again: one host
 # read per forward instead of one per layer (and per backward).
@@ -104,7 +104,7 @@ def _to_tokens(lse):
     return lse.transpose(0, 1).reshape(1, lse.shape[1], -1)
 
 
-@torch.library.custom_op("sagebwd::segmented_fwd", mutates_args=())
+@torch.library.custom_op("sagebwd::segmented_fwd", mutates_args=(), tags=OP_TAGS)
 def _segmented_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                    ids: Optional[torch.Tensor], causal: bool, scale: float, window_left: int, window_right: int,
                    k_smoothing: bool, q_smoothing: bool, backend: str, softcap: float,
@@ -133,7 +133,7 @@ def _(q, k, v, mask, ids, causal, scale, window_left, window_right, k_smoothing,
     return q.new_empty(q.shape), q.new_empty((1, q.shape[2], q.shape[0] * q.shape[1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("sagebwd::segmented_bwd", mutates_args=())
+@torch.library.custom_op("sagebwd::segmented_bwd", mutates_args=(), tags=OP_TAGS)
 def _segmented_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, mask: Optional[torch.Tensor], ids: Optional[torch.Tensor], causal: bool,
                    scale: float, window_left: int, window_right: int, k_smoothing: bool, q_smoothing: bool,

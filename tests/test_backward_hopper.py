@@ -61,3 +61,47 @@ def test_gluon_dkdv_matches_portable(case, part):
         cos, rel = error_stats(got[name], want[name])
         print(f"{case} {part} {name}: gluon vs portable cos {cos:.6f} rel {rel:.2e}")
         assert cos >= 0.9999 and rel <= 6e-3, name
+
+
+def _token_major(x):
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_gluon_backward_reads_every_memory_layout(d, monkeypatch):
+    """The Gluon backward reads dO and V in the caller's memory through kernels.layout.token_rows (no copy):
+    head-major, token-major (Transformers' q/k/v and their gradients), V as a slice of a fused KV buffer, and
+    V with expanded heads must give the same bytes. N is not a multiple of the tiles, so tiles cross the end of
+    a sequence into the next head's rows (head-major) or the next batch's tokens (token-major)."""
+    from sagebwd_hf import attention_stats, reset_attention_stats, sagebwd_attn_func
+
+    monkeypatch.setenv("SAGEBWD_KERNELS", "gluon")
+    b, h, hk, n = 2, 4, 2, 333
+    q, k, v, do = make_qkv(b, h, hk, n, n, d, torch.bfloat16, "cuda")
+    kv = torch.stack([_token_major(k).transpose(1, 2), _token_major(v).transpose(1, 2)], dim=2)   # [B, N, 2, Hk, D]
+    layouts = {
+        "head_major": (q, k, v, do),
+        "token_major": (_token_major(q), _token_major(k), _token_major(v), _token_major(do)),
+        "fused_kv": (_token_major(q), kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), _token_major(do)),
+        "expanded_v": (q, k, v[:, :1].expand(b, hk, n, d), do),
+    }
+    results = {}
+    for name, (qi, ki, vi, doi) in layouts.items():
+        leaves = [x.detach().clone().requires_grad_() if x.is_contiguous() else x.detach().requires_grad_()
+                  for x in (qi, ki, vi)]
+        reset_attention_stats()
+        out = sagebwd_attn_func(*leaves, causal=True)
+        out.backward(doi)
+        assert attention_stats()["kernels"].get("bwd_gluon", 0) == 1, name
+        results[name] = [out] + [x.grad for x in leaves]
+        assert all(torch.isfinite(x).all() for x in results[name]), name
+    for name in ("token_major", "fused_kv"):
+        for got, want, what in zip(results[name], results["head_major"], ("out", "dq", "dk", "dv")):
+            assert torch.equal(got, want), f"{name}: {what} differs from the head-major call"
+    # expanded V holds other values (head 0 repeated): its reference is the same values, materialized
+    ref = [x.detach().clone().requires_grad_() for x in (q, k, v[:, :1].expand(b, hk, n, d).contiguous())]
+    out = sagebwd_attn_func(*ref, causal=True)
+    out.backward(do)
+    for got, want, what in zip(results["expanded_v"], [out] + [x.grad for x in ref], ("out", "dq", "dk", "dv")):
+        assert torch.equal(got, want), f"expanded_v: {what} differs from the materialized call"
+

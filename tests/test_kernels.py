@@ -311,3 +311,50 @@ def test_aligned_v_layout_holds_the_same_bytes(device):
         assert torch.equal(aligned[..., b:b + n], natural[..., a:a + n])
         filled[b:b + n] = True
     assert (aligned[..., ~filled.to(device)] == 0).all()
+
+
+def _layouts(b, h, n, d):
+    """The same [B, H, N, D] values in the memory layouts callers hand the op."""
+    x = torch.randn(b, h, n, d)
+    fused = torch.randn(b, n, 3, h, d)
+    fused[:, :, 1] = x.transpose(1, 2)
+    return {
+        "head_major": x.clone(),
+        "token_major": x.transpose(1, 2).contiguous().transpose(1, 2),      # Transformers' q/k/v
+        "fused_qkv_slice": fused[:, :, 1].transpose(1, 2),                  # one third of a qkv projection
+        "expanded_heads": x[:, :1].expand(b, h, n, d),                     # repeat_kv as a view
+        "odd_strides": torch.randn(b, h, n, d + 3)[..., :d],               # rows not 16-byte aligned: copied
+    }
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major", "fused_qkv_slice", "expanded_heads", "odd_strides"])
+def test_token_rows_address_every_token(layout):
+    """The Gluon backward reads dO and V through token_rows' 2-D view in the caller's memory (no copy): every
+    token of every head must sit at row b*rb + h*rh + n, column h*ch of that view."""
+    from sagebwd_hf.kernels.layout import token_rows
+
+    b, h, n, d = 2, 3, 5, 16
+    x4 = _layouts(b, h, n, d)[layout]
+    base, shape, strides, (rb, rh, ch) = token_rows(x4)
+    copied = base.data_ptr() != x4.data_ptr()
+    assert copied == (layout == "odd_strides")
+    assert strides[1] == 1 and (strides[0] * base.element_size()) % 16 == 0 and base.data_ptr() % 16 == 0
+    view = base.as_strided(shape, strides)
+    for bi in range(b):
+        for hi in range(h):
+            rows = bi * rb + hi * rh + torch.arange(n)
+            assert int(rows.max()) < shape[0] and hi * ch + d <= shape[1]
+            assert torch.equal(view[rows, hi * ch:hi * ch + d], x4[bi, hi])
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+def test_gradients_follow_the_inputs_layout(device):
+    """Outputs and gradients come back in the caller's order of heads and tokens, so that autograd need not
+    copy a gradient into its leaf's layout (and Transformers' transpose(1, 2) of the output is free)."""
+    q, k, v, do = make_qkv(1, 4, 2, 40, 40, 32, torch.bfloat16, device)
+    for make in (lambda x: x, lambda x: x.transpose(1, 2).contiguous().transpose(1, 2)):
+        leaves = [make(x).detach().requires_grad_() for x in (q, k, v)]
+        out = sagebwd_attn_func(*leaves)
+        grads = torch.autograd.grad(out, leaves, do)     # as the op made them (.grad would be copied to fit)
+        for x, g in zip([leaves[0]] + leaves, (out,) + grads):
+            assert g.stride() == x.stride()

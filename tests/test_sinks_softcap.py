@@ -14,8 +14,11 @@ from sagebwd_hf.testing import error_stats, make_qkv
 # kernels vs reference rel L2 <= 2.8e-3. The sinks' gradient, -sum_i p_sink,i rowsum(dO_i O_i), is a sum with
 # cancellation over rows that inherits O's INT8 error through delta: over 60 seeds of the reference its cos
 # against exact went down to 0.9977 (CPU), and one fresh-input GPU run gave 0.9974 (H100). Without the sink's
-# dQ term dQ falls to cos 0.963; a missing or misplaced sink gives dSinks cos < 0.8.
-EXACT_MIN_COS = {"O": 0.999, "dQ": 0.998, "dK": 0.998, "dV": 0.999, "dSinks": 0.995}
+# dQ term dQ falls to cos 0.963; a missing or misplaced sink gives dSinks cos < 0.8. dQ of the short causal
+# case (17 queries, D=128, cap 30) over 60 seeds (CPU, kernels under the interpreter and the reference alike):
+# down to 0.9978; a fresh-input H100 run gave 0.99800 against the former bound 0.998. Every other case and
+# tensor stayed >= 0.9993 over 20 seeds (dSinks >= 0.9987).
+EXACT_MIN_COS = {"O": 0.999, "dQ": 0.997, "dK": 0.998, "dV": 0.999, "dSinks": 0.995}
 ORACLE_REL = 2e-2
 
 # (heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, window, softcap, sinks)

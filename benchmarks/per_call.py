@@ -82,24 +82,29 @@ def kernels(call):
     return sorted(rows, key=lambda r: -r[1])
 
 
-def measure(shape, causal, args):
+def calls(shape, causal, method):
+    """(forward, forward + backward) of ``method`` on fresh inputs of ``shape``, as closures."""
     b, h, n, d = SHAPES[shape]
     q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     for x in (q, k, v):
         x.requires_grad_(True)
+    fn = methods(causal)[method]
+
+    def fwd():
+        with torch.no_grad():
+            fn(q, k, v)
+
+    def fwd_bwd():
+        for x in (q, k, v):
+            x.grad = None
+        fn(q, k, v).backward(do)
+    return fwd, fwd_bwd
+
+
+def measure(shape, causal, args):
     rows = []
     for name in args.methods:
-        fn = methods(causal)[name]
-
-        def fwd():
-            with torch.no_grad():
-                fn(q, k, v)
-
-        def fwd_bwd():
-            for x in (q, k, v):
-                x.grad = None
-            fn(q, k, v).backward(do)
-
+        fwd, fwd_bwd = calls(shape, causal, name)
         for _ in range(3):
             fwd_bwd()
         row = [shape + ("_causal" if causal else ""), name]
@@ -119,21 +124,7 @@ def host_profile(shape, reps=20, top=35):
     """cProfile of sagebwd's forward and forward + backward with the GPU kept busy (host work only)."""
     import cProfile
     import pstats
-    b, h, n, d = SHAPES[shape]
-    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    for x in (q, k, v):
-        x.requires_grad_(True)
-    fn = methods(False)["sagebwd"]
-
-    def fwd():
-        with torch.no_grad():
-            fn(q, k, v)
-
-    def fwd_bwd():
-        for x in (q, k, v):
-            x.grad = None
-        fn(q, k, v).backward(do)
-
+    fwd, fwd_bwd = calls(shape, False, "sagebwd")
     for call in (fwd, fwd_bwd):
         for _ in range(3):
             call()

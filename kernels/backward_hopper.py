@@ -38,7 +38,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
-from .layout import token_rows
+from .layout import tma_addressable, token_rows
 from .forward_hopper import (TensorDescriptor, _band_mask, _ceil_to, _floor_to, _key_tiles, _round_to_int8,
                              _stage_k_scales, _tma_desc)
 
@@ -503,9 +503,12 @@ def _rows(x4):
 
 
 def _caller_desc(x4, block_shape, dtype):
-    base, shape, strides, coords = token_rows(x4)
+    """A descriptor over a caller's tensor in its own memory (``layout.token_rows``), and its row/column
+    coordinates for the kernel."""
+    x4 = tma_addressable(x4)
+    shape, strides, coords = token_rows(x4)
     layout = gl.NVMMASharedLayout.get_default_for(block_shape, dtype)
-    return TensorDescriptor(base, shape, strides, block_shape, layout), coords
+    return TensorDescriptor(x4, shape, strides, block_shape, layout), coords
 
 
 def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
@@ -604,6 +607,7 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
     group = num_heads // num_kv_heads
     common = (num_heads, group, head_dim, window, softmax_scale)
     lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides
+    do4, v4 = tma_addressable(do4), tma_addressable(v4)     # a copy, if one is needed, once for all launches
     if split_dkdv:
         launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, None, *common, **tuning)
         launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, None, dk4, *common, **tuning)

@@ -51,22 +51,26 @@ def maybe(x: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 
 
 def token_rows(x4):
-    """A caller's ``[B, H, N, D]`` tensor as the rows of a 2-D view, without a copy where its memory allows:
-    ``(base, shape, strides, (rb, rh, ch))``, token n of head h in batch b at row ``b*rb + h*rh + n``, column
-    ``h*ch``. Head-major memory (``[B, H, N, D]`` contiguous) gives ``ch = 0``; token-major memory (the
-    ``[B, N, H, D]`` that Transformers' q/k/v and their gradients live in) ``rh = 0``. Copying those took
-    4 x 128 MB per backward at B*N = 32K, H*D = 2048. Memory TMA cannot address (strides or base not 16-byte
-    aligned) is copied head-major."""
+    """A caller's ``[B, H, N, D]`` tensor as the rows of a 2-D view in its own memory: ``(shape, strides, (rb,
+    rh, ch))``, token n of head h in batch b at row ``b*rb + h*rh + n``, column ``h*ch``; None when TMA cannot
+    address that memory (strides or base not 16-byte aligned: copy it first). Head-major memory (``[B, H, N,
+    D]`` contiguous) gives ``ch = 0``; token-major memory (the ``[B, N, H, D]`` that Transformers' q/k/v and
+    their gradients live in) ``rh = 0``. Copying those took 4 x 128 MB per backward at B*N = 32K, H*D = 2048."""
     b, h, n, d = x4.shape
     sb, sh, sn, sd = x4.stride()
     esize = x4.element_size()
-    if (sd == 1 and n > 0 and sn >= d and (sn * esize) % 16 == 0 and x4.data_ptr() % 16 == 0
+    if not (sd == 1 and n > 0 and sn >= d and (sn * esize) % 16 == 0 and x4.data_ptr() % 16 == 0
             and (b == 1 or sb % sn == 0)):
-        rb = sb // sn if b > 1 else 0
-        if h == 1 or sh % sn == 0:                                       # heads are runs of rows
-            rh = sh // sn if h > 1 else 0
-            return x4, [(b - 1) * rb + (h - 1) * rh + n, d], [sn, 1], (rb, rh, 0)
-        if (sh * esize) % 16 == 0 and (h - 1) * sh + d <= sn:             # heads side by side in a row
-            return x4, [(b - 1) * rb + n, (h - 1) * sh + d], [sn, 1], (rb, 0, sh)
-    c = x4.contiguous()
-    return c, [b * h * n, d], [d, 1], (h * n, n, 0)
+        return None
+    rb = sb // sn if b > 1 else 0
+    if h == 1 or sh % sn == 0:                                       # heads are runs of rows
+        rh = sh // sn if h > 1 else 0
+        return [(b - 1) * rb + (h - 1) * rh + n, d], [sn, 1], (rb, rh, 0)
+    if (sh * esize) % 16 == 0 and (h - 1) * sh + d <= sn:             # heads side by side in a row
+        return [(b - 1) * rb + n, (h - 1) * sh + d], [sn, 1], (rb, 0, sh)
+    return None
+
+
+def tma_addressable(x4):
+    """``x4``, or a contiguous copy where ``token_rows`` cannot address it."""
+    return x4 if token_rows(x4) is not None else x4.contiguous()

@@ -331,13 +331,14 @@ def _layouts(b, h, n, d):
 def test_token_rows_address_every_token(layout):
     """The Gluon backward reads dO and V through token_rows' 2-D view in the caller's memory (no copy): every
     token of every head must sit at row b*rb + h*rh + n, column h*ch of that view."""
-    from sagebwd_hf.kernels.layout import token_rows
+    from sagebwd_hf.kernels.layout import tma_addressable, token_rows
 
     b, h, n, d = 2, 3, 5, 16
     x4 = _layouts(b, h, n, d)[layout]
-    base, shape, strides, (rb, rh, ch) = token_rows(x4)
-    copied = base.data_ptr() != x4.data_ptr()
-    assert copied == (layout == "odd_strides")
+    assert (token_rows(x4) is None) == (layout == "odd_strides")
+    base = tma_addressable(x4)
+    assert (base.data_ptr() != x4.data_ptr()) == (layout == "odd_strides"), "copied exactly when needed"
+    shape, strides, (rb, rh, ch) = token_rows(base)
     assert strides[1] == 1 and (strides[0] * base.element_size()) % 16 == 0 and base.data_ptr() % 16 == 0
     view = base.as_strided(shape, strides)
     for bi in range(b):

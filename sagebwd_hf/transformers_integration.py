@@ -5,7 +5,9 @@
 * ``sagebwd_mask`` in ``AttentionMaskInterface``: what every layer gets as ``attention_mask``. As
   ``flash_attention_mask`` it returns ``None`` or the 2D padding mask, never a dense 4D mask per layer; unlike
   it, a mask pattern the kernel cannot express (or/and overlays, block-wise or chunked attention) is not
-  dropped but handed on as the dense ``sdpa_mask``, so that those layers run SDPA.
+  dropped but handed on as the dense ``sdpa_mask``, so that those layers run SDPA; and a model that does not
+  declare FlashAttention support (it may read the mask, or carry its pattern only there) gets the mask its own
+  sdpa or eager path gets, whose plain patterns the attention reads back and runs on the kernel.
 * ``sagebwd_attention_forward`` in ``AttentionInterface``: picks the kernel path the way
   ``_flash_attention_forward`` does (padding mask -> unpad + varlen; else ``cu_seq_lens_q/k`` -> varlen; else
   restarting ``position_ids`` -> varlen; else one dense call), and runs SDPA, with a one-time warning and a
@@ -17,12 +19,14 @@ Transformers' conventions kept here: causality from the ``is_causal`` kwarg, els
 causal masks align bottom-right when the query is shorter than the keys (decode with a KV cache).
 """
 import collections
+import sys
 import warnings
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
+from torch.utils.weak import WeakTensorKeyDictionary
+from transformers import AttentionInterface, PreTrainedModel
 from transformers import masking_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
@@ -50,9 +54,10 @@ FALLBACK_REASONS = {
     "dropout": "attention dropout > 0 in training (the kernel has no dropout)",
     "head_dim": f"a head dim the kernel does not take (q/k/v must share one, a multiple of 8 up to {MAX_HEAD_DIM})",
     "dtype": "q/k/v in a dtype other than float16, bfloat16 or float32",
-    "mask_4d": "a 4D attention mask: one passed by the user, or a mask pattern the kernel cannot express "
-               "(or_mask_function/and_mask_function overlays, block-wise attention, chunked attention with padding, "
-               "packing or a cache)",
+    "mask_4d": "a 4D attention mask that is no causal, bidirectional or sliding-window pattern over padded rows: "
+               "one passed by the user, a mask pattern the kernel cannot express (or_mask_function/and_mask_function "
+               "overlays, block-wise attention, chunked attention with padding, packing or a cache), a mask the model "
+               "edits itself; or any 4D mask under torch.compile",
     "position_bias": "an additive position_bias (T5-style relative attention)",
     "shape": "a causal query longer than its keys, or an empty tensor",
     "sparse_indices": "DeepSeek sparse attention's top-k keys (`indices`, DSA models such as deepseek_v32 and "
@@ -184,6 +189,30 @@ def _expressible_compiled(mask_function, kwargs) -> bool:
                 and local_size != getattr(config, "sliding_window", None))
 
 
+@torch.compiler.assume_constant_result
+def _declared_support(config) -> tuple:
+    """``(flash, sdpa)``: whether the models built on ``config``'s class declare FlashAttention / SDPA support
+    (``_supports_flash_attn`` / ``_supports_sdpa`` of the ``PreTrainedModel`` classes in the modeling module
+    beside the configuration module). FlashAttention support is the promise that a layer's pattern reaches the
+    attention through ``is_causal`` / ``sliding_window`` and that the model never reads the mask: what
+    ``sagebwd_mask``'s None or 2D mask needs. ``(True, True)`` when no such class is found (a config without
+    its modeling module loaded), as before this check."""
+    if config is None:
+        return True, True
+    key = type(config)
+    if key not in _SUPPORT:
+        module = sys.modules.get(key.__module__.replace(".configuration_", ".modeling_"))
+        models = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, PreTrainedModel)
+                  and getattr(c, "config_class", None) is key] if module is not None else []
+        _SUPPORT[key] = ((all(getattr(c, "_supports_flash_attn", False) or getattr(c, "_supports_flash_attn_2", False)
+                              for c in models), all(getattr(c, "_supports_sdpa", False) for c in models))
+                         if models else (True, True))
+    return _SUPPORT[key]
+
+
+_SUPPORT = {}   # config class -> (flash, sdpa)
+
+
 def sagebwd_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                  mask_function=masking_utils.causal_mask_function, attention_mask: Optional[torch.Tensor] = None,
                  **kwargs):
@@ -203,13 +232,22 @@ def sagebwd_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
             if ids is not None:
                 return ids
         expressible = chunk_size is None
-    # DeepSeek sparse attention (a config with index_topk): the model reads the mask itself (its indexer takes
-    # attention_mask[:, 0]), so it gets the materialized 4D mask, as with sdpa and eager.
-    if getattr(kwargs.get("config"), "index_topk", None) is not None or not expressible:
-        kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)  # keep the pattern
-        return masking_utils.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
-                                       q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
-                                       attention_mask=attention_mask, **kwargs)
+    mask_args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask)
+    # A model that does not declare FlashAttention support may read the mask, or carry its pattern only there
+    # (a decoder layer built without is_causal, a window no kwarg names); DeepSeek sparse attention (a config
+    # with index_topk) reads it (its indexer takes attention_mask[:, 0]). These get the mask their own sdpa or
+    # eager implementation gets, as does a pattern the kernel cannot express (materialized, so that it is kept);
+    # the attention function reads plain patterns back from it (_as_kernel_pattern).
+    flash, sdpa = _declared_support(kwargs.get("config"))
+    keep_pattern = getattr(kwargs.get("config"), "index_topk", None) is not None or not expressible
+    if keep_pattern:
+        kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    if keep_pattern or not flash:
+        if sdpa or flash:
+            return masking_utils.sdpa_mask(**mask_args, **kwargs)
+        kwargs.pop("allow_is_causal_skip", None)     # eager_mask sets it
+        return masking_utils.eager_mask(**mask_args, **kwargs)
     if attention_mask is None:
         # A static cache hands every layer all its slots, written or not (q_offset is then a tensor): mark the
         # unwritten ones, or the kernel's bottom-right causal alignment would put the queries at the end.
@@ -255,6 +293,25 @@ def _compute_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype:
     return torch.bfloat16
 
 
+# Keyword arguments that reach attention functions and do not change what they compute, or that this adapter
+# reads; a tensor under any other name may be one that the model's own attention uses and SDPA, FlashAttention
+# and sagebwd all ignore: a one-time warning names it.
+KNOWN_KWARGS = frozenset({
+    "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cache_position",
+    "use_cache", "output_attentions", "output_hidden_states", "output_router_logits", "return_dict", "labels",
+    "logits_to_keep", "token_type_ids", "indices", "position_bias", "past_key_values", "past_key_value",
+    "position_embeddings", "layer_idx", "cache", "is_causal", "sliding_window", "softcap", "s_aux", "sinks",
+    "dropout", "scaling", "target_dtype"})
+
+
+def _warn_unknown(kwargs) -> None:
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and name not in KNOWN_KWARGS:
+            _warn_once("kwarg:" + name, f"sagebwd: the attention call got `{name}=` (a tensor), which sagebwd does "
+                                        f"not read (nor do SDPA and FlashAttention); if the model's own attention "
+                                        f"uses it, use attn_implementation='eager' for this model.")
+
+
 def _fallback_reason(query, key, value, attention_mask, dropout, kwargs) -> Optional[str]:
     if dropout and dropout > 0:
         return "dropout"
@@ -284,17 +341,23 @@ def _score_extras(softcap, s_aux, query) -> list:
     return extras
 
 
+def _query_positions(q_len, kv_len, padding, device):
+    """Each query's position among the keys ``[B or 1, q]``, as the kernel paths align them: bottom-right,
+    or with a cache and padding, ending at each row's last real key (see segments.query_rows)."""
+    if padding is not None and q_len != kv_len:
+        keys = torch.arange(kv_len, device=device)
+        end = (padding * (keys + 1)).amax(1, keepdim=True)                    # [B, 1]
+    else:
+        end = torch.full((1, 1), kv_len, device=device)
+    return end - q_len + torch.arange(q_len, device=device)
+
+
 def _dense_mask(batch, q_len, kv_len, causal, window, padding, segments, device):
     """The bool ``[B, 1, q, kv]`` mask meaning what the kernel path computes (for SDPA fallbacks)."""
-    keys = torch.arange(kv_len, device=device)
+    keys = torch.arange(kv_len, device=device, dtype=torch.int32)
     if padding is not None and padding.shape[1] < kv_len:   # static cache: slots after the mask are unwritten
         padding = F.pad(padding, (0, kv_len - padding.shape[1]), value=False)
-    if padding is not None and q_len != kv_len:
-        # with a cache the queries end at each row's last real key (see segments.query_rows)
-        end = (padding * (keys + 1)).amax(1, keepdim=True)                     # [B, 1]
-    else:
-        end = torch.full((1, 1), kv_len, device=device)                       # bottom-right aligned
-    q_pos = end - q_len + torch.arange(q_len, device=device)                   # [B or 1, q]
+    q_pos = _query_positions(q_len, kv_len, padding, device).to(torch.int32)
     dist = q_pos[:, :, None] - keys                                            # [B or 1, q, kv]
     mask = torch.ones_like(dist, dtype=torch.bool)
     left, right = window
@@ -310,6 +373,68 @@ def _dense_mask(batch, q_len, kv_len, causal, window, padding, segments, device)
     if segments is not None:
         mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
     return mask
+
+
+def _as_kernel_pattern(mask, batch, q_len, kv_len):
+    """``(causal, window, padding)`` that the kernel runs exactly as the 4D ``mask`` (bool, or additive with
+    nothing but 0 and "masked" values), or None. ``padding`` is a 2D bool mask, or None for none.
+
+    What sagebwd_mask hands a model that does not declare FlashAttention support, and a 4D mask a user passes,
+    may still be a plain causal, bidirectional or sliding-window pattern over padded rows: read it back (the
+    extent each query sees decides causal and window) and keep it only where ``_dense_mask`` of the result
+    equals the mask entry for entry. Eager only: under torch.compile this would break the graph."""
+    if mask.dtype == torch.bool:
+        keep = mask
+    elif mask.is_floating_point():
+        masked = mask <= torch.finfo(mask.dtype).min / 2                       # -inf, or min_dtype
+        if not bool(((mask == 0) | masked).all()):
+            return None                                                       # a bias: not a pattern
+        keep = ~masked
+    else:
+        return None
+    if keep.shape[0] not in (1, batch) or keep.shape[2] not in (1, q_len) or keep.shape[3] != kv_len:
+        return None
+    if keep.shape[1] > 1:
+        if not bool((keep == keep[:, :1]).all()):
+            return None                                                       # per-head patterns
+        keep = keep[:, :1]
+    keep = keep.expand(batch, 1, q_len, kv_len)
+    padding = keep.any(2)[:, 0]                                               # a key no query sees: padding
+    rows = keep[:, 0].any(-1)                                                 # queries that see a key
+    if not bool(rows.any()):
+        return None
+    full = bool(padding.all())
+    padding = None if full else padding
+    # each query's first and last key, against its position: how far left and right any query sees
+    as_int = keep[:, 0].to(torch.uint8)
+    first = as_int.argmax(-1)
+    last = kv_len - 1 - as_int.flip(-1).argmax(-1)
+    q_pos = _query_positions(q_len, kv_len, padding, mask.device)
+    left = int(torch.where(rows, q_pos - first, -kv_len).max())
+    right = int(torch.where(rows, last - q_pos, -kv_len).max())
+    causal = right <= 0
+    left = -1 if left >= kv_len - 1 else left
+    window = (-1, -1) if causal and left < 0 else (left, 0) if causal else (left, -1 if right >= kv_len - 1 else right)
+    if padding is not None and window != (-1, -1):
+        # the padded path counts distances among real tokens: a window needs each row's tokens in one run
+        real = padding.sum(1)
+        span = kv_len - padding.int().argmax(1) - padding.int().flip(1).argmax(1)
+        if not bool((real == span).all()):
+            return None
+    if not torch.equal(_dense_mask(batch, q_len, kv_len, causal, window, padding, None, mask.device), keep):
+        return None
+    return causal, window, padding
+
+
+_patterns = WeakTensorKeyDictionary()   # 4D mask -> (its version, _as_kernel_pattern): one read per forward
+
+
+def _pattern_of(mask, batch, q_len, kv_len):
+    hit = _patterns.get(mask)
+    if hit is None or hit[0] != (mask._version, batch, q_len, kv_len):
+        hit = ((mask._version, batch, q_len, kv_len), _as_kernel_pattern(mask, batch, q_len, kv_len))
+        _patterns[mask] = hit
+    return hit[1]
 
 
 def _sdpa(module, query, key, value, mask, dropout, scaling, kwargs):
@@ -406,6 +531,17 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                          "attn_implementation='eager' for that call.")
     if kwargs.get("cache") is not None:
         raise NotImplementedError("sagebwd does not support continuous batching (a paged KV cache).")
+    sinks = kwargs.pop("sinks", None)
+    if sinks is not None:
+        # Some models name the sinks ``sinks``: one logit per head is s_aux under another name; anything else
+        # (a sink per query, [B, H, S, 1]) neither the kernel nor SDPA computes.
+        if s_aux is None and sinks.dim() == 1:
+            s_aux = sinks
+        else:
+            raise ValueError(f"sagebwd: sinks of shape {tuple(sinks.shape)} (one logit per query) are not computed "
+                             f"by the kernel or by SDPA; sagebwd takes one sink logit per head (s_aux or sinks of "
+                             f"shape [{query.shape[1]}]): use attn_implementation='eager' for this model.")
+    _warn_unknown(kwargs)
     if attention_mask is not None and attention_mask.dim() not in (2, 4):
         raise ValueError(f"sagebwd: attention_mask must be None, a 2D padding mask from the 'sagebwd' mask "
                          f"function or a 4D mask; got shape {tuple(attention_mask.shape)}")
@@ -418,6 +554,10 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     mask = attention_mask.bool() if attention_mask is not None and attention_mask.dim() == 2 else attention_mask
+    if mask is not None and mask.dim() == 4 and not torch.compiler.is_compiling():
+        pattern = _pattern_of(mask, batch, q_len, kv_len)
+        if pattern is not None:          # the mask says which pattern: it, not the layer's kwargs, decides
+            causal, window, mask = pattern
     extras = _score_extras(softcap, s_aux, query)
     reason = "sparse_indices" if kwargs.get("indices") is not None else _fallback_reason(
         query, key, value, mask, dropout, kwargs)

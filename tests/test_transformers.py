@@ -557,10 +557,84 @@ def test_fallback_user_4d_mask(fresh_warnings):
     _assert_fallback(tiny_model("llama"), inputs, "mask_4d", calls=2)
 
 
-def test_fallback_mask_pattern_the_kernel_cannot_express(fresh_warnings):
-    """Gemma3's use_bidirectional_attention overlays or_mask_function: the mask function hands on the dense
-    pattern and those layers run SDPA, rather than losing the overlay as flash_attention_mask does."""
-    _assert_fallback(tiny_model("gemma3", use_bidirectional_attention=True), batch(), "mask_4d", calls=2)
+def _eager_form(keep):
+    return torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("case", ["causal", "causal_window_left_pad", "bidirectional_window", "bidirectional_pad",
+                                  "decode_with_cache", "additive"])
+def test_4d_masks_of_plain_patterns_are_read_back(case):
+    """A 4D mask that is exactly causal / bidirectional / a window over padded rows gives back the kernel's
+    arguments (what sdpa_mask and eager_mask hand models that do not declare FlashAttention support)."""
+    padding = torch.ones(2, 12, dtype=torch.bool)
+    padding[0, :4] = False                                              # row 0 left-padded
+    causal, window, pad, q_len, kv_len = {
+        "causal": (True, (-1, -1), None, 12, 12),
+        "causal_window_left_pad": (True, (3, 0), padding, 12, 12),
+        "bidirectional_window": (False, (2, 2), None, 12, 12),
+        "bidirectional_pad": (False, (-1, -1), padding, 12, 12),
+        "decode_with_cache": (True, (-1, -1), padding, 3, 12),
+        "additive": (True, (5, 0), None, 12, 12)}[case]
+    keep = ti._dense_mask(2, q_len, kv_len, causal, window, pad, None, "cpu")
+    mask = _eager_form(keep) if case == "additive" else keep
+    got = ti._as_kernel_pattern(mask, 2, q_len, kv_len)
+    assert got is not None and got[:2] == (causal, window)
+    assert (got[2] is None) == (pad is None) and (pad is None or torch.equal(got[2], pad))
+
+
+_IRREGULAR = (torch.ones(24, 24, dtype=torch.bool).tril() & ~torch.eye(24, dtype=torch.bool).roll(1, 0))[None, None]
+
+
+@pytest.mark.parametrize("case", ["irregular", "bias", "per_head", "window_over_a_hole", "no_key"])
+def test_4d_masks_that_are_no_plain_pattern_are_kept(case):
+    """Anything else stays a 4D mask (SDPA then): a hole in the causal pattern, an additive bias, heads with
+    different patterns, a window over padding in mid-row (the padded path would count distances without the
+    hole), a batch whose mask sees nothing."""
+    keep = ti._dense_mask(2, 12, 12, True, (3, 0), None, None, "cpu")
+    mask = {"irregular": _IRREGULAR[:, :, :12, :12].expand(2, 1, 12, 12),
+            "bias": _eager_form(keep) + 0.5 * keep,
+            "per_head": torch.cat([keep, ti._dense_mask(2, 12, 12, True, (2, 0), None, None, "cpu")], 1),
+            "window_over_a_hole": keep & torch.tensor([True] * 5 + [False] + [True] * 6)[None, None, None, :],
+            "no_key": torch.zeros(2, 1, 12, 12, dtype=torch.bool)}[case]
+    assert ti._as_kernel_pattern(mask, 2, 12, 12) is None
+
+
+def test_models_without_flash_support_get_their_own_mask():
+    """A model that does not declare FlashAttention support gets the mask its sdpa or eager path gets: BigBird-
+    Pegasus' decoder self-attention is built with is_causal=False and is causal only through its mask."""
+    from transformers import BigBirdPegasusConfig, BigBirdPegasusForCausalLM, LlamaConfig
+    assert ti._declared_support(LlamaConfig()) == (True, True)
+    assert ti._declared_support(BigBirdPegasusConfig()) == (False, False)
+    config = BigBirdPegasusConfig(vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                  decoder_ffn_dim=64, max_position_embeddings=64, attention_type="original_full",
+                                  dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = BigBirdPegasusForCausalLM(config)
+    assert not model.model.decoder.layers[0].self_attn.is_causal
+    inputs = batch()
+    eager_logits, _, _ = run(model, "eager", inputs)
+    sagebwd_hf.reset_attention_stats()
+    logits, _, _ = run(model, "sagebwd", inputs)
+    assert sagebwd_hf.attention_stats()["paths"] == {"dense": 1}
+    assert rel_l2(logits, eager_logits) <= 0.01, rel_l2(logits, eager_logits)   # bidirectional: ~0.07
+
+
+def test_mask_overlays_that_make_a_plain_pattern_run_on_the_kernels(fresh_warnings):
+    """Gemma3's use_bidirectional_attention overlays or_mask_function (full layers: all keys; sliding layers: a
+    window both ways): the mask function hands on the dense mask rather than lose the overlay, as
+    flash_attention_mask does, and the attention reads it back as bidirectional, windowed or not."""
+    model = tiny_model("gemma3", use_bidirectional_attention=True)
+    assert_close_to_sdpa(model, batch())
+    assert sagebwd_hf.attention_stats()["paths"] == {"dense": 2}
+
+
+def test_fallback_mask_pattern_the_kernel_cannot_express(fresh_warnings, monkeypatch):
+    """An overlay that makes no plain pattern (here: every query also sees key 0's neighbour 1) runs SDPA."""
+    import transformers.models.gemma3.modeling_gemma3 as gemma3
+    monkeypatch.setattr(gemma3, "_bidirectional_window_overlay", lambda window: lambda b, h, q, kv: kv == 1)
+    _assert_fallback(tiny_model("gemma3", use_bidirectional_attention=True, layer_types=["sliding_attention"] * 2),
+                     batch(), "mask_4d", calls=2)
 
 
 def _llama4(chunk=8):
@@ -644,7 +718,33 @@ def test_softcap_or_sinks_that_would_need_sdpa_raise():
     with pytest.raises(ValueError, match="SDPA cannot compute logit soft-capping"):
         ti.sagebwd_attention_forward(attn, q, k, v, None, dropout=0.1, softcap=50.0)
     with pytest.raises(ValueError, match=r"SDPA cannot compute attention sinks \(s_aux\)"):
-        ti.sagebwd_attention_forward(attn, q, k, v, torch.ones(1, 1, 8, 8, dtype=torch.bool), s_aux=torch.zeros(4))
+        ti.sagebwd_attention_forward(attn, q, k, v, _IRREGULAR[:, :, :8, :8], s_aux=torch.zeros(4))
+
+
+def test_sinks_under_their_other_name():
+    """``sinks=`` of one logit per head is s_aux; a sink per query (inkling2) is refused, not dropped."""
+    attn = tiny_model("llama").model.layers[0].self_attn
+    q = torch.randn(1, 4, 8, 16)
+    k = v = torch.randn(1, 2, 8, 16)
+    sinks = torch.randn(4)
+    torch.testing.assert_close(ti.sagebwd_attention_forward(attn, q, k, v, None, sinks=sinks)[0],
+                               ti.sagebwd_attention_forward(attn, q, k, v, None, s_aux=sinks)[0], rtol=0, atol=0)
+    assert not torch.equal(ti.sagebwd_attention_forward(attn, q, k, v, None, sinks=sinks)[0],
+                           ti.sagebwd_attention_forward(attn, q, k, v, None)[0])
+    with pytest.raises(ValueError, match=r"sinks of shape \(1, 4, 8, 1\) \(one logit per query\)"):
+        ti.sagebwd_attention_forward(attn, q, k, v, None, sinks=torch.zeros(1, 4, 8, 1))
+
+
+def test_an_unknown_tensor_kwarg_is_named(fresh_warnings):
+    attn = tiny_model("llama").model.layers[0].self_attn
+    q = torch.randn(1, 4, 8, 16)
+    k = v = torch.randn(1, 2, 8, 16)
+    with pytest.warns(UserWarning, match="`attention_bias=` \\(a tensor\\), which sagebwd does not read"):
+        ti.sagebwd_attention_forward(attn, q, k, v, None, attention_bias=torch.zeros(8, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ti.sagebwd_attention_forward(attn, q, k, v, None, position_ids=torch.arange(8)[None], use_cache=False)
+    assert not [w for w in caught if "does not read" in str(w.message)]
 
 
 # Models whose attention SDPA does not compute (soft-capped logits, sinks): compared with their eager path on

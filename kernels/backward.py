@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import _ceil_to, _floor_to, _key_tiles, _score_mask, fast_rcp, tanh_scores
+from .forward import _ceil_to, _floor_to, _key_tiles, _score_mask, block_dim, fast_rcp, tanh_scores
 from .layout import SeqLayout, maybe, strides3, strides4
 from .quantize import LOG2E, Q_SMOOTH_BLOCK, _seq_bounds, int32_times, round_to_int8
 
@@ -68,7 +68,7 @@ def _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, lo, hi, b, offs_m, offs_n, offs_d, d_ok,
+def _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, lo, hi, b, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok,
                 Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, QM_h, QMEAN_CU,
                 q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot, s_dod, s_dtd,
                 s_qmb, BLOCK_M: tl.constexpr, QSB: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr,
@@ -77,7 +77,7 @@ def _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, lo, hi, b, offs_m, offs_n, offs_d, 
     for start_m in range(lo, hi, BLOCK_M):
         q_mean = _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB, Q_SMOOTH)
         dk, dv = _dkdv_tile(dk, dv, k8, k8f, k_scale, v, tl.multiple_of(start_m, BLOCK_M), offs_m, offs_n,
-                            offs_d, d_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h,
+                            offs_d, d_ok, offs_dv, dv_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h,
                             q_mean, q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd,
                             s_dot, s_dod, s_dtd, MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, DO_DK, DO_DV,
                             SOFTCAP, FAST_RCP)
@@ -85,7 +85,7 @@ def _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, lo, hi, b, offs_m, offs_n, offs_d, 
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_ok,
+def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok,
                Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, q_mean_h,
                q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot, s_dod, s_dtd,
                MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -121,13 +121,14 @@ def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_o
     if DO_DV:   # dV += P^T dO, dO's per-token scale folded into P^T
         do_scale = tl.load(DOS_h + q0 + rows, mask=m_ok, other=0.0)
         p8t, p_scale = _quantize_rows(pt * do_scale[None, :], False)
-        do8 = tl.load(DO8T_h + offs_d[None, :] * s_dtd + (q0 + rows)[:, None],
-                      mask=m_ok[:, None] & d_ok[None, :], other=0)
+        do8 = tl.load(DO8T_h + offs_dv[None, :] * s_dtd + (q0 + rows)[:, None],
+                      mask=m_ok[:, None] & dv_ok[None, :], other=0)
         dv += int32_times(tl.dot(p8t, do8, out_dtype=tl.int32), p_scale[:, None])
 
     if DO_DK:
         # dP^T = V dO^T stays in the input dtype (quantizing it would feed error into dS)
-        dot_t = tl.load(DO_h + (q0 + rows)[None, :] * s_dot + offs_d[:, None] * s_dod, mask=md_ok_t, other=0.0)
+        dot_t = tl.load(DO_h + (q0 + rows)[None, :] * s_dot + offs_dv[:, None] * s_dod,
+                        mask=dv_ok[:, None] & m_ok[None, :], other=0.0)
         if DOT_FP32:
             dot_t = dot_t.to(tl.float32)
         dpt = tl.dot(v, dot_t)
@@ -159,11 +160,11 @@ def _attn_bwd_dkdv_kernel(
     s_qmh, s_qmb,
     s_dkb, s_dkh, s_dkt, s_dkd,
     s_dvb, s_dvh, s_dvt, s_dvd,
-    n_q, n_k, num_kv_heads, group, head_dim, window_left, window_right, softmax_scale, softcap2,
+    n_q, n_k, num_kv_heads, group, head_dim, head_dim_v, window_left, window_right, softmax_scale, softcap2,
     IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
     FAST_RCP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DO_DK: tl.constexpr, DO_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
@@ -181,12 +182,15 @@ def _attn_bwd_dkdv_kernel(
     n_ok = offs_n < seqlen_k
     d_ok = offs_d < head_dim
     nd_ok = n_ok[:, None] & d_ok[None, :]
+    offs_dv = tl.arange(0, BLOCK_DV)     # V's, dO's and dV's head dim (MLA: not Q's and K's)
+    dv_ok = offs_dv < head_dim_v
+    ndv_ok = n_ok[:, None] & dv_ok[None, :]
 
     k8 = tl.load(K8 + bk * s_k8b + hk * s_k8h + (k0 + offs_n)[:, None] * s_k8t + offs_d[None, :],
                  mask=nd_ok, other=0)
     k_scale = tl.load(KS + bk * s_ksb + hk * s_ksh + k0 + offs_n, mask=n_ok, other=0.0)
-    v = tl.load(V + bk * s_vb + hk * s_vh + (k0 + offs_n)[:, None] * s_vt + offs_d[None, :] * s_vd,
-                mask=nd_ok, other=0.0)
+    v = tl.load(V + bk * s_vb + hk * s_vh + (k0 + offs_n)[:, None] * s_vt + offs_dv[None, :] * s_vd,
+                mask=ndv_ok, other=0.0)
     if DOT_FP32:   # Triton's interpreter mis-multiplies bf16 dots
         v = v.to(tl.float32)
     k8f = k_scale  # unused unless Q_SMOOTH
@@ -194,7 +198,7 @@ def _attn_bwd_dkdv_kernel(
         k8f = k8.to(tl.float32)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     lo, full_lo, full_hi, hi = _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                             BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     for g in range(group):
@@ -212,17 +216,17 @@ def _attn_bwd_dkdv_kernel(
         QM_h = QMEAN + h * s_qmh
         # masked edge, unmasked middle, masked edge
         dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, lo, full_lo, b, offs_m, offs_n, offs_d, d_ok,
-                             Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, QM_h, QMEAN_CU,
+                             offs_dv, dv_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, QM_h, QMEAN_CU,
                              q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot,
                              s_dod, s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32,
                              DO_DK, DO_DV, SOFTCAP, FAST_RCP)
         dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, full_lo, full_hi, b, offs_m, offs_n, offs_d, d_ok,
-                             Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, QM_h, QMEAN_CU,
+                             offs_dv, dv_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, QM_h, QMEAN_CU,
                              q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot,
                              s_dod, s_dtd, s_qmb, BLOCK_M, QSB, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32,
                              DO_DK, DO_DV, SOFTCAP, FAST_RCP)
         dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, full_hi, hi, b, offs_m, offs_n, offs_d, d_ok,
-                             Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, QM_h, QMEAN_CU,
+                             offs_dv, dv_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, QM_h, QMEAN_CU,
                              q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot,
                              s_dod, s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32,
                              DO_DK, DO_DV, SOFTCAP, FAST_RCP)
@@ -231,8 +235,8 @@ def _attn_bwd_dkdv_kernel(
         tl.store(DK + bk * s_dkb + hk * s_dkh + (k0 + offs_n)[:, None] * s_dkt + offs_d[None, :] * s_dkd,
                  (dk * softmax_scale).to(DK.dtype.element_ty), mask=nd_ok)
     if DO_DV:
-        tl.store(DV + bk * s_dvb + hk * s_dvh + (k0 + offs_n)[:, None] * s_dvt + offs_d[None, :] * s_dvd,
-                 dv.to(DV.dtype.element_ty), mask=nd_ok)
+        tl.store(DV + bk * s_dvb + hk * s_dvh + (k0 + offs_n)[:, None] * s_dvt + offs_dv[None, :] * s_dvd,
+                 dv.to(DV.dtype.element_ty), mask=ndv_ok)
 
 
 @triton.jit
@@ -248,21 +252,21 @@ def _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB: tl.constexpr, 
 
 @triton.jit
 def _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base, KS_base,
-              V_base, lo, hi, offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
+              V_base, lo, hi, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
               s_k8t, s_ktd, s_vt, s_vd, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr,
               MASK_RIGHT: tl.constexpr, Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
               FAST_RCP: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         dq, row_ds = _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base,
                               K8T_base, KS_base, V_base, tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d,
-                              d_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_ktd, s_vt, s_vd,
+                              d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_ktd, s_vt, s_vd,
                               MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP, FAST_RCP)
     return dq, row_ds
 
 
 @triton.jit
 def _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base, KS_base,
-             V_base, start_n, offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
+             V_base, start_n, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
              s_k8t, s_ktd, s_vt, s_vd,
              MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
              Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -291,7 +295,8 @@ def _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K
                             MASK_LEFT, MASK_RIGHT)
         p = tl.where(valid, p, 0.0)
 
-    vt = tl.load(V_base + (k0 + cols)[None, :] * s_vt + offs_d[:, None] * s_vd, mask=dn_ok, other=0.0)
+    vt = tl.load(V_base + (k0 + cols)[None, :] * s_vt + offs_dv[:, None] * s_vd, mask=dv_ok[:, None] & n_ok[None, :],
+                 other=0.0)
     if DOT_FP32:
         vt = vt.to(tl.float32)
     dp = tl.dot(do, vt)
@@ -321,10 +326,11 @@ def _attn_bwd_dq_kernel(
     s_dob, s_doh, s_dot, s_dod,
     s_qmh, s_qmb,
     s_dqb, s_dqh, s_dqt, s_dqd,
-    n_q, n_k, num_heads, group, head_dim, window_left, window_right, softmax_scale, softcap2,
+    n_q, n_k, num_heads, group, head_dim, head_dim_v, window_left, window_right, softmax_scale, softcap2,
     IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
     FAST_RCP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
@@ -343,14 +349,16 @@ def _attn_bwd_dq_kernel(
     m_ok = offs_m < seqlen_q
     d_ok = offs_d < head_dim
     md_ok = m_ok[:, None] & d_ok[None, :]
+    offs_dv = tl.arange(0, BLOCK_DV)     # dO's and V's head dim (MLA: not Q's and K's)
+    dv_ok = offs_dv < head_dim_v
 
     q8 = tl.load(Q8 + bq * s_q8b + h * s_q8h + (q0 + offs_m)[:, None] * s_q8t + offs_d[None, :],
                  mask=md_ok, other=0)
     q_scale = tl.load(QS + bq * s_qsb + h * s_qsh + q0 + offs_m, mask=m_ok, other=0.0)
     lse = tl.load(LSE + bq * s_qsb + h * s_qsh + q0 + offs_m, mask=m_ok, other=float("inf"))
     delta = tl.load(DELTA + bq * s_qsb + h * s_qsh + q0 + offs_m, mask=m_ok, other=0.0)
-    do = tl.load(DO + bq * s_dob + h * s_doh + (q0 + offs_m)[:, None] * s_dot + offs_d[None, :] * s_dod,
-                 mask=md_ok, other=0.0)
+    do = tl.load(DO + bq * s_dob + h * s_doh + (q0 + offs_m)[:, None] * s_dot + offs_dv[None, :] * s_dod,
+                 mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
     if DOT_FP32:
         do = do.to(tl.float32)
     q_mean = _q_mean(QMEAN + h * s_qmh, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB, Q_SMOOTH)
@@ -370,17 +378,17 @@ def _attn_bwd_dq_kernel(
     # masked edge, unmasked middle, masked edge
     dq, row_ds = _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base,
                            KS_base, V_base, lo, full_lo,
-                   offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
+                   offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
                    s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP,
                    FAST_RCP)
     dq, row_ds = _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base,
                            KS_base, V_base, full_lo, full_hi,
-                   offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
+                   offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
                    s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP,
                    FAST_RCP)
     dq, row_ds = _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base,
                            KS_base, V_base, full_hi, hi,
-                   offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
+                   offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
                    s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP,
                    FAST_RCP)
 
@@ -453,8 +461,9 @@ def _launch_dkdv(q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_
         *strides4(k8)[:3], *strides3(k_scale)[:2],
         *strides4(v4), *strides4(do4), *strides4(do8t)[:3],
         *strides3(q_mean)[:2], *strides4(dk4), *strides4(dv4),
-        q8.shape[2], k8.shape[2], num_kv_heads, group, head_dim, window[0], window[1], softmax_scale, softcap2,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages,
+        q8.shape[2], k8.shape[2], num_kv_heads, group, head_dim, v4.shape[3], window[0], window[1], softmax_scale,
+        softcap2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dim(v4.shape[3]),
+        num_warps=num_warps, num_stages=num_stages,
         **common,
     )
 
@@ -470,7 +479,8 @@ def _launch_dq(q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, shift, row_ds
         cu_k, *strides4(q8)[:3], *strides3(q_scale)[:2],
         *strides4(k8)[:3], *strides4(k8t)[:3], *strides3(k_scale)[:2],
         *strides4(v4), *strides4(do4), *strides3(q_mean)[:2], *strides4(dq4),
-        q8.shape[2], k8.shape[2], num_heads, group, head_dim, window[0], window[1], softmax_scale, softcap2,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages,
+        q8.shape[2], k8.shape[2], num_heads, group, head_dim, v4.shape[3], window[0], window[1], softmax_scale,
+        softcap2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dim(v4.shape[3]),
+        num_warps=num_warps, num_stages=num_stages,
         **common,
     )

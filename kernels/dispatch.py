@@ -16,6 +16,7 @@
 import collections
 import os
 import warnings
+from typing import Optional
 
 import torch
 import triton
@@ -76,15 +77,17 @@ def gluon_unavailable(device: torch.device):
 
 
 def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bool = False,
-              seqlen_k: int = 1 << 30, backward: bool = False, softcap: bool = False) -> bool:
+              seqlen_k: int = 1 << 30, backward: bool = False, softcap: bool = False,
+              head_dim_v: Optional[int] = None) -> bool:
     """True when this call runs the Gluon (Hopper) kernels (``seqlen_k``: the longest key sequence;
     ``backward``: the choice for the backward pass, whose Gluon kernels take padded batches only;
-    ``softcap``: soft-capped scores, which only the portable kernels compute)."""
+    ``softcap``: soft-capped scores, which only the portable kernels compute; ``head_dim_v``: V's head dim,
+    which the Gluon kernels need equal to Q's and K's)."""
     choice = requested()
     if choice == "triton":
         return False
     takes_call = (head_dim in GLUON_HEAD_DIMS and not q_smoothing and not (backward and varlen)
-                  and not softcap)
+                  and not softcap and head_dim_v in (None, head_dim))
     if choice == "auto":
         if backward:
             faster = GLUON_BWD_BY_DEFAULT
@@ -96,13 +99,14 @@ def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bo
         raise ValueError(f"{ENV_VAR}=gluon, but the Gluon kernels cannot run here: {reason}. "
                          f"Use {ENV_VAR}=auto or triton.")
     if not takes_call:
-        key = (head_dim, q_smoothing, backward and varlen, softcap)
+        key = (head_dim, head_dim_v, q_smoothing, backward and varlen, softcap)
         if key not in _warned:
             _warned.add(key)
             what = "backward (packed batch)" if backward and varlen else "kernels"
-            warnings.warn(f"{ENV_VAR}=gluon: the Gluon forward takes head dims {GLUON_HEAD_DIMS} without "
-                          f"Q-smoothing or a soft cap, the Gluon backward padded batches of those; this call's "
-                          f"{what} (head dim {head_dim}, q_smoothing={q_smoothing}, packed={varlen}, "
-                          f"softcap={softcap}) runs the portable Triton kernels", stacklevel=4)
+            warnings.warn(f"{ENV_VAR}=gluon: the Gluon forward takes head dims {GLUON_HEAD_DIMS} (V's the same) "
+                          f"without Q-smoothing or a soft cap, the Gluon backward padded batches of those; this "
+                          f"call's {what} (head dim {head_dim}, V's {head_dim_v or head_dim}, q_smoothing="
+                          f"{q_smoothing}, packed={varlen}, softcap={softcap}) runs the portable Triton kernels",
+                          stacklevel=4)
         return False
     return True

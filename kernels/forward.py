@@ -23,6 +23,11 @@ from .layout import SeqLayout, maybe, strides3, strides4
 from .quantize import LOG2E, Q_SMOOTH_BLOCK, _seq_bounds, int32_times, round_to_int8
 
 
+def block_dim(head_dim: int) -> int:
+    """A head dim's tile: the next power of two, at least 32 (tl.dot's minimum with room for int8)."""
+    return max(32, 1 << (head_dim - 1).bit_length())
+
+
 @triton.jit
 def _floor_to(x, BLOCK: tl.constexpr):
     return (tl.maximum(x, 0) // BLOCK) * BLOCK
@@ -100,12 +105,12 @@ def _score_mask(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
 
 @triton.jit
 def _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base, lo, hi,
-               offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+               offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t,
+               s_vtd, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                Q_SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, FAST_RCP: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base,
-                                  tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, k0,
+                                  tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0,
                                   seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
                                   MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP, FAST_RCP)
     return acc, m_i, l_i
@@ -113,8 +118,8 @@ def _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_
 
 @triton.jit
 def _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base, start_n,
-              offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
-              MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+              offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t,
+              s_vtd, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
               Q_SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, FAST_RCP: tl.constexpr):
     cols = start_n + offs_n
     n_ok = cols < seqlen_k
@@ -149,8 +154,8 @@ def _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_b
     e = tl.exp2(tl.fma(t, row_scale[:, None], -e_ref[:, None]))
     p_scale = tl.exp2(tile_max - m_ref) * (1.0 / 127.0)
     l_i = l_i * alpha + tl.sum(e, 1) * p_scale
-    v8 = tl.load(V8T_base + offs_d[None, :] * s_vtd + (k0 + cols)[:, None],
-                 mask=n_ok[:, None] & d_ok[None, :], other=0)
+    v8 = tl.load(V8T_base + offs_dv[None, :] * s_vtd + (k0 + cols)[:, None],
+                 mask=n_ok[:, None] & dv_ok[None, :], other=0)
     acc = acc * alpha[:, None] + int32_times(tl.dot(round_to_int8(e), v8, out_dtype=tl.int32), p_scale[:, None])
     return acc, m_new, l_i
 
@@ -167,10 +172,10 @@ def _attn_fwd_kernel(
     s_qmh, s_qmb,
     s_ob, s_oh, s_ot, s_od,
     s_lb, s_lh,
-    n_q, n_k, num_heads, group, head_dim, window_left, window_right, softcap2,
+    n_q, n_k, num_heads, group, head_dim, head_dim_v, window_left, window_right, softcap2,
     IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, SOFTCAP: tl.constexpr, FAST_RCP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
@@ -188,6 +193,8 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < seqlen_q
     d_ok = offs_d < head_dim
+    offs_dv = tl.arange(0, BLOCK_DV)     # V's and O's head dim (MLA: not Q's and K's)
+    dv_ok = offs_dv < head_dim_v
 
     q8 = tl.load(Q8 + bq * s_q8b + h * s_q8h + (q0 + offs_m)[:, None] * s_q8t + offs_d[None, :],
                  mask=m_ok[:, None] & d_ok[None, :], other=0)
@@ -207,30 +214,30 @@ def _attn_fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                           BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
     # masked left edge, unmasked middle, masked right edge
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base,
-                               lo, full_lo, offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left,
+                               lo, full_lo, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left,
                                window_right, s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP,
                                FAST_RCP)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base,
-                               full_lo, full_hi, offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left,
+                               full_lo, full_hi, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left,
                                window_right, s_k8t, s_vtd, BLOCK_N, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP,
                                FAST_RCP)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base,
-                               full_hi, hi, offs_m, offs_n, offs_d, d_ok, k0, seqlen_q, seqlen_k, window_left,
+                               full_hi, hi, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left,
                                window_right, s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP,
                                FAST_RCP)
 
-    v_scale = tl.load(VS + b * s_vsb + hk * s_vsh + offs_d, mask=d_ok, other=0.0)
+    v_scale = tl.load(VS + b * s_vsb + hk * s_vsh + offs_dv, mask=dv_ok, other=0.0)
     has_keys = l_i > 0
     inv_l = tl.where(has_keys, 1.0 / l_i, 0.0)                  # fully masked rows give zeros, not NaN
     out = acc * inv_l[:, None] * v_scale[None, :]
-    tl.store(O + bq * s_ob + h * s_oh + (q0 + offs_m)[:, None] * s_ot + offs_d[None, :] * s_od,
-             out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(O + bq * s_ob + h * s_oh + (q0 + offs_m)[:, None] * s_ot + offs_dv[None, :] * s_od,
+             out.to(O.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
     # base-2 log-sum-exp; +inf for empty rows makes the backward's exp2(s - lse) exactly 0
     lse = tl.where(has_keys, m_i + tl.log2(l_i), float("inf"))
     tl.store(LSE + bq * s_lb + h * s_lh + q0 + offs_m, lse, mask=m_ok)
@@ -238,8 +245,8 @@ def _attn_fwd_kernel(
 
 def launch_forward(quant, v8t, v_scale, out4, lse, layout_q: SeqLayout, layout_k: SeqLayout,
                    num_heads, group, head_dim, window, config, softcap=0.0, shift=None):
-    """Run the forward kernel; ``out4`` ``[B, Hq, N, D]`` (any strides) and ``lse`` ``[B, Hq, N]`` fp32 are
-    written. ``softcap`` > 0 (natural units) caps the scores after adding ``shift`` (base 2, lse's layout)."""
+    """Run the forward kernel; ``out4`` ``[B, Hq, N, Dv]`` (any strides) and ``lse`` ``[B, Hq, N]`` fp32 are
+    written (``Dv``: V's head dim, ``v8t.shape[2]``; it may differ from ``head_dim``, Q's and K's). ``softcap`` > 0 (natural units) caps the scores after adding ``shift`` (base 2, lse's layout)."""
     assert not softcap or (shift is not None and shift.stride() == lse.stride())
     block_m, block_n, block_d, num_warps, num_stages = config
     assert Q_SMOOTH_BLOCK % block_m == 0
@@ -255,9 +262,10 @@ def launch_forward(quant, v8t, v_scale, out4, lse, layout_q: SeqLayout, layout_k
         *strides4(v8t)[:3], *strides3(v_scale)[:2],
         *strides3(q_mean)[:2],
         *strides4(out4), *strides3(lse)[:2],
-        q8.shape[2], k8.shape[2], num_heads, group, head_dim, window[0], window[1], float(softcap) * LOG2E,
+        q8.shape[2], k8.shape[2], num_heads, group, head_dim, out4.shape[3], window[0], window[1],
+        float(softcap) * LOG2E,
         IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
         Q_SMOOTH=q_mean is not None, QSB=Q_SMOOTH_BLOCK, SOFTCAP=bool(softcap), FAST_RCP=fast_rcp(q8.device),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dim(out4.shape[3]),
         num_warps=num_warps, num_stages=num_stages,
     )

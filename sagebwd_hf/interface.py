@@ -15,7 +15,7 @@ import torch
 from . import naive, sinks as sink_math
 from .kernels import dispatch
 from .kernels.backward import launch_backward
-from .kernels.forward import launch_forward
+from .kernels.forward import block_dim, launch_forward
 from .kernels.layout import SeqLayout, as_bhnd
 from .kernels.quantize import aligned_starts, quantize, quantize_qk, quantize_v
 
@@ -44,16 +44,17 @@ def _warn_once(key: str, message: str):
 # PyTorch path uses the same ones as the kernels. Each entry: (BLOCK_M, BLOCK_N, num_warps, num_stages).
 # ---------------------------------------------------------------------------------------------------
 
-def tile_configs(head_dim: int, device: torch.device):
+def tile_configs(head_dim: int, device: torch.device, head_dim_v: Optional[int] = None):
     """{"fwd", "dq"} -> (BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages); "dkdv" -> one such tile, or a
     (dV tile, dK tile) pair sharing BLOCK_M when "split_dkdv" (dV and dK as two launches, kernels/backward.py).
-    """
-    block_d = max(32, 1 << (head_dim - 1).bit_length())
+    ``BLOCK_D`` is Q's and K's; the tile shapes follow the larger of that and V's head dim (``head_dim_v``)."""
+    block_d = block_dim(head_dim)
+    block_max = max(block_d, block_dim(head_dim_v or head_dim))
     pack = lambda c: (c[0], c[1], block_d, c[2], c[3])  # noqa: E731
     if device.type != "cuda":
         return {"fwd": pack((64, 64, 4, 1)), "dq": pack((64, 64, 4, 1)), "dkdv": pack((64, 64, 4, 1)),
                 "split_dkdv": False}
-    if block_d > 128:
+    if block_max > 128:
         return {"fwd": pack((64, 32, 4, 2)), "dq": pack((32, 32, 4, 1)), "dkdv": pack((32, 32, 4, 1)),
                 "split_dkdv": False}
     # Fastest of sweeps on an H200 at N=4096 (benchmarks/breakdown.py --sweep / --split-sweep,
@@ -61,7 +62,7 @@ def tile_configs(head_dim: int, device: torch.device):
     # (178 at D=128); split into a dV and a dK launch it runs 1.36x faster at D=128 despite computing P twice.
     # At D <= 64 splitting gained 1.03x only: fused there; its dQ kernel is 1.36x faster at BLOCK_M 64, 4 warps.
     fwd = pack((64, 128, 4, 3))
-    if block_d == 128:
+    if block_max == 128:
         return {"fwd": fwd, "dq": pack((128, 128, 8, 2)), "dkdv": (pack((128, 64, 4, 2)), pack((128, 128, 8, 2))),
                 "split_dkdv": True}
     return {"fwd": fwd, "dq": pack((64, 128, 4, 2)), "dkdv": pack((128, 128, 8, 2)), "split_dkdv": False}
@@ -80,18 +81,20 @@ def _use_triton(x: torch.Tensor) -> bool:
 # The op
 # ---------------------------------------------------------------------------------------------------
 
-def _new_like(x: torch.Tensor, varlen: bool) -> torch.Tensor:
+def _new_like(x: torch.Tensor, varlen: bool, head_dim: Optional[int] = None) -> torch.Tensor:
     """The layout of outputs and gradients: packed ``[T, H, D]`` contiguous; padded ``[B, H, N, D]`` in the
     caller's order of heads and tokens: head-major when ``x``'s heads are outer to its tokens (a user's
     ``torch.randn(B, H, N, D)``), else token-major, laid out as ``[B, N, H, D]`` (Transformers' q/k/v: its
     ``transpose(1, 2)`` is then free). A gradient in its leaf's own layout spares autograd a copy into it
     (3 x 128 MB per backward at B*N = 32K, H*D = 2048). The rule reads only the order of two strides, which
-    torch.compile keeps for a custom op's inputs, so the fake implementation and the real one agree."""
+    torch.compile keeps for a custom op's inputs, so the fake implementation and the real one agree.
+    ``head_dim``: the last dim, if not ``x``'s (the output has V's head dim, which MLA sets apart from Q's)."""
+    shape = x.shape if head_dim is None else (*x.shape[:-1], head_dim)
     if varlen:
-        return x.new_empty(x.shape)
-    b, h, n, d = x.shape
+        return x.new_empty(shape)
+    b, h, n, d = shape
     if h > 1 and n > 1 and x.stride(1) > x.stride(2):
-        return x.new_empty(x.shape)
+        return x.new_empty(shape)
     return x.new_empty(b, n, h, d).transpose(1, 2)
 
 
@@ -145,15 +148,15 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
                      softcap, need_shift):
     """(out, lse2, Shift or None)."""
     varlen = cu_q is not None
-    cfg = tile_configs(q.shape[-1], q.device)
-    out = _new_like(q, varlen)
+    cfg = tile_configs(q.shape[-1], q.device, v.shape[-1])
+    out = _new_like(q, varlen, v.shape[-1])
     if backend == "naive":
         dispatch.count("fwd_naive")
         out_naive, lse = _per_sequence(
             lambda qs, ks, vs: naive.sagebwd_forward_naive(qs, ks, vs, scale, window, k_smoothing,
                                                            q_smoothing, block_n=cfg["fwd"][1], softcap=softcap)
             if qs.shape[2] and ks.shape[2] else   # an empty sequence: zeros, lse +inf (no key seen)
-            (torch.zeros_like(qs), torch.full(qs.shape[:3], float("inf"), device=qs.device)),
+            (qs.new_zeros(*qs.shape[:3], vs.shape[3]), torch.full(qs.shape[:3], float("inf"), device=qs.device)),
             q, k, v, cu_q, cu_k)
         return out.copy_(out_naive), lse, _torch_shift(q, k, cu_q, cu_k, scale) if need_shift else None
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
@@ -163,7 +166,8 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
     shift = _kernel_shift(quant, q4, cu_q, with_means=False) if need_shift else None
     # (an empty side has nothing to tile: a TMA descriptor cannot have a zero extent)
     gluon = q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
-                                                                      lay_k.max_len, softcap=bool(softcap))
+                                                                      lay_k.max_len, softcap=bool(softcap),
+                                                                      head_dim_v=v4.shape[3])
     # the Gluon kernel reads V^T by TMA, whose tiles must start 16-byte aligned: packed sequences are laid so
     v_starts = aligned_starts(lay_k) if gluon and varlen else None
     v8t, v_scale = quantize_v(v4, lay_k, v_starts)
@@ -207,7 +211,7 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     term, when they still owe it (soft-capped scores on the Triton kernels), else None; ``delta`` =
     rowsum(dO * O) in the lse's layout from the kernels' dO pass (None on the PyTorch path)."""
     varlen = cu_q is not None
-    cfg = tile_configs(q.shape[-1], q.device)
+    cfg = tile_configs(q.shape[-1], q.device, v.shape[-1])
     dq, dk, dv = _poisoned(_new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen))
     if backend == "naive":
         dispatch.count("bwd_naive")
@@ -240,7 +244,7 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     do_q = quantize(do4, lay_q, natural=False, transposed=True, out_for_delta=o4)
     if q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
                                                                  lay_k.max_len, backward=True,
-                                                                 softcap=bool(softcap)):
+                                                                 softcap=bool(softcap), head_dim_v=v4.shape[3]):
         from .kernels.backward_hopper import launch_backward_hopper   # imports Gluon: only where it runs
         launch_backward_hopper(quant, v4, do4, do_q["x8t"], do_q["scale"], lse, do_q["delta"], as_bhnd(dq, varlen),
                                as_bhnd(dk, varlen), as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3],
@@ -299,7 +303,7 @@ def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smo
       softcap, sinks):
     varlen = cu_q is not None
     lse_shape = (1, q.shape[1], q.shape[0]) if varlen else q.shape[:3]
-    return _new_like(q, varlen), q.new_empty(lse_shape, dtype=torch.float32)
+    return _new_like(q, varlen, v.shape[-1]), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("sagebwd::attn_bwd", mutates_args=(), tags=OP_TAGS)
@@ -367,13 +371,14 @@ def _check_tensors(q, k, v, rank, layout_name):
             raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
         if x.dtype != q.dtype:
             raise TypeError(f"q, k and v must share one dtype: q is {q.dtype}, {name} is {x.dtype}")
-    head_dim = q.shape[-1]
-    if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
-        raise ValueError(f"q, k and v must share the head dim: got {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}")
-    if head_dim % 8 != 0 or not 8 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q and k must share the head dim: got {q.shape[-1]} and {k.shape[-1]}")
+    for name, head_dim in (("q/k", q.shape[-1]), ("v", v.shape[-1])):   # v's may differ (MLA: 192 and 128)
+        if head_dim % 8 != 0 or not 8 <= head_dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} head dim must be a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have the same shape but for the head dim, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
 
 
 def _check_heads(num_heads, num_kv_heads):
@@ -455,8 +460,9 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 
     Args:
         q: ``[batch, heads, seqlen_q, head_dim]``, float16 or bfloat16 (float32 runs in bfloat16).
-        k, v: ``[batch, kv_heads, seqlen_k, head_dim]``; ``heads`` a multiple of ``kv_heads`` (GQA/MQA).
-            Any strides; inputs are never modified.
+        k, v: ``[batch, kv_heads, seqlen_k, head_dim]``; ``heads`` a multiple of ``kv_heads`` (GQA/MQA). v may
+            have a head dim of its own (multi-head latent attention), run by the portable kernels. Any strides;
+            inputs are never modified.
         causal: mask future keys, aligned bottom-right when ``seqlen_q != seqlen_k``.
         softmax_scale: defaults to ``head_dim ** -0.5``.
         window_size: ``(left, right)`` local attention as in FlashAttention, -1 for unbounded.
@@ -471,7 +477,7 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
             attention sinks); differentiable. None is off.
 
     Returns:
-        ``out`` ``[batch, heads, seqlen_q, head_dim]`` in q's dtype, and ``lse`` if asked.
+        ``out`` ``[batch, heads, seqlen_q, head_dim of v]`` in q's dtype, and ``lse`` if asked.
     """
     _check_tensors(q, k, v, 4, "[batch, heads, seqlen, head_dim]")
     if k.shape[0] != q.shape[0]:
@@ -499,7 +505,7 @@ def sagebwd_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              sinks: Optional[torch.Tensor] = None):
     """Packed (padding-free) batches, as ``flash_attn_varlen_func``.
 
-    ``q`` is ``[total_q, heads, head_dim]``, ``k``/``v`` ``[total_k, kv_heads, head_dim]``; sequence ``i``
+    ``q`` is ``[total_q, heads, head_dim]``, ``k``/``v`` ``[total_k, kv_heads, head_dim]`` (v's may differ); sequence ``i``
     holds tokens ``cu_seqlens[i]:cu_seqlens[i+1]`` (int32, on q's device). No token attends across a
     sequence boundary. ``lse``, if asked, is ``[heads, total_q]``. Other arguments as ``sagebwd_attn_func``.
     """

@@ -92,11 +92,16 @@ def _gather(x, idx):
     return flat if idx is None else flat[idx]
 
 
-def _scatter(packed, idx, like):
+def _scatter(packed, idx, shape):
+    """The packed rows back in a padded ``shape`` ``[B, N, H, D]``, zeros where no row goes."""
     if idx is None:
-        return packed.view(like.shape)
-    full = packed.new_zeros(like.numel() // (like.shape[-2] * like.shape[-1]), *like.shape[-2:])
-    return full.index_copy_(0, idx, packed).view(like.shape)
+        return packed.view(shape)
+    full = packed.new_zeros(shape[0] * shape[1], *shape[-2:])
+    return full.index_copy_(0, idx, packed).view(shape)
+
+
+def _out_shape(q, v):
+    return (*q.shape[:-1], v.shape[-1])      # V's head dim (MLA: not Q's)
 
 
 def _to_tokens(lse):
@@ -109,8 +114,8 @@ def _segmented_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
                    ids: Optional[torch.Tensor], causal: bool, scale: float, window_left: int, window_right: int,
                    k_smoothing: bool, q_smoothing: bool, backend: str, softcap: float,
                    sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """q ``[B, Nq, H, D]``, k/v ``[B, Nk, Hkv, D]`` (any strides). Returns out ``[B, Nq, H, D]`` (zeros for
-    padding queries) and the kernels' base-2 lse ``[1, H, B * Nq]``."""
+    """q ``[B, Nq, H, D]``, k/v ``[B, Nk, Hkv, D]`` (any strides; v's head dim may differ). Returns out
+    ``[B, Nq, H, Dv]`` (zeros for padding queries) and the kernels' base-2 lse ``[1, H, B * Nq]``."""
     plan = _plan(q, k, mask, ids, causal)
     window = (window_left, window_right)
     if plan.cu_q is None:
@@ -121,16 +126,16 @@ def _segmented_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
                                plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale, window, k_smoothing,
                                q_smoothing, backend, softcap, sinks)
     if plan.idx_q is None:
-        return out.view(q.shape), lse_packed
+        return out.view(_out_shape(q, v)), lse_packed
     lse = lse_packed.new_full((1, q.shape[2], q.shape[0] * q.shape[1]), float("inf"))
     lse[:, :, plan.idx_q] = lse_packed
-    return _scatter(out, plan.idx_q, q), lse
+    return _scatter(out, plan.idx_q, _out_shape(q, v)), lse
 
 
 @_segmented_fwd.register_fake
 def _(q, k, v, mask, ids, causal, scale, window_left, window_right, k_smoothing, q_smoothing, backend, softcap,
       sinks):
-    return q.new_empty(q.shape), q.new_empty((1, q.shape[2], q.shape[0] * q.shape[1]), dtype=torch.float32)
+    return q.new_empty(_out_shape(q, v)), q.new_empty((1, q.shape[2], q.shape[0] * q.shape[1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("sagebwd::segmented_bwd", mutates_args=(), tags=OP_TAGS)
@@ -152,7 +157,7 @@ def _segmented_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                                    _gather(v, plan.idx_k), _gather(out, plan.idx_q), lse_packed, plan.cu_q,
                                    plan.cu_k, plan.max_q, plan.max_k, scale, window, k_smoothing, q_smoothing,
                                    backend, softcap, sinks)
-    return (_scatter(dq, plan.idx_q, q), _scatter(dk, plan.idx_k, k), _scatter(dv, plan.idx_k, v),
+    return (_scatter(dq, plan.idx_q, q.shape), _scatter(dk, plan.idx_k, k.shape), _scatter(dv, plan.idx_k, v.shape),
             _sinks_grad(dsinks, q))
 
 

@@ -19,8 +19,9 @@ def error_stats(x: torch.Tensor, ref: torch.Tensor) -> Tuple[float, float]:
 
 
 def make_qkv(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype, device, k_outliers=0.0,
-             seed: Optional[int] = None):
-    """Random q, k, v ``[B, H, N, D]`` plus an upstream gradient.
+             seed: Optional[int] = None, head_dim_v: Optional[int] = None):
+    """Random q, k, v ``[B, H, N, D]`` plus an upstream gradient (v and the gradient with ``head_dim_v``
+    channels if given: MLA's value head dim).
 
     ``k_outliers > 0`` adds a per-channel offset to K of that many standard deviations on a few
     channels and a smaller one on all: the channel bias real models show and K-smoothing removes."""
@@ -33,8 +34,8 @@ def make_qkv(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype, device
         offset = rnd(head_dim) * (k_outliers / 4)
         offset[torch.randperm(head_dim, generator=gen)[: max(1, head_dim // 16)]] = k_outliers
         k = k + offset
-    v = rnd(batch, kv_heads, seqlen_k, head_dim)
-    do = rnd(batch, heads, seqlen_q, head_dim)
+    v = rnd(batch, kv_heads, seqlen_k, head_dim_v or head_dim)
+    do = rnd(batch, heads, seqlen_q, head_dim_v or head_dim)
     cast = lambda x: x.to(device=device, dtype=dtype)  # noqa: E731
     return cast(q), cast(k), cast(v), cast(do)
 

@@ -52,7 +52,8 @@ _warned = set()
 
 FALLBACK_REASONS = {
     "dropout": "attention dropout > 0 in training (the kernel has no dropout)",
-    "head_dim": f"a head dim the kernel does not take (q/k/v must share one, a multiple of 8 up to {MAX_HEAD_DIM})",
+    "head_dim": f"a head dim the kernel does not take (q and k must share one; it and v's, a multiple of 8 up to "
+                f"{MAX_HEAD_DIM})",
     "dtype": "q/k/v in a dtype other than float16, bfloat16 or float32",
     "mask_4d": "a 4D attention mask that is no causal, bidirectional or sliding-window pattern over padded rows: "
                "one passed by the user, a mask pattern the kernel cannot express (or_mask_function/and_mask_function "
@@ -190,16 +191,16 @@ def _expressible_compiled(mask_function, kwargs) -> bool:
 
 
 @torch.compiler.assume_constant_result
-def _declared_support(config) -> tuple:
+def _declared_support(config_class) -> tuple:
     """``(flash, sdpa)``: whether the models built on ``config``'s class declare FlashAttention / SDPA support
     (``_supports_flash_attn`` / ``_supports_sdpa`` of the ``PreTrainedModel`` classes in the modeling module
-    beside the configuration module). FlashAttention support is the promise that a layer's pattern reaches the
+    beside the configuration module). Takes the config's class, which torch.compile treats as a constant. FlashAttention support is the promise that a layer's pattern reaches the
     attention through ``is_causal`` / ``sliding_window`` and that the model never reads the mask: what
     ``sagebwd_mask``'s None or 2D mask needs. ``(True, True)`` when no such class is found (a config without
     its modeling module loaded), as before this check."""
-    if config is None:
+    key = config_class
+    if key is type(None):
         return True, True
-    key = type(config)
     if key not in _SUPPORT:
         module = sys.modules.get(key.__module__.replace(".configuration_", ".modeling_"))
         models = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, PreTrainedModel)
@@ -239,7 +240,7 @@ def sagebwd_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     # with index_topk) reads it (its indexer takes attention_mask[:, 0]). These get the mask their own sdpa or
     # eager implementation gets, as does a pattern the kernel cannot express (materialized, so that it is kept);
     # the attention function reads plain patterns back from it (_as_kernel_pattern).
-    flash, sdpa = _declared_support(kwargs.get("config"))
+    flash, sdpa = _declared_support(type(kwargs.get("config")))
     keep_pattern = getattr(kwargs.get("config"), "index_topk", None) is not None or not expressible
     if keep_pattern:
         kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
@@ -315,9 +316,8 @@ def _warn_unknown(kwargs) -> None:
 def _fallback_reason(query, key, value, attention_mask, dropout, kwargs) -> Optional[str]:
     if dropout and dropout > 0:
         return "dropout"
-    head_dim = query.shape[-1]
-    if (key.shape[-1] != head_dim or value.shape[-1] != head_dim or head_dim % 8 != 0
-            or not 8 <= head_dim <= MAX_HEAD_DIM):
+    if key.shape[-1] != query.shape[-1] or not all(
+            d % 8 == 0 and 8 <= d <= MAX_HEAD_DIM for d in (query.shape[-1], value.shape[-1])):
         return "head_dim"
     if any(x.dtype not in _HALF + (torch.float32,) for x in (query, key, value)):
         return "dtype"
@@ -511,7 +511,8 @@ def _dense(q, k, v, op):
 def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, op):
     """The batch flattened into one packed run of tokens, cut by cu_seqlens (reshape copies a strided view)."""
     flat = lambda x: x.reshape(-1, x.shape[-2], x.shape[-1])  # noqa: E731
-    return sagebwd_attn_varlen_func(flat(q), flat(k), flat(v), cu_q, cu_k, max_q, max_k, **op).view(q.shape)
+    return sagebwd_attn_varlen_func(flat(q), flat(k), flat(v), cu_q, cu_k, max_q, max_k, **op).view(
+        *q.shape[:-1], v.shape[-1])
 
 
 # Padding masks and packed sequence ids go to segmented_attention (sagebwd_hf/segments.py): the real tokens

@@ -17,7 +17,8 @@ def _qkv(b=1, h=2, hk=2, n=16, d=64, dtype=torch.float16):
 @pytest.mark.parametrize("make_bad, match", [
     (lambda q, k, v: (q[0], k, v), r"q must have shape"),
     (lambda q, k, v: (q, k[..., :32], v), r"head dim"),
-    (lambda q, k, v: (q, k, v[:, :, :8]), r"k and v must have the same shape"),
+    (lambda q, k, v: (q, k, v[:, :, :8]), r"k and v must have the same shape but for the head dim"),
+    (lambda q, k, v: (q, k, v[..., :20]), r"v head dim must be a multiple of 8"),
     (lambda q, k, v: (q.repeat(2, 1, 1, 1), k, v), r"batch size"),
     (lambda q, k, v: (q.repeat(1, 3, 1, 1)[:, :3], k, v), r"multiple of k/v's heads"),
     (lambda q, k, v: (q[..., :20], k[..., :20], v[..., :20]), r"multiple of 8"),

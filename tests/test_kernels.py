@@ -90,8 +90,8 @@ def test_dkdv_fused_and_split(device, split, monkeypatch):
     from sagebwd_hf import interface
     base = interface.tile_configs
 
-    def forced(head_dim, dev):
-        cfg = dict(base(head_dim, dev))
+    def forced(head_dim, dev, head_dim_v=None):
+        cfg = dict(base(head_dim, dev, head_dim_v))
         dv = cfg["dkdv"][0] if cfg["split_dkdv"] else cfg["dkdv"]
         dk = (dv[0], dv[1] // 2) + tuple(dv[2:])     # another BLOCK_N for dK: only BLOCK_M is shared
         cfg["dkdv"], cfg["split_dkdv"] = ((dv, dk), True) if split else (dv, False)
@@ -117,6 +117,38 @@ def test_dtypes_and_smoothing(device, dtype, q_smoothing):
     kern = run_with_grads(fn("triton"), q, k, v, do)
     _check_oracle(compare(kern, run_with_grads(fn("naive"), q, k, v, do)), dtype, device)
     _check_exact(compare(kern, exact_reference(q, k, v, do, window_size=(-1, 0))))
+
+
+# (head_dim, head_dim_v, causal, window, packed): MLA's V head dim differs from Q's and K's (DeepSeek: 192 and 128)
+MLA_CASES = [(48, 32, True, (-1, -1), False), (24, 40, False, (-1, -1), False), (40, 16, True, (9, 0), False),
+             (48, 32, True, (-1, -1), True)]
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize("case", MLA_CASES, ids=lambda c: f"d{c[0]}-dv{c[1]}-{'causal' if c[2] else 'full'}"
+                         f"-w{c[3][0]}{'-packed' if c[4] else ''}")
+def test_value_head_dim_of_its_own(device, case):
+    """V (and O, dO, dV) with a head dim of its own: the kernels against the reference and exact attention,
+    GQA, on padded and packed batches."""
+    d, dv, causal, window, packed = case
+    dtype = torch.float16
+    q, k, v, do = make_qkv(2, 4, 2, 77, 77, d, dtype, device, head_dim_v=dv)
+    if packed:   # the two rows as packed sequences of 77 and 50 tokens
+        cu = torch.tensor([0, 77, 127], device=device, dtype=torch.int32)
+        flat = lambda x: torch.cat([x[0], x[1, :, :50]], 1).transpose(0, 1).contiguous()  # noqa: E731
+        q, k, v, do = (flat(x) for x in (q, k, v, do))
+        fn = lambda backend: (lambda x, y, z: sagebwd_attn_varlen_func(  # noqa: E731
+            x, y, z, cu, cu, 77, 77, causal=causal, window_size=window, backend=backend))
+    else:
+        fn = lambda backend: (lambda x, y, z: sagebwd_attn_func(  # noqa: E731
+            x, y, z, causal=causal, window_size=window, backend=backend))
+    kern = run_with_grads(fn("triton"), q, k, v, do)
+    assert kern["O"].shape == do.shape and kern["dV"].shape == v.shape and kern["dQ"].shape == q.shape
+    for name, t in kern.items():
+        assert torch.isfinite(t).all(), f"{name} has NaN/inf (or an element the kernel never wrote)"
+    _check_oracle(compare(kern, run_with_grads(fn("naive"), q, k, v, do)), dtype, device)
+    if not packed:
+        _check_exact(compare(kern, exact_reference(q, k, v, do, window_size=_effective_window(causal, window))))
 
 
 @pytest.mark.parametrize("device", kernel_devices())
@@ -257,6 +289,21 @@ GPU_CASES = [
     (1, 4, 4, 1024, 1024, 192, False, (-1, -1)),
     (8, 8, 8, 1, 4096, 128, True, (-1, -1)),
 ]
+# DeepSeek V2/V3's MLA heads (q/k 192, v 128) and MiniCPM3's (96, 64), on the portable kernels
+GPU_MLA_CASES = [(2, 16, 16, 2048, 2048, 192, 128, True), (1, 8, 8, 1000, 1000, 96, 64, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_MLA_CASES, ids=lambda c: f"d{c[5]}-dv{c[6]}-n{c[3]}")
+def test_gpu_value_head_dim_of_its_own(case):
+    b, h, hk, nq, nk, d, dv, causal = case
+    dtype = torch.bfloat16
+    q, k, v, do = make_qkv(b, h, hk, nq, nk, d, dtype, "cuda", head_dim_v=dv)
+    fn = lambda backend: (lambda x, y, z: sagebwd_attn_func(x, y, z, causal=causal, backend=backend))  # noqa: E731
+    kern = run_with_grads(fn("triton"), q, k, v, do)
+    _check_oracle(compare(kern, run_with_grads(fn("naive"), q, k, v, do)), dtype, "cuda")
+    _check_exact(compare(kern, exact_reference(q, k, v, do, window_size=(-1, 0) if causal else (-1, -1),
+                                               dtype=torch.float32)))
 
 
 @pytest.mark.gpu

@@ -99,8 +99,14 @@ def test_a_lost_window_is_caught(monkeypatch):
     assert result.status == "sagebwd" and "logits rel L2" in result.mismatch, mc.describe(result)
 
 
+def _gpu_params(names):
+    return [pytest.param(name, marks=pytest.mark.xfail(strict=False, reason=mc.GPU_DEVIATIONS[name]))
+            if isinstance(name, str) and name in mc.GPU_DEVIATIONS else name
+            for name in _params(names, strict=SAME_TRANSFORMERS)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type", _params(mc.architectures(), strict=SAME_TRANSFORMERS))
+@pytest.mark.parametrize("model_type", _gpu_params(mc.architectures()))
 def test_gpu_architecture(model_type):
     """bfloat16 models on CUDA, the kernels themselves. Statuses are compared with the (CPU) doc only when the
     Transformers versions agree."""

@@ -603,8 +603,8 @@ def test_models_without_flash_support_get_their_own_mask():
     """A model that does not declare FlashAttention support gets the mask its sdpa or eager path gets: BigBird-
     Pegasus' decoder self-attention is built with is_causal=False and is causal only through its mask."""
     from transformers import BigBirdPegasusConfig, BigBirdPegasusForCausalLM, LlamaConfig
-    assert ti._declared_support(LlamaConfig()) == (True, True)
-    assert ti._declared_support(BigBirdPegasusConfig()) == (False, False)
+    assert ti._declared_support(LlamaConfig) == (True, True)
+    assert ti._declared_support(BigBirdPegasusConfig) == (False, False)
     config = BigBirdPegasusConfig(vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1,
                                   encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
                                   decoder_ffn_dim=64, max_position_embeddings=64, attention_type="original_full",
@@ -693,6 +693,19 @@ def test_deepseek_sparse_attention_runs_its_selected_keys(model_type, fresh_warn
                                              attn_implementation="sdpa")
     dense_logits = dense(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
     assert (dense_logits[real] - logits["sdpa"][real]).abs().max() > 1e-3, "the selection must matter here"
+
+
+@pytest.mark.parametrize("padding", [None, "left"])
+def test_mla_value_head_dim_runs_on_the_kernels(padding):
+    """DeepSeek V3's multi-head latent attention: q/k heads of 24 (16 + 8 rotary), v heads of 16. It ran SDPA
+    (a head dim the kernel did not take) before V got a head dim of its own."""
+    config = AutoConfig.for_model("deepseek_v3", **{k: v for k, v in DSA_TINY.items() if not k.startswith("index")})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    inputs = batch(padding=padding)
+    real = inputs["attention_mask"].bool() if padding else None
+    assert_close_to_sdpa(model, inputs, real)
+    assert sagebwd_hf.attention_stats()["paths"] == {"padding" if padding else "dense": 2}
 
 
 def test_bad_calls_raise():

@@ -162,7 +162,7 @@ def _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_b
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q8, QS, K8, KS, V8T, VS, QMEAN, QMEAN_CU, O, LSE, SHIFT, CU_Q, CU_K,
+    Q8, QS, K8, KS, V8T, VS, QMEAN, QMEAN_CU, O, LSE, SHIFT, SINKS, CU_Q, CU_K,
     s_q8b, s_q8h, s_q8t,
     s_qsb, s_qsh,
     s_k8b, s_k8h, s_k8t,
@@ -175,7 +175,8 @@ def _attn_fwd_kernel(
     n_q, n_k, num_heads, group, head_dim, head_dim_v, window_left, window_right, softcap2,
     IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, SOFTCAP: tl.constexpr, FAST_RCP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SINK_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
@@ -234,20 +235,39 @@ def _attn_fwd_kernel(
 
     v_scale = tl.load(VS + b * s_vsb + hk * s_vsh + offs_dv, mask=dv_ok, other=0.0)
     has_keys = l_i > 0
+    # base-2 log-sum-exp; +inf for empty rows makes the backward's exp2(s - lse) exactly 0
+    lse = tl.where(has_keys, m_i + tl.log2(l_i), float("inf"))
     inv_l = tl.where(has_keys, 1.0 / l_i, 0.0)                  # fully masked rows give zeros, not NaN
+    if SINK_MODE > 0:   # the head's sink joins the denominator (sinks.add_sinks' arithmetic, per row here)
+        sink = tl.load(SINKS + h).to(tl.float32)
+        if SINK_MODE == 2:   # K-smoothing moved the scores by -shift: the sink, in their frame, too
+            sink = sink - tl.load(SHIFT + bq * s_lb + h * s_lh + q0 + offs_m, mask=m_ok, other=0.0)
+        sink2 = sink * 1.4426950408889634                     # log2(e): the kernels' scores are base 2
+        top = tl.maximum(lse, sink2)
+        new_lse = top + tl.log2(tl.exp2(lse - top) + tl.exp2(sink2 - top))
+        inv_l = tl.where(has_keys, tl.exp2(lse - new_lse) / l_i, 0.0)
+        lse = tl.where(has_keys, new_lse, lse)                  # a row with no key: zeros, lse +inf, as before
     out = acc * inv_l[:, None] * v_scale[None, :]
     tl.store(O + bq * s_ob + h * s_oh + (q0 + offs_m)[:, None] * s_ot + offs_dv[None, :] * s_od,
              out.to(O.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
-    # base-2 log-sum-exp; +inf for empty rows makes the backward's exp2(s - lse) exactly 0
-    lse = tl.where(has_keys, m_i + tl.log2(l_i), float("inf"))
     tl.store(LSE + bq * s_lb + h * s_lh + q0 + offs_m, lse, mask=m_ok)
 
 
 def launch_forward(quant, v8t, v_scale, out4, lse, layout_q: SeqLayout, layout_k: SeqLayout,
-                   num_heads, group, head_dim, window, config, softcap=0.0, shift=None):
+                   num_heads, group, head_dim, window, config, softcap=0.0, shift=None, sinks=None,
+                   sink_shift=None):
     """Run the forward kernel; ``out4`` ``[B, Hq, N, Dv]`` (any strides) and ``lse`` ``[B, Hq, N]`` fp32 are
-    written (``Dv``: V's head dim, ``v8t.shape[2]``; it may differ from ``head_dim``, Q's and K's). ``softcap`` > 0 (natural units) caps the scores after adding ``shift`` (base 2, lse's layout)."""
+    written (``Dv``: V's head dim, ``v8t.shape[2]``; it may differ from ``head_dim``, Q's and K's).
+    ``softcap`` > 0 (natural units) caps the scores after adding ``shift`` (base 2, lse's layout). ``sinks``
+    ``[Hq]`` (natural units, contiguous) join each row's denominator, in the kernels' frame less ``sink_shift``
+    (natural units, lse's layout: K-smoothing's row shift; None when the scores are the caller's): ``out4`` and
+    ``lse`` come out as the sink-softmax's."""
     assert not softcap or (shift is not None and shift.stride() == lse.stride())
+    assert not (softcap and sink_shift is not None), "capped scores are already the caller's"
+    assert sink_shift is None or sink_shift.stride() == lse.stride()
+    if sink_shift is not None:
+        shift = sink_shift
+    sink_mode = 0 if sinks is None else 2 if sink_shift is not None else 1
     block_m, block_n, block_d, num_warps, num_stages = config
     assert Q_SMOOTH_BLOCK % block_m == 0
     q8, k8 = quant["q8"], quant["k8"]
@@ -255,7 +275,7 @@ def launch_forward(quant, v8t, v_scale, out4, lse, layout_q: SeqLayout, layout_k
     grid = (triton.cdiv(layout_q.max_len, block_m), layout_q.num_seqs * num_heads)
     return _attn_fwd_kernel[grid](
         q8, quant["q_scale"], k8, quant["k_scale"], v8t, v_scale,
-        maybe(q_mean, v_scale), maybe(quant["q_mean_cu"], q8), out4, lse, maybe(shift, lse),
+        maybe(q_mean, v_scale), maybe(quant["q_mean_cu"], q8), out4, lse, maybe(shift, lse), maybe(sinks, lse),
         maybe(layout_q.cu_seqlens, q8), maybe(layout_k.cu_seqlens, q8),
         *strides4(q8)[:3], *strides3(quant["q_scale"])[:2],
         *strides4(k8)[:3], *strides3(quant["k_scale"])[:2],
@@ -266,6 +286,7 @@ def launch_forward(quant, v8t, v_scale, out4, lse, layout_q: SeqLayout, layout_k
         float(softcap) * LOG2E,
         IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
         Q_SMOOTH=q_mean is not None, QSB=Q_SMOOTH_BLOCK, SOFTCAP=bool(softcap), FAST_RCP=fast_rcp(q8.device),
+        SINK_MODE=sink_mode,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dim(out4.shape[3]),
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -180,9 +180,9 @@ def _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, turn_me, turn_o
 @gluon.jit
 def _consumer(q, first, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn_me, turn_other, QS, VS, O, LSE,
               qs_off, vs_off, o_off, lse_off, s_ot,
-              seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi,
+              seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
               HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-              PINGPONG: gl.constexpr, FIRST: gl.constexpr):
+              PINGPONG: gl.constexpr, FIRST: gl.constexpr, SINK_MODE: gl.constexpr):
     """One warpgroup: query rows ``[first, first + 64)`` (their int8 Q in ``q``) against all key tiles."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
@@ -217,8 +217,18 @@ def _consumer(q, first, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn_me, t
 
     has_keys = l_i > 0
     lse = gl.where(has_keys, m_i + gl.log2(l_i), float("inf"))   # +inf: the backward's exp2(s - lse) is 0
+    inv_l = gl.where(has_keys, 1.0 / l_i, 0.0)
+    if SINK_MODE > 0:   # the head's sink joins the denominator, as in forward.py's epilogue
+        sink_row = gl.full([HALF_M], 0.0, gl.float32, row_layout) + sink
+        if SINK_MODE == 2:
+            sink_row = sink_row - gl.load(SINK_SHIFT + lse_off + rows, mask=m_ok, other=0.0)
+        sink2 = sink_row * 1.4426950408889634
+        top = gl.maximum(lse, sink2)
+        new_lse = top + gl.log2(gl.exp2(lse - top) + gl.exp2(sink2 - top))
+        inv_l = gl.where(has_keys, gl.exp2(lse - new_lse) / l_i, 0.0)
+        lse = gl.where(has_keys, new_lse, lse)
     gl.store(LSE + lse_off + rows, lse, mask=m_ok)
-    inv_l = gl.convert_layout(gl.where(has_keys, 1.0 / l_i, 0.0), gl.SliceLayout(1, o_layout))
+    inv_l = gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     v_scale = gl.load(VS + vs_off + offs_d)
     out = acc * inv_l[:, None] * v_scale[None, :]
@@ -230,11 +240,11 @@ def _consumer(q, first, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn_me, t
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(
-    q_desc, k_desc, vt_desc, QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT,
+    q_desc, k_desc, vt_desc, QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS, SINK_SHIFT,
     s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right,
     IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, PINGPONG: gl.constexpr, SINK_MODE: gl.constexpr,
 ):
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -295,16 +305,19 @@ def _attn_fwd_hopper_kernel(
     vs_off = b.to(gl.int64) * s_vsb + hk * s_vsh
     o_off = bq.to(gl.int64) * s_ob + h.to(gl.int64) * s_oh + q0.to(gl.int64) * s_ot
     lse_off = bq.to(gl.int64) * s_lb + h * s_lh + q0
+    sink = (h * 0).to(gl.float32)
+    if SINK_MODE > 0:
+        sink = gl.load(SINKS + h).to(gl.float32)
     # (constexprs go into each tuple literally: a tuple built beforehand turns them into tensors)
     gl.warp_specialize([
         (_consumer, (q_smem.index(0), start_m, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn.index(0),
                      turn.index(1), QS, VS, O, LSE, qs_off, vs_off, o_off, lse_off, s_ot,
-                     seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi,
-                     HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 1)),
+                     seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
+                     HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE)),
         (_consumer, (q_smem.index(1), start_m + HALF_M, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn.index(1),
                      turn.index(0), QS, VS, O, LSE, qs_off, vs_off, o_off, lse_off, s_ot,
-                     seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi,
-                     HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 0)),
+                     seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
+                     HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE)),
         (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, ready, empty,
                    q_row, k_row, v_row, v0, lo, hi, KS, ks_off, seqlen_k)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -317,9 +330,11 @@ def _tma_desc(x2d, block_shape, dtype=gl.int8):
 
 
 def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
-                        window, v_starts=None, consumer_regs=240, loader_regs=24, pingpong=None):
-    """(grid, args, kwargs) of the kernel for forward.launch_forward's contract. ``pingpong`` defaults to on at
-    head dim 128 (faster there on an H100) and off at 64 (slower there)."""
+                        window, v_starts=None, consumer_regs=240, loader_regs=24, pingpong=None, sinks=None,
+                        sink_shift=None):
+    """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift`` as
+    there). ``pingpong`` defaults to on at head dim 128 (faster there on an H100) and off at 64 (slower there)."""
+    assert sink_shift is None or (sinks is not None and sink_shift.stride() == lse.stride())
     if pingpong is None:
         pingpong = head_dim == 128
     import triton
@@ -338,13 +353,14 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     grid = (triton.cdiv(layout_q.max_len, BLOCK_M.value), layout_q.num_seqs * num_heads)
     return grid, (
         q_desc, k_desc, vt_desc, q_scale, k_scale, v_scale, out4, lse, cu_q, cu_k,
-        v_starts if v_starts is not None else cu_k,
+        v_starts if v_starts is not None else cu_k, sinks if sinks is not None else lse,
+        sink_shift if sink_shift is not None else lse,
         q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
         v_scale.stride(0), v_scale.stride(1), *out4.stride()[:3], lse.stride(0), lse.stride(1),
         n_q, n_k, num_heads, hk, group, window[0], window[1],
     ), dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, PINGPONG=pingpong,
-            num_warps=4)
+            SINK_MODE=0 if sinks is None else 2 if sink_shift is not None else 1, num_warps=4)
 
 
 def launch_forward_hopper(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim, window,

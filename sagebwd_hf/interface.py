@@ -140,16 +140,22 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_sm
     """q/k/v padded ``[B, H, N, D]`` or packed ``[T, H, D]`` (then cu_* given). Returns (out, lse2)."""
     need_shift = k_smoothing and (bool(softcap) or sinks is not None)
     out, lse, shift = _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing,
-                                       backend, softcap, need_shift)
-    if sinks is not None:   # capped scores are already the caller's: the kernels added the shift back
-        _, lse = sink_math.add_sinks(as_bhnd(out, cu_q is not None), lse, sinks,
-                                     None if shift is None or softcap else shift.rows)
+                                       backend, softcap, need_shift, sinks)
+    if sinks is not None and backend == "naive":   # the Triton and Gluon kernels add them in their epilogue
+        _, lse = sink_math.add_sinks(as_bhnd(out, cu_q is not None), lse, sinks, _sink_shift(shift, softcap))
     return out, lse
 
 
+def _sink_shift(shift: Optional[Shift], softcap):
+    """Where the sinks sit in the kernels' frame: K-smoothing's row shift (natural units) below the caller's, or
+    None when the scores are the caller's (no smoothing; capped scores, which had the shift added back)."""
+    return None if shift is None or softcap else shift.rows
+
+
 def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, backend,
-                     softcap, need_shift):
-    """(out, lse2, Shift or None)."""
+                     softcap, need_shift, sinks=None):
+    """(out, lse2, Shift or None). The Triton and Gluon kernels fold ``sinks`` into out and lse2; the PyTorch
+    path leaves them to the caller."""
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device, v.shape[-1])
     out = _new_like(q, varlen, v.shape[-1])
@@ -178,13 +184,14 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
     _poisoned(out, lse)
     args = (quant, v8t, v_scale, as_bhnd(out, varlen), lse, lay_q, lay_k, q4.shape[1], q4.shape[1] // k4.shape[1],
             q4.shape[3], window)
+    sink_args = {} if sinks is None else dict(sinks=sinks.contiguous(), sink_shift=_sink_shift(shift, softcap))
     if gluon:
         from .kernels.forward_hopper import launch_forward_hopper   # imports Gluon: only where it runs
-        launch_forward_hopper(*args, v_starts=v_starts)
+        launch_forward_hopper(*args, v_starts=v_starts, **sink_args)
         dispatch.count("fwd_gluon")
     else:
         launch_forward(*args, cfg["fwd"], softcap=softcap,
-                       shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
+                       shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None, **sink_args)
         dispatch.count("fwd_triton")
     return out, lse, shift
 

@@ -117,6 +117,22 @@ def test_rows_without_keys_give_zeros_with_sinks(device):
     assert (result["O"][:, :, :23] == 0).all() and (result["dQ"][:, :, :23] == 0).all()
 
 
+@pytest.mark.parametrize("device", kernel_devices())
+def test_sinks_far_above_and_below_the_scores(device):
+    """Sinks of +-80 (2^115 against scores of ~1): the kernels' epilogue adds them in log space, as the reference
+    does, so neither overflows: a sink far above takes almost all the weight, one far below none."""
+    q, k, v, do = make_qkv(1, 4, 2, 70, 70, 64, torch.float16, device, k_outliers=6.0)
+    sinks = torch.tensor([80.0, -80.0, 0.0, 8.0], device=device)
+    fn = lambda backend: (lambda x, y, z, s: sagebwd_attn_func(  # noqa: E731
+        x, y, z, causal=True, sinks=s, backend=backend))
+    kern = _grads(fn("triton"), q, k, v, do, sinks)
+    ref = _grads(fn("naive"), q, k, v, do, sinks)
+    for name in kern:
+        assert torch.isfinite(kern[name]).all(), name
+        assert error_stats(kern[name], ref[name])[1] <= ORACLE_REL or kern[name].abs().max() < 1e-6, name
+    assert kern["O"][:, 0].abs().max() < 1e-6 and kern["O"][:, 1].abs().max() > 0.05
+
+
 def test_lse_includes_the_sink_and_the_cap():
     q, k, v, _ = make_qkv(1, 2, 1, 50, 50, 64, torch.float16, "cpu", k_outliers=6.0)
     sinks = torch.randn(2)

@@ -16,19 +16,23 @@ import torch.nn.functional as F
 from .interface import OP_TAGS, _backend, _backward, _check_options, _forward
 
 # Values derived from a mask or sequence-id tensor that every layer of one forward gets again: one host
-# read per forward instead of one per layer (and per backward).
-_memo = {}
+# read per forward instead of one per layer (and per backward). A few tensors per name: models whose layers
+# alternate between masks (sliding-window and full layers each get their own) would evict each other.
+_memo = {}     # name -> [(weakref to the tensor, its version, value)], most recent first
+_SLOTS = 4
 
 
 def per_tensor(name, tensor, fn):
     """``fn(tensor)``, cached while ``tensor`` is alive and unmodified."""
     if torch.compiler.is_compiling() or tensor.is_inference():   # inference tensors have no version counter
         return fn(tensor)
-    hit = _memo.get(name)
-    if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
-        return hit[2]
+    slots = _memo.setdefault(name, [])
+    for ref, version, value in slots:
+        if ref() is tensor and version == tensor._version:
+            return value
     value = fn(tensor)
-    _memo[name] = (weakref.ref(tensor), tensor._version, value)
+    slots.insert(0, (weakref.ref(tensor), tensor._version, value))
+    del slots[_SLOTS:]
     return value
 
 

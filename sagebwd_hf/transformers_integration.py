@@ -25,7 +25,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.utils.weak import WeakTensorKeyDictionary
 from transformers import AttentionInterface, PreTrainedModel
 from transformers import masking_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -194,10 +193,11 @@ def _expressible_compiled(mask_function, kwargs) -> bool:
 def _declared_support(config_class) -> tuple:
     """``(flash, sdpa)``: whether the models built on ``config``'s class declare FlashAttention / SDPA support
     (``_supports_flash_attn`` / ``_supports_sdpa`` of the ``PreTrainedModel`` classes in the modeling module
-    beside the configuration module). Takes the config's class, which torch.compile treats as a constant. FlashAttention support is the promise that a layer's pattern reaches the
-    attention through ``is_causal`` / ``sliding_window`` and that the model never reads the mask: what
-    ``sagebwd_mask``'s None or 2D mask needs. ``(True, True)`` when no such class is found (a config without
-    its modeling module loaded), as before this check."""
+    beside the configuration module); it takes the config's class, which torch.compile treats as a constant.
+    FlashAttention support is the promise that a layer's pattern reaches the attention through ``is_causal`` /
+    ``sliding_window`` and that the model never reads the mask: what ``sagebwd_mask``'s None or 2D mask needs.
+    ``(True, True)`` when no such class is found (a config without its modeling module loaded), as before this
+    check."""
     key = config_class
     if key is type(None):
         return True, True
@@ -426,17 +426,6 @@ def _as_kernel_pattern(mask, batch, q_len, kv_len):
     return causal, window, padding
 
 
-_patterns = WeakTensorKeyDictionary()   # 4D mask -> (its version, _as_kernel_pattern): one read per forward
-
-
-def _pattern_of(mask, batch, q_len, kv_len):
-    hit = _patterns.get(mask)
-    if hit is None or hit[0] != (mask._version, batch, q_len, kv_len):
-        hit = ((mask._version, batch, q_len, kv_len), _as_kernel_pattern(mask, batch, q_len, kv_len))
-        _patterns[mask] = hit
-    return hit[1]
-
-
 def _sdpa(module, query, key, value, mask, dropout, scaling, kwargs):
     kwargs = {k: v for k, v in kwargs.items() if k != "is_causal"}
     return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
@@ -556,7 +545,8 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     kv_len = key.shape[2]
     mask = attention_mask.bool() if attention_mask is not None and attention_mask.dim() == 2 else attention_mask
     if mask is not None and mask.dim() == 4 and not torch.compiler.is_compiling():
-        pattern = _pattern_of(mask, batch, q_len, kv_len)
+        pattern = per_tensor(f"pattern:{batch}:{q_len}:{kv_len}", mask,
+                             lambda m: _as_kernel_pattern(m, batch, q_len, kv_len))   # once per forward
         if pattern is not None:          # the mask says which pattern: it, not the layer's kwargs, decides
             causal, window, mask = pattern
     extras = _score_extras(softcap, s_aux, query)

@@ -136,3 +136,17 @@ def test_compile_fullgraph_matches_eager(kind):
     got, want = run_with_grads(compiled, q, k, v, do), run_with_grads(fn, q, k, v, do)
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_per_tensor_keeps_a_few_tensors_per_name():
+    """Layers that alternate between two masks (sliding-window and full) read each once per forward; a mask
+    modified in place is read again."""
+    from sagebwd_hf.segments import per_tensor
+    reads = []
+    a, b = torch.ones(3), torch.zeros(3)
+    read = lambda t: reads.append(1) or float(t.sum())  # noqa: E731
+    for _ in range(3):
+        assert per_tensor("test", a, read) == 3.0 and per_tensor("test", b, read) == 0.0
+    assert len(reads) == 2
+    a.add_(1)
+    assert per_tensor("test", a, read) == 6.0 and len(reads) == 3

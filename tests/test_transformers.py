@@ -582,6 +582,18 @@ def test_4d_masks_of_plain_patterns_are_read_back(case):
     assert (got[2] is None) == (pad is None) and (pad is None or torch.equal(got[2], pad))
 
 
+def test_4d_masks_are_read_back_under_inference_mode():
+    """Inference tensors have no version counter (the read-back is not cached there), yet a causal 4D mask still
+    runs the causal kernel call."""
+    attn = tiny_model("llama").model.layers[0].self_attn
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    causal = ti._dense_mask(1, 8, 8, True, (-1, -1), None, None, "cpu")
+    with torch.inference_mode():
+        got = ti.sagebwd_attention_forward(attn, q, k, v, causal.clone())[0]
+        want = ti.sagebwd_attention_forward(attn, q, k, v, None, is_causal=True)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 _IRREGULAR = (torch.ones(24, 24, dtype=torch.bool).tril() & ~torch.eye(24, dtype=torch.bool).roll(1, 0))[None, None]
 
 

@@ -73,8 +73,9 @@ BOUNDS = {"cpu": dict(cos=0.9995, rel=0.03, grad_cos=0.999, grad_rel=0.04),
 # explanation is checked on every run, never assumed: otherwise the bounds stand.
 # * "router": an MoE router's top-k choice flips on a few tokens under SageBwd's INT8 error (a different expert
 #   then computes them), so the numbers jump although every attention call is as close to exact attention as
-#   anywhere else. Checked for every architecture whose run saw a flip, listed or not. Holds when the run saw at least one flip, every call stays within CALL_REL_MAX of exact
-#   attention, and logits cos >= ROUTER_FLOOR["cos"], grads cos >= ROUTER_FLOOR["grad_cos"].
+#   anywhere else. Checked for every architecture whose run saw a flip, listed or not. Holds when the run saw
+#   at least one flip, every call stays within CALL_REL_MAX of exact attention, and logits cos >=
+#   ROUTER_FLOOR["cos"], grads cos >= ROUTER_FLOOR["grad_cos"].
 # * "sensitive": the model amplifies any attention rounding (scores of size ~sqrt(head_dim) from q/k norms with
 #   scaling 1): plain SDPA in the other precision (bf16 on CPU) moves its gradients 10-25x more than a Llama's.
 #   Holds when SageBwd's logits and gradient errors are within CONTROL_FACTOR x that control's, measured in the
@@ -705,25 +706,21 @@ def classify(model_type: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     else:
         result.status = "not routed"
         result.interface_in_source = calls_attention_interface(model_type)
-    (logits, grads), (ref_logits, ref_grads) = got, ref
-    result.metrics = dict(cos=cos(logits, ref_logits), rel=rel_l2(logits, ref_logits),
-                          grad_cos=cos(grads, ref_grads), grad_rel=rel_l2(grads, ref_grads))
+    result.metrics = _metrics(got, ref)
     result.router_flips = router_flips(routes, ref_routes)
     result.call_rel_max = (float("nan") if any(e != e for e in call_errors) else max(call_errors)) \
         if call_errors else None
     bounds = bounds_for(model_type, device)
     m = result.metrics
-    missed = [name for name, ok in (
-        ("logits cos", m["cos"] >= bounds["cos"]), ("logits rel L2", m["rel"] <= bounds["rel"]),
-        ("grads cos", m["grad_cos"] >= bounds["grad_cos"]), ("grads rel L2", m["grad_rel"] <= bounds["grad_rel"]))
-        if not ok]
+    missed = _missed_bounds(m, bounds)
     if missed and (model_type in EXPLAINED or result.router_flips[0]):
         missed = _explain(result, model, inputs, ref, missed, device)
-    if missed and sdpa_ref is not None and not _missed_bounds(got, sdpa_ref, bounds):
+    if missed and sdpa_ref is not None and not _missed_bounds(_metrics(got, sdpa_ref), bounds):
         # The model's sdpa and eager paths disagree (its code, this Transformers version): SageBwd gets the
         # attention inputs sdpa gets and agrees with that path, so the difference is not the adapter's.
-        result.explained = (f"the model's own sdpa path is {result.sdpa_vs_eager:.3f} (rel L2) from its eager path "
-                            f"in Transformers {transformers.__version__}; SageBwd is within the bounds of the sdpa path")
+        result.explained = (f"the model's own sdpa path is {result.sdpa_vs_eager:.3f} (rel L2) from its eager "
+                            f"path in Transformers {transformers.__version__}; SageBwd is within the bounds of the "
+                            f"sdpa path")
         missed = []
     result.mismatch.extend(missed)
     if result.call_rel_max is not None and not result.call_rel_max <= bounds.get("call_rel", CALL_REL_MAX):
@@ -764,11 +761,17 @@ def control_errors(model, inputs, ref):
     return rel_l2(logits, ref[0]), rel_l2(grads, ref[1])
 
 
-def _missed_bounds(got, ref, bounds):
+def _metrics(got, ref):
     (logits, grads), (ref_logits, ref_grads) = got, ref
+    return dict(cos=cos(logits, ref_logits), rel=rel_l2(logits, ref_logits),
+                grad_cos=cos(grads, ref_grads), grad_rel=rel_l2(grads, ref_grads))
+
+
+def _missed_bounds(m, bounds):
+    """The bounds that the metrics ``m`` (``_metrics``) miss."""
     return [name for name, ok in (
-        ("logits cos", cos(logits, ref_logits) >= bounds["cos"]), ("logits rel L2", rel_l2(logits, ref_logits) <= bounds["rel"]),
-        ("grads cos", cos(grads, ref_grads) >= bounds["grad_cos"]), ("grads rel L2", rel_l2(grads, ref_grads) <= bounds["grad_rel"]))
+        ("logits cos", m["cos"] >= bounds["cos"]), ("logits rel L2", m["rel"] <= bounds["rel"]),
+        ("grads cos", m["grad_cos"] >= bounds["grad_cos"]), ("grads rel L2", m["grad_rel"] <= bounds["grad_rel"]))
         if not ok]
 
 

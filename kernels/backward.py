@@ -77,7 +77,8 @@ def _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, lo, hi, b, offs_m, offs_n, offs_d, 
     for start_m in range(lo, hi, BLOCK_M):
         q_mean = _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB, Q_SMOOTH)
         dk, dv = _dkdv_tile(dk, dv, k8, k8f, k_scale, v, tl.multiple_of(start_m, BLOCK_M), offs_m, offs_n,
-                            offs_d, d_ok, offs_dv, dv_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h,
+                            offs_d, d_ok, offs_dv, dv_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h,
+                            DELTA_h, SH_h,
                             q_mean, q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd,
                             s_dot, s_dod, s_dtd, MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, DO_DK, DO_DV,
                             SOFTCAP, FAST_RCP)
@@ -216,17 +217,20 @@ def _attn_bwd_dkdv_kernel(
         QM_h = QMEAN + h * s_qmh
         # masked edge, unmasked middle, masked edge
         dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, lo, full_lo, b, offs_m, offs_n, offs_d, d_ok,
-                             offs_dv, dv_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, QM_h, QMEAN_CU,
+                             offs_dv, dv_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h,
+                             QM_h, QMEAN_CU,
                              q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot,
                              s_dod, s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32,
                              DO_DK, DO_DV, SOFTCAP, FAST_RCP)
         dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, full_lo, full_hi, b, offs_m, offs_n, offs_d, d_ok,
-                             offs_dv, dv_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, QM_h, QMEAN_CU,
+                             offs_dv, dv_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h,
+                             QM_h, QMEAN_CU,
                              q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot,
                              s_dod, s_dtd, s_qmb, BLOCK_M, QSB, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32,
                              DO_DK, DO_DV, SOFTCAP, FAST_RCP)
         dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, full_hi, hi, b, offs_m, offs_n, offs_d, d_ok,
-                             offs_dv, dv_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h, QM_h, QMEAN_CU,
+                             offs_dv, dv_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h,
+                             QM_h, QMEAN_CU,
                              q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot,
                              s_dod, s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32,
                              DO_DK, DO_DV, SOFTCAP, FAST_RCP)
@@ -252,21 +256,24 @@ def _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB: tl.constexpr, 
 
 @triton.jit
 def _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base, KS_base,
-              V_base, lo, hi, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
+              V_base, lo, hi, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left,
+              window_right,
               s_k8t, s_ktd, s_vt, s_vd, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr,
               MASK_RIGHT: tl.constexpr, Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
               FAST_RCP: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         dq, row_ds = _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base,
                               K8T_base, KS_base, V_base, tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d,
-                              d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_ktd, s_vt, s_vd,
+                              d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_ktd,
+                              s_vt, s_vd,
                               MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP, FAST_RCP)
     return dq, row_ds
 
 
 @triton.jit
 def _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base, KS_base,
-             V_base, start_n, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
+             V_base, start_n, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left,
+             window_right,
              s_k8t, s_ktd, s_vt, s_vd,
              MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
              Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,

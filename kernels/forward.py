@@ -221,17 +221,17 @@ def _attn_fwd_kernel(
                                           BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
     # masked left edge, unmasked middle, masked right edge
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base,
-                               lo, full_lo, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left,
-                               window_right, s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP,
-                               FAST_RCP)
+                               lo, full_lo, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k,
+                               window_left, window_right, s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT,
+                               Q_SMOOTH, SOFTCAP, FAST_RCP)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base,
-                               full_lo, full_hi, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left,
-                               window_right, s_k8t, s_vtd, BLOCK_N, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP,
-                               FAST_RCP)
+                               full_lo, full_hi, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k,
+                               window_left, window_right, s_k8t, s_vtd, BLOCK_N, False, MASK_LEFT, MASK_RIGHT,
+                               Q_SMOOTH, SOFTCAP, FAST_RCP)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base,
-                               full_hi, hi, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left,
-                               window_right, s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP,
-                               FAST_RCP)
+                               full_hi, hi, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k,
+                               window_left, window_right, s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT,
+                               Q_SMOOTH, SOFTCAP, FAST_RCP)
 
     v_scale = tl.load(VS + b * s_vsb + hk * s_vsh + offs_dv, mask=dv_ok, other=0.0)
     has_keys = l_i > 0

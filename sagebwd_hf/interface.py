@@ -515,9 +515,9 @@ def sagebwd_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              sinks: Optional[torch.Tensor] = None):
     """Packed (padding-free) batches, as ``flash_attn_varlen_func``.
 
-    ``q`` is ``[total_q, heads, head_dim]``, ``k``/``v`` ``[total_k, kv_heads, head_dim]`` (v's may differ); sequence ``i``
-    holds tokens ``cu_seqlens[i]:cu_seqlens[i+1]`` (int32, on q's device). No token attends across a
-    sequence boundary. ``lse``, if asked, is ``[heads, total_q]``. Other arguments as ``sagebwd_attn_func``.
+    ``q`` is ``[total_q, heads, head_dim]``, ``k``/``v`` ``[total_k, kv_heads, head_dim]`` (v's head dim may
+    differ); sequence ``i`` holds tokens ``cu_seqlens[i]:cu_seqlens[i+1]`` (int32, on q's device). No token
+    attends across a sequence boundary. ``lse``, if asked, is ``[heads, total_q]``. Other arguments as ``sagebwd_attn_func``.
     """
     _check_tensors(q, k, v, 3, "[total_tokens, heads, head_dim]")
     _check_heads(q.shape[1], k.shape[1])

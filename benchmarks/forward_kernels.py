@@ -44,8 +44,8 @@ def median_ms(fn, reps=30, warmup=3):
 
 
 def prepare(q, k, v, layout_q, layout_k):
-    quant = quantize_qk(q, k, layout_q, layout_k, q.shape[-1] ** -0.5, True, False)
-    v8t, v_scale = quantize_v(v, layout_k)
+    quant = quantize_qk(q, k, layout_q, layout_k, q.shape[-1] ** -0.5, True, False, v4=v)   # as the op does
+    v8t, v_scale = quantize_v(v, layout_k, v_scale=quant["v_scale"])
     return quant, v8t, v_scale
 
 
@@ -81,7 +81,9 @@ def main():
     args = p.parse_args()
     from sagebwd_hf.kernels import forward_hopper as fh
 
-    variants = {"gluon": {}, "gluon_pingpong": dict(pingpong=True), "gluon_no_pingpong": dict(pingpong=False)}
+    variants = {"gluon": {}, "gluon_pingpong": dict(pingpong=True), "gluon_no_pingpong": dict(pingpong=False),
+                # exp2 of 1/4 or 1/2 of the columns on the FMA units (FlashAttention 4's split)
+                "gluon_poly4": dict(exp_poly=4), "gluon_poly2": dict(exp_poly=2)}
     variants = {k: v for k, v in variants.items() if args.variants is None or k in args.variants}
     print_versions()
 

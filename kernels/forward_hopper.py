@@ -44,6 +44,49 @@ def _round_to_int8(x):
 
 
 @gluon.jit
+def _split_columns(x):
+    """[R, C] -> its lower and upper halves of columns. In a wgmma accumulator layout column bit C/2 is a
+    register of the same thread (for C >= 16), so the reshape, permute and split only relabel registers."""
+    return gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), (0, 2, 1)))
+
+
+@gluon.jit
+def _join_columns(lower, upper):
+    """_split_columns undone (the halves may carry different, equivalent, layout types)."""
+    upper = gl.convert_layout(upper, lower.type.layout, assert_trivial=True)
+    return gl.reshape(gl.permute(gl.join(lower, upper), (0, 2, 1)), [lower.shape[0], 2 * lower.shape[1]])
+
+
+@gluon.jit
+def _exp2_fma(x):
+    """2^x on the FMA units (FlashAttention 4's split of exp2 between MUFU and a polynomial): x rounded to r by
+    the add trick, 2^(x - r) by a degree-3 polynomial on [-0.5, 0.5] (relative error 7.5e-5, against P's
+    int8 step of 1/127), r added to the exponent bits. Clamped at -125 (masked scores' -inf included), where
+    2^x is 2.4e-38: P rounds it to 0 and a fully masked row's scale is 0."""
+    x = gl.maximum(x, -125.0)
+    j = x + 12582912.0
+    f = x - (j - 12582912.0)
+    p = gl.fma(gl.fma(gl.fma(f, 0.055171433836221695, 0.24261081218719482), f, 0.6932609677314758), f,
+               0.9999281167984009)
+    return (p.to(gl.int32, bitcast=True) + (j.to(gl.int32, bitcast=True) << 23)).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _exp2_tile(x, POLY: gl.constexpr, layout: gl.constexpr):
+    """exp2 of a [64, 128] score tile with 1/POLY of its columns (POLY 2 or 4; 0: none) on the FMA units
+    (_exp2_fma) and the rest on MUFU, whose pipe takes 8 cycles a warp instruction (FlashAttention 4's trick)."""
+    if POLY == 0:
+        return gl.exp2(x)
+    a, b = _split_columns(x)
+    if POLY == 2:
+        e = _join_columns(gl.exp2(a), _exp2_fma(b))
+    else:
+        b1, b2 = _split_columns(b)
+        e = _join_columns(gl.exp2(a), _join_columns(gl.exp2(b1), _exp2_fma(b2)))
+    return gl.convert_layout(e, layout, assert_trivial=True)
+
+
+@gluon.jit
 def _floor_to(x, BLOCK: gl.constexpr):
     return (gl.maximum(x, 0) // BLOCK) * BLOCK
 
@@ -126,7 +169,7 @@ def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, rea
 def _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, turn_me, turn_other, ks_smem,
              rows, q_scale, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
              MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-             PINGPONG: gl.constexpr, FIRST: gl.constexpr,
+             PINGPONG: gl.constexpr, FIRST: gl.constexpr, EXP_POLY: gl.constexpr,
              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key tiles ``[lo, hi)`` for one warpgroup's 64 rows, each S = Q K^T waited for before its softmax.
 
@@ -160,7 +203,7 @@ def _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, turn_me, turn_o
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_ref)
         e_ref = gl.where(tile_max == float("-inf"), 0.0, tile_max - LOG2_127)
-        e = gl.exp2(gl.fma(t, q_scale[:, None], -e_ref[:, None]))
+        e = _exp2_tile(gl.fma(t, q_scale[:, None], -e_ref[:, None]), EXP_POLY, s_layout)
         p_scale = gl.exp2(tile_max - m_ref) * (1.0 / 127.0)
         p8 = gl.convert_layout(_round_to_int8(e), p_layout)
         pv_tok = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
@@ -182,7 +225,7 @@ def _consumer(q, first, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn_me, t
               qs_off, vs_off, o_off, lse_off, s_ot,
               seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
               HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-              PINGPONG: gl.constexpr, FIRST: gl.constexpr, SINK_MODE: gl.constexpr):
+              PINGPONG: gl.constexpr, FIRST: gl.constexpr, SINK_MODE: gl.constexpr, EXP_POLY: gl.constexpr):
     """One warpgroup: query rows ``[first, first + 64)`` (their int8 Q in ``q``) against all key tiles."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
@@ -205,15 +248,15 @@ def _consumer(q, first, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn_me, t
     acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty,
                                         turn_me, turn_other, ks_smem, rows, q_scale, lo, full_lo, seqlen_q,
                                         seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
-                                        PINGPONG, FIRST, s_layout, o_layout, p_layout)
+                                        PINGPONG, FIRST, EXP_POLY, s_layout, o_layout, p_layout)
     acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty,
                                         turn_me, turn_other, ks_smem, rows, q_scale, full_lo, full_hi, seqlen_q,
                                         seqlen_k, window_left, window_right, False, MASK_LEFT, MASK_RIGHT,
-                                        PINGPONG, FIRST, s_layout, o_layout, p_layout)
+                                        PINGPONG, FIRST, EXP_POLY, s_layout, o_layout, p_layout)
     acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty,
                                         turn_me, turn_other, ks_smem, rows, q_scale, full_hi, hi, seqlen_q,
                                         seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
-                                        PINGPONG, FIRST, s_layout, o_layout, p_layout)
+                                        PINGPONG, FIRST, EXP_POLY, s_layout, o_layout, p_layout)
 
     has_keys = l_i > 0
     lse = gl.where(has_keys, m_i + gl.log2(l_i), float("inf"))   # +inf: the backward's exp2(s - lse) is 0
@@ -245,6 +288,7 @@ def _attn_fwd_hopper_kernel(
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right,
     IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, PINGPONG: gl.constexpr, SINK_MODE: gl.constexpr,
+    EXP_POLY: gl.constexpr,
 ):
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -313,11 +357,11 @@ def _attn_fwd_hopper_kernel(
         (_consumer, (q_smem.index(0), start_m, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn.index(0),
                      turn.index(1), QS, VS, O, LSE, qs_off, vs_off, o_off, lse_off, s_ot,
                      seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
-                     HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE)),
+                     HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE, EXP_POLY)),
         (_consumer, (q_smem.index(1), start_m + HALF_M, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn.index(1),
                      turn.index(0), QS, VS, O, LSE, qs_off, vs_off, o_off, lse_off, s_ot,
                      seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
-                     HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE)),
+                     HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE, EXP_POLY)),
         (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, ready, empty,
                    q_row, k_row, v_row, v0, lo, hi, KS, ks_off, seqlen_k)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -331,7 +375,7 @@ def _tma_desc(x2d, block_shape, dtype=gl.int8):
 
 def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
                         window, v_starts=None, consumer_regs=240, loader_regs=24, pingpong=None, sinks=None,
-                        sink_shift=None):
+                        sink_shift=None, exp_poly=0):
     """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift`` as
     there). ``pingpong`` defaults to on at head dim 128 (faster there on an H100) and off at 64 (slower there)."""
     assert sink_shift is None or (sinks is not None and sink_shift.stride() == lse.stride())
@@ -360,7 +404,7 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
         n_q, n_k, num_heads, hk, group, window[0], window[1],
     ), dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, PINGPONG=pingpong,
-            SINK_MODE=0 if sinks is None else 2 if sink_shift is not None else 1, num_warps=4)
+            SINK_MODE=0 if sinks is None else 2 if sink_shift is not None else 1, EXP_POLY=exp_poly, num_warps=4)
 
 
 def launch_forward_hopper(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim, window,

@@ -68,28 +68,11 @@ def _seq_bounds(CU, b, n_dense, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _token_stats_kernel(
-    X, CU, BLK_CU, OUT,
-    s_xb, s_xh, s_xt, s_xd, s_oh, s_ob,
-    n_dense, num_heads, head_dim, block_tokens,
-    IS_VARLEN: tl.constexpr, ABS_MAX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Mean (or max |x|) over each run of ``block_tokens`` tokens of every sequence -> ``OUT[h, blk, :]``."""
-    pid_blk = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
-    bx, t0, seqlen = _seq_bounds(CU, b, n_dense, IS_VARLEN)
-    blk0 = tl.load(BLK_CU + b)
-    if pid_blk >= tl.load(BLK_CU + b + 1) - blk0:
-        return
+def _run_stats(base, s_xt, t0, start, end, d_ok, ABS_MAX: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """Mean (or max |x|) of rows ``[start, end)`` of one sequence's head, in a fixed order."""
     offs_t = tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
-    start = pid_blk * block_tokens
-    end = tl.minimum(start + block_tokens, seqlen)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    base = X + bx * s_xb + h * s_xh + offs_d[None, :] * s_xd
     for t in range(start, end, BLOCK_T):
         rows = t + offs_t
         x = tl.load(base + (t0 + rows)[:, None] * s_xt, mask=(rows < end)[:, None] & d_ok[None, :],
@@ -100,12 +83,46 @@ def _token_stats_kernel(
             acc += tl.sum(x, 0)
     if not ABS_MAX:
         acc = acc / tl.maximum(end - start, 1).to(tl.float32)
-    tl.store(OUT + h * s_oh + (blk0 + pid_blk) * s_ob + offs_d, acc, mask=d_ok)
+    return acc
+
+
+@triton.jit
+def _token_stats_kernel(
+    X, X2, CU, BLK_CU, OUT, OUT2,
+    s_xb, s_xh, s_xt, s_xd, s_x2b, s_x2h, s_x2t, s_x2d, s_oh, s_ob, s_o2h, s_o2b,
+    n_dense, num_heads, head_dim, head_dim2, block_tokens, factor, factor2,
+    IS_VARLEN: tl.constexpr, ABS_MAX: tl.constexpr, ABS_MAX2: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Mean (or max |x|) over each run of ``block_tokens`` tokens of every sequence, times ``factor`` ->
+    ``OUT[h, blk, :]``; grid axis 2 = 1 takes the second input (``X2``, same tokens and heads: K and V), so
+    one launch gives both statistics."""
+    pid_blk = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    bx, t0, seqlen = _seq_bounds(CU, b, n_dense, IS_VARLEN)
+    blk0 = tl.load(BLK_CU + b)
+    if pid_blk >= tl.load(BLK_CU + b + 1) - blk0:
+        return
+    offs_d = tl.arange(0, BLOCK_D)
+    start = pid_blk * block_tokens
+    end = tl.minimum(start + block_tokens, seqlen)
+    if tl.program_id(2) == 0:
+        d_ok = offs_d < head_dim
+        acc = _run_stats(X + bx * s_xb + h * s_xh + offs_d[None, :] * s_xd, s_xt, t0, start, end, d_ok, ABS_MAX,
+                         BLOCK_T, BLOCK_D)
+        tl.store(OUT + h * s_oh + (blk0 + pid_blk) * s_ob + offs_d, acc * factor, mask=d_ok)
+    else:
+        d_ok = offs_d < head_dim2
+        acc = _run_stats(X2 + bx * s_x2b + h * s_x2h + offs_d[None, :] * s_x2d, s_x2t, t0, start, end, d_ok,
+                         ABS_MAX2, BLOCK_T, BLOCK_D)
+        tl.store(OUT2 + h * s_o2h + (blk0 + pid_blk) * s_o2b + offs_d, acc * factor2, mask=d_ok)
 
 
 @triton.jit
 def _quantize_kernel(
-    X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, DELTA, CU, T_CU, DOTV, ROW_DOT,
+    X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, SCALED, DELTA, CU, T_CU, DOTV, ROW_DOT,
     s_xb, s_xh, s_xt, s_xd,
     s_subh, s_subb, s_csh, s_csb,
     s_ob, s_oh, s_ot, s_od,
@@ -113,8 +130,9 @@ def _quantize_kernel(
     s_tb, s_th, s_td,
     s_sb, s_sh,
     s_dvh, s_dvb,
-    n_dense, num_heads, head_dim, sub_block, dot_group, dot_scale,
+    n_dense, num_heads, head_dim, sub_block, dot_group, dot_scale, scaled_factor,
     IS_VARLEN: tl.constexpr, HAS_SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, WITH_DELTA: tl.constexpr,
+    WITH_SCALED: tl.constexpr,
     WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr, WITH_DOT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -148,6 +166,8 @@ def _quantize_kernel(
         # inf and 0 * inf is NaN. 1e-30 is far below any value that moves a bf16 result.
         y = x * tl.where(amax > 1e-30, 127.0 / amax, 0.0)[:, None]
         tl.store(SCALE + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / 127.0), mask=t_ok)
+        if WITH_SCALED:   # Q's scale with the softmax scale folded in, as the forward kernels take it
+            tl.store(SCALED + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / 127.0) * scaled_factor, mask=t_ok)
     x8 = round_to_int8(y)
     if WRITE_NATURAL:
         tl.store(X8 + bx * s_8b + h * s_8h + (t0 + rows)[:, None] * s_8t + offs_d[None, :], x8, mask=ok)
@@ -163,14 +183,9 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _combine_chunks_kernel(PART, OUT, s_ph, s_pb, s_oh, s_ob, num_heads, chunks, chunk_tokens, n, head_dim,
-                           ABS_MAX: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A whole sequence's mean (or max |x|) from its chunks' (``_token_stats_kernel``), in a fixed order."""
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // num_heads
-    h = pid % num_heads
+def _combine_run(PART, OUT, s_ph, s_pb, s_oh, s_ob, b, h, chunks, chunk_tokens, n, d_ok, factor,
+                 ABS_MAX: tl.constexpr, BLOCK_D: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
     acc = tl.zeros([BLOCK_D], tl.float32)
     for c in range(0, chunks):
         part = tl.load(PART + h * s_ph + (b * chunks + c) * s_pb + offs_d, mask=d_ok, other=0.0)
@@ -180,7 +195,25 @@ def _combine_chunks_kernel(PART, OUT, s_ph, s_pb, s_oh, s_ob, num_heads, chunks,
             acc += part * tl.minimum(chunk_tokens, n - c * chunk_tokens).to(tl.float32)
     if not ABS_MAX:
         acc = acc / n
-    tl.store(OUT + h * s_oh + b * s_ob + offs_d, acc, mask=d_ok)
+    tl.store(OUT + h * s_oh + b * s_ob + offs_d, acc * factor, mask=d_ok)
+
+
+@triton.jit
+def _combine_chunks_kernel(PART, PART2, OUT, OUT2, s_ph, s_pb, s_p2h, s_p2b, s_oh, s_ob, s_o2h, s_o2b, num_heads,
+                           chunks, chunk_tokens, n, head_dim, head_dim2, factor, factor2,
+                           ABS_MAX: tl.constexpr, ABS_MAX2: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A whole sequence's mean (or max |x|) from its chunks' (``_token_stats_kernel``), in a fixed order, times
+    ``factor``; grid axis 1 = 1 combines the second input's chunks."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // num_heads
+    h = pid % num_heads
+    offs_d = tl.arange(0, BLOCK_D)
+    if tl.program_id(1) == 0:
+        _combine_run(PART, OUT, s_ph, s_pb, s_oh, s_ob, b, h, chunks, chunk_tokens, n, offs_d < head_dim, factor,
+                     ABS_MAX, BLOCK_D)
+    else:
+        _combine_run(PART2, OUT2, s_p2h, s_p2b, s_o2h, s_o2b, b, h, chunks, chunk_tokens, n, offs_d < head_dim2,
+                     factor2, ABS_MAX2, BLOCK_D)
 
 
 def _blocks_cu(layout: SeqLayout, block_tokens: int, device) -> torch.Tensor:
@@ -204,18 +237,34 @@ def token_stats(x4: torch.Tensor, layout: SeqLayout, abs_max: bool, block_tokens
     """Mean (or max |x|) over each sequence (or each run of ``block_tokens`` within it).
 
     Returns (``[H, blocks, D]`` fp32, ``cu_blocks`` int32 [S + 1])."""
+    return _stats(x4, layout, abs_max, block_tokens)[:2]
+
+
+def _stats(x4, layout, abs_max, block_tokens=None, factor=1.0, second=None):
+    """token_stats times ``factor``, and with ``second = (x4b, abs_max_b, factor_b)`` the same for a second
+    input of the same heads and tokens (its own head dim) in the same launches, returned third (else None): the
+    forward takes K's mean and V's channel scales in one pass."""
     h, d = x4.shape[1], x4.shape[3]
+    x2, abs_max2, factor2 = second if second is not None else (x4, abs_max, factor)
+    assert x2.shape[:3] == x4.shape[:3]
+    d2 = x2.shape[3]
+    inputs = 2 if second is not None else 1
     whole = block_tokens is None
     if whole and not layout.is_varlen and layout.max_len > STATS_CHUNK:
         # One program per sequence would walk all its tokens alone (32 programs at B=2, H=16, N=16K: 1.8 ms
         # on an H100): statistics per chunk in parallel, then a fixed-order reduction (no atomics, so every
         # call gives the same bytes).
-        part, _ = token_stats(x4, layout, abs_max, block_tokens=STATS_CHUNK)
+        part, _, part2 = _stats(x4, layout, abs_max, block_tokens=STATS_CHUNK,
+                                second=(x2, abs_max2, 1.0) if second is not None else None)
+        part2 = part if part2 is None else part2
         stats = torch.empty(h, layout.num_seqs, d, device=x4.device, dtype=torch.float32)
-        _combine_chunks_kernel[(layout.num_seqs * h,)](
-            part, stats, part.stride(0), part.stride(1), stats.stride(0), stats.stride(1), h,
-            -(-layout.max_len // STATS_CHUNK), STATS_CHUNK, layout.max_len, d, ABS_MAX=abs_max, BLOCK_D=_block_d(d))
-        return stats, _steps(layout.num_seqs + 1, 1, x4.device)
+        stats2 = torch.empty(h, layout.num_seqs, d2, device=x4.device, dtype=torch.float32) if second else stats
+        _combine_chunks_kernel[(layout.num_seqs * h, inputs)](
+            part, part2, stats, stats2, part.stride(0), part.stride(1), part2.stride(0), part2.stride(1),
+            stats.stride(0), stats.stride(1), stats2.stride(0), stats2.stride(1), h,
+            -(-layout.max_len // STATS_CHUNK), STATS_CHUNK, layout.max_len, d, d2, float(factor), float(factor2),
+            ABS_MAX=abs_max, ABS_MAX2=abs_max2, BLOCK_D=_block_d(max(d, d2)))
+        return stats, _steps(layout.num_seqs + 1, 1, x4.device), stats2 if second is not None else None
     block_tokens = max(layout.max_len, 1) if whole else block_tokens
     cu_blocks = _steps(layout.num_seqs + 1, 1, x4.device) if whole else _blocks_cu(layout, block_tokens, x4.device)
     # a varlen batch's block count is only known on the device; an upper bound sizes the buffer
@@ -224,14 +273,15 @@ def token_stats(x4: torch.Tensor, layout: SeqLayout, abs_max: bool, block_tokens
     # (a padded batch's programs write every entry: no zero fill)
     alloc = torch.zeros if layout.is_varlen or total == 0 else torch.empty
     out = alloc(h, max(total, 1), d, device=x4.device, dtype=torch.float32)
-    grid = (1 if whole else triton.cdiv(max(layout.max_len, 1), block_tokens), layout.num_seqs * h)
+    out2 = alloc(h, max(total, 1), d2, device=x4.device, dtype=torch.float32) if second is not None else out
+    grid = (1 if whole else triton.cdiv(max(layout.max_len, 1), block_tokens), layout.num_seqs * h, inputs)
     _token_stats_kernel[grid](
-        x4, layout.cu_seqlens if layout.is_varlen else cu_blocks, cu_blocks, out,
-        *strides4(x4), out.stride(0), out.stride(1),
-        x4.shape[2], h, d, block_tokens,
-        IS_VARLEN=layout.is_varlen, ABS_MAX=abs_max, BLOCK_T=32, BLOCK_D=_block_d(d),
+        x4, x2, layout.cu_seqlens if layout.is_varlen else cu_blocks, cu_blocks, out, out2,
+        *strides4(x4), *strides4(x2), out.stride(0), out.stride(1), out2.stride(0), out2.stride(1),
+        x4.shape[2], h, d, d2, block_tokens, float(factor), float(factor2),
+        IS_VARLEN=layout.is_varlen, ABS_MAX=abs_max, ABS_MAX2=abs_max2, BLOCK_T=32, BLOCK_D=_block_d(max(d, d2)),
     )
-    return out, cu_blocks
+    return out, cu_blocks, out2 if second is not None else None
 
 
 def _block_d(d: int) -> int:
@@ -251,13 +301,14 @@ def aligned_starts(layout: SeqLayout) -> torch.Tensor:
 
 
 def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
-             channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None):
+             channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
+             scaled=None):
     """One pass over ``x4`` ``[B, H, N, D]`` -> dict with ``x8`` (natural ``[B, H, N, D]``), ``x8t``
     (``[B, H, D, N_pad]``), ``scale`` (per token ``[B, H, N]``, unless ``channel_scale`` given) and
     ``delta`` (``rowsum(x * out_for_delta)``) as asked. ``t_starts`` (packed batches): each sequence's first
     column in ``x8t`` (``aligned_starts``) instead of its first token. ``dot = (vectors [Hv, S, D], group,
     factor)``: also ``row_dot`` ``[B, H, N]``, each token of head h dotted with its sequence's vector of head
-    h // group (before ``sub``), times factor."""
+    h // group (before ``sub``), times factor. ``scaled`` (a float): also ``scaled``, the scales times it."""
     bsz, h, n, d = x4.shape
     dev = x4.device
     x8 = torch.empty(bsz, h, n, d, dtype=torch.int8, device=dev) if natural else None
@@ -270,6 +321,8 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
     scale = None if channel_scale is not None else torch.empty(bsz, h, n, dtype=torch.float32, device=dev)
     delta = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if out_for_delta is not None else None
     row_dot = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if dot is not None else None
+    scaled_out = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if scaled is not None else None
+    assert scaled is None or scale is not None
     assert dot is None or scale is not None    # row_dot shares scale's strides
     any_out = next(t for t in (x8, x8t) if t is not None)
     block_t = 64
@@ -279,49 +332,55 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
         channel_scale if channel_scale is not None else x4,
         out_for_delta if out_for_delta is not None else x4,
         x8 if x8 is not None else any_out, x8t if x8t is not None else any_out,
-        scale if scale is not None else x4, delta if delta is not None else x4,
+        scale if scale is not None else x4, scaled_out if scaled_out is not None else x4,
+        delta if delta is not None else x4,
         layout.cu_seqlens if layout.is_varlen else any_out, t_starts if t_starts is not None else any_out,
         dot[0] if dot is not None else x4, row_dot if row_dot is not None else x4,
         *strides4(x4), *strides3(sub)[:2], *strides3(channel_scale)[:2], *strides4(out_for_delta),
         *strides4(x8)[:3], *strides4(x8t)[:3], *strides3(scale if scale is not None else delta)[:2],
         *strides3(dot[0] if dot is not None else None)[:2],
         n, h, d, sub_block or 1, dot[1] if dot is not None else 1, float(dot[2]) if dot is not None else 1.0,
+        float(scaled) if scaled is not None else 1.0,
         IS_VARLEN=layout.is_varlen, HAS_SUB=sub is not None, PER_CHANNEL=channel_scale is not None,
-        WITH_DELTA=delta is not None, WRITE_NATURAL=natural, WRITE_T=transposed, HAS_T_CU=t_starts is not None,
-        WITH_DOT=dot is not None, BLOCK_T=block_t, BLOCK_D=_block_d(d),
+        WITH_DELTA=delta is not None, WITH_SCALED=scaled is not None, WRITE_NATURAL=natural, WRITE_T=transposed,
+        HAS_T_CU=t_starts is not None, WITH_DOT=dot is not None, BLOCK_T=block_t, BLOCK_D=_block_d(d),
     )
-    return dict(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot)
+    return dict(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot, scaled=scaled_out)
 
 
 def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float,
-                k_smoothing: bool, q_smoothing: bool, transposed: bool = False, row_shift: bool = False):
+                k_smoothing: bool, q_smoothing: bool, transposed: bool = False, row_shift: bool = False, v4=None):
     """INT8 Q and K for ``S = Q K^T`` (and, with ``transposed``, their token-major copies for the backward).
 
     Returns a dict: ``q8, q_scale`` (softmax scale and log2(e) folded in, so the kernels use exp2),
     ``q_scale_raw``, ``k8, k_scale``, ``q8t, k8t``, for Q-smoothing ``q_mean`` (``[H, blocks, D]``,
     scaled like ``q_scale``) and ``q_mean_cu`` (first block of each sequence), and with K-smoothing ``k_mean``
     (``[Hkv, S, D]``) and, if ``row_shift``, ``q_shift`` (``softmax_scale * q . mean(k)`` per query, ``[B, H, N]``:
-    how far K-smoothing moved each row's scores; soft-capping and sinks need it back)."""
-    k_sub = k_cu = None
+    how far K-smoothing moved each row's scores; soft-capping and sinks need it back). With ``v4`` (the forward)
+    also ``v_scale`` (``[Hkv, S, Dv]``, for ``quantize_v``), from the same launches as K's mean."""
+    k_sub = k_cu = v_scale = None
+    v_stats = (v4, True, 1.0 / 127.0) if v4 is not None else None
     if k_smoothing:   # softmax is unchanged: every score of a row moves by the same q . mean(k)
-        k_sub, k_cu = token_stats(k4, layout_k, abs_max=False)
+        k_sub, k_cu, v_scale = _stats(k4, layout_k, False, second=v_stats)
+    elif v4 is not None:
+        v_scale = _stats(v4, layout_k, True, factor=1.0 / 127.0)[0]
     k = quantize(k4, layout_k, sub=k_sub, sub_cu=k_cu, sub_block=1 << 30, transposed=transposed)
     q_mean = q_cu = None
     if q_smoothing:   # S = (q - q_mean) K^T + q_mean K^T; the second term is added back in fp32
         q_mean, q_cu = token_stats(q4, layout_q, abs_max=False, block_tokens=Q_SMOOTH_BLOCK)
     dot = (k_sub, q4.shape[1] // k4.shape[1], softmax_scale) if row_shift and k_smoothing else None
     q = quantize(q4, layout_q, sub=q_mean, sub_cu=q_cu, sub_block=Q_SMOOTH_BLOCK,
-                 transposed=transposed and not q_smoothing, dot=dot)
-    return dict(q8=q["x8"], q_scale=q["scale"] * (softmax_scale * LOG2E), q_scale_raw=q["scale"],
+                 transposed=transposed and not q_smoothing, dot=dot, scaled=softmax_scale * LOG2E)
+    return dict(q8=q["x8"], q_scale=q["scaled"], q_scale_raw=q["scale"], v_scale=v_scale,
                 q8t=q["x8t"], k8=k["x8"], k_scale=k["scale"], k8t=k["x8t"],
                 q_mean=None if q_mean is None else q_mean * (softmax_scale * LOG2E), q_mean_cu=q_cu,
                 k_mean=k_sub, q_shift=q["row_dot"])
 
 
-def quantize_v(v4: torch.Tensor, layout: SeqLayout, t_starts=None):
+def quantize_v(v4: torch.Tensor, layout: SeqLayout, t_starts=None, v_scale=None):
     """Per-channel INT8 V in token-major layout: (``v8t [B, H, D, N_pad]``, ``v_scale`` viewed ``[S, H, D]``);
-    ``t_starts`` as ``quantize``'s."""
-    v_max, _ = token_stats(v4, layout, abs_max=True)
-    v_scale = v_max * (1.0 / 127.0)                      # [H, S, D]
+    ``t_starts`` as ``quantize``'s; ``v_scale`` ``[H, S, D]`` if already taken (``quantize_qk(..., v4=)``)."""
+    if v_scale is None:
+        v_scale = _stats(v4, layout, True, factor=1.0 / 127.0)[0]      # [H, S, D]
     v8t = quantize(v4, layout, channel_scale=v_scale, natural=False, transposed=True, t_starts=t_starts)["x8t"]
     return v8t, v_scale.transpose(0, 1)

@@ -275,6 +275,35 @@ def test_token_stats_match_torch(device):
         assert torch.equal(amax, x.float().abs().amax(2).transpose(0, 1))
 
 
+@pytest.mark.parametrize("device", kernel_devices())
+def test_forward_takes_k_and_v_statistics_in_one_pass(device):
+    """quantize_qk(..., v4=) gives K's mean and V's channel scales from shared launches: the same bytes as
+    each taken alone, for short and chunked sequences, packed batches, a V head dim of its own, and without
+    K-smoothing; the scaled Q scale is the raw one times the softmax factor."""
+    from sagebwd_hf.kernels.layout import SeqLayout
+    from sagebwd_hf.kernels.quantize import LOG2E, STATS_CHUNK, quantize_qk, quantize_v, token_stats
+    for n, dv, varlen, smooth in ((37, 24, False, True), (2 * STATS_CHUNK + 77, 16, False, True),
+                                  (300, 24, True, True), (2 * STATS_CHUNK + 77, 24, False, False)):
+        q, k = (torch.randn(2, 3, n, 24, device=device, dtype=torch.bfloat16) * 3 + 0.5 for _ in range(2))
+        v = torch.randn(2, 3, n, dv, device=device, dtype=torch.bfloat16) * 2 - 0.25
+        if varlen:   # two sequences of a packed batch laid along the token axis of batch 1
+            q, k, v = (x[:1] for x in (q, k, v))
+            cu = torch.tensor([0, 113, n], dtype=torch.int32, device=device)
+            lay = SeqLayout(2, 187, cu)
+        else:
+            lay = SeqLayout(2, n, None)
+        quant = quantize_qk(q, k, lay, lay, 0.3, smooth, False, v4=v)
+        alone = quantize_qk(q, k, lay, lay, 0.3, smooth, False)
+        if smooth:
+            assert torch.equal(quant["k_mean"], token_stats(k, lay, abs_max=False)[0])
+        v_max = token_stats(v, lay, abs_max=True)[0]
+        assert torch.equal(quant["v_scale"], v_max * (1.0 / 127.0))
+        assert torch.equal(quantize_v(v, lay, v_scale=quant["v_scale"])[0], quantize_v(v, lay)[0])
+        for name in ("q8", "k8", "k_scale", "q_scale_raw", "q_scale"):
+            assert torch.equal(quant[name], alone[name]), name
+        assert torch.equal(quant["q_scale"], quant["q_scale_raw"] * (0.3 * LOG2E))
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU only: real sizes, bf16, the shapes the interpreter is too slow for
 # ------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ LOG2E = 1.4426950408889634
 TOKEN_ALIGN = 16        # transposed copies pad the token axis so every row starts 16-byte aligned
 Q_SMOOTH_BLOCK = 128    # tokens per Q-smoothing mean; every kernel's query tile divides it
 STATS_CHUNK = 512       # tokens per program for a whole sequence's mean or max (padded batches)
+STATS_ROWS = 32         # tokens per load in the statistics kernel (its accumulator holds that many rows)
 _ROUND_MAGIC = 12582912.0   # 1.5 * 2^23
 
 
@@ -70,20 +71,22 @@ def _seq_bounds(CU, b, n_dense, IS_VARLEN: tl.constexpr):
 @triton.jit
 def _run_stats(base, s_xt, t0, start, end, d_ok, ABS_MAX: tl.constexpr, BLOCK_T: tl.constexpr,
                BLOCK_D: tl.constexpr):
-    """Mean (or max |x|) of rows ``[start, end)`` of one sequence's head, in a fixed order."""
+    """Mean (or max |x|) of rows ``[start, end)`` of one sequence's head, in a fixed order. Each thread keeps
+    its own elements' running sum (or max) and the rows meet once at the end: a reduction across the
+    program's rows per loaded tile (shared memory and a barrier each time) left the loads latency-bound."""
     offs_t = tl.arange(0, BLOCK_T)
-    acc = tl.zeros([BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     for t in range(start, end, BLOCK_T):
         rows = t + offs_t
         x = tl.load(base + (t0 + rows)[:, None] * s_xt, mask=(rows < end)[:, None] & d_ok[None, :],
                     other=0.0).to(tl.float32)
         if ABS_MAX:
-            acc = tl.maximum(acc, tl.max(tl.abs(x), 0))
+            acc = tl.maximum(acc, tl.abs(x))
         else:
-            acc += tl.sum(x, 0)
-    if not ABS_MAX:
-        acc = acc / tl.maximum(end - start, 1).to(tl.float32)
-    return acc
+            acc += x
+    if ABS_MAX:
+        return tl.max(acc, 0)
+    return tl.sum(acc, 0) / tl.maximum(end - start, 1).to(tl.float32)
 
 
 @triton.jit
@@ -279,7 +282,8 @@ def _stats(x4, layout, abs_max, block_tokens=None, factor=1.0, second=None):
         x4, x2, layout.cu_seqlens if layout.is_varlen else cu_blocks, cu_blocks, out, out2,
         *strides4(x4), *strides4(x2), out.stride(0), out.stride(1), out2.stride(0), out2.stride(1),
         x4.shape[2], h, d, d2, block_tokens, float(factor), float(factor2),
-        IS_VARLEN=layout.is_varlen, ABS_MAX=abs_max, ABS_MAX2=abs_max2, BLOCK_T=32, BLOCK_D=_block_d(max(d, d2)),
+        IS_VARLEN=layout.is_varlen, ABS_MAX=abs_max, ABS_MAX2=abs_max2, BLOCK_T=STATS_ROWS,
+        BLOCK_D=_block_d(max(d, d2)),
     )
     return out, cu_blocks, out2 if second is not None else None
 

@@ -384,11 +384,11 @@ def _dq_tiles(acc, it, q8, do16, q_scale, lse, delta, rows, k_smem, v_smem, kt_s
         s_tok = warpgroup_mma(q8, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # dP = dO V^T in the input dtype (quantizing it would feed error into dS), beside S
         dp_tok = warpgroup_mma(do16, v_smem.index(s).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
-        k_scale = ks_smem.index(2 * s).load(gl.SliceLayout(0, s_layout))
         s_int, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
-        # the K offsets loaded only now, after both products: 32 registers a thread (its columns) that were
-        # live across the wait; at D=128 that removed the loop's spills (30 stores and loads a tile) and made
-        # this kernel 1.16-1.26x faster on an H100 (docs/speed_notes.md, session 10)
+        k_scale = ks_smem.index(2 * s).load(gl.SliceLayout(0, s_layout))
+        # the tile's K scales and offsets read only now, after both products: 64 registers a thread (its
+        # columns) that were live across the wait. At D=128 that removed the loop's spills (30-38 stores and
+        # loads a tile) and made this kernel 1.2-1.4x faster on an H100 (docs/speed_notes.md, session 10)
         k_bias = ks_smem.index(2 * s + 1).load(gl.SliceLayout(0, s_layout))
         t = gl.fma((s_int + 0x4B400000).to(gl.float32, bitcast=True), k_scale[None, :], k_bias[None, :])
         p = gl.exp2(gl.fma(t, q_scale[:, None], -lse[:, None]))     # lse is +inf past the end: 0

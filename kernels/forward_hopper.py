@@ -377,7 +377,10 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
                         window, v_starts=None, consumer_regs=240, loader_regs=24, pingpong=None, sinks=None,
                         sink_shift=None, exp_poly=0):
     """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift`` as
-    there). ``pingpong`` defaults to on at head dim 128 (faster there on an H100) and off at 64 (slower there)."""
+    there). ``pingpong`` defaults to on at head dim 128 (faster there on an H100) and off at 64 (slower there).
+    ``exp_poly`` 2 or 4: that fraction of each tile's exp2 on the FMA units (off: measured slower, session 10)."""
+    if exp_poly not in (0, 2, 4):
+        raise ValueError(f"exp_poly must be 0, 2 or 4, got {exp_poly!r}")
     assert sink_shift is None or (sinks is not None and sink_shift.stride() == lse.stride())
     if pingpong is None:
         pingpong = head_dim == 128

@@ -4,13 +4,16 @@ delta), against a plain copy of the same bytes. Two times per pass: one call as 
 around it: the Python launch cost shows when the GPU has nothing else queued) and the GPU time alone (the
 same launches replayed from a CUDA graph), which is what they cost inside a busy training step.
 
-    python benchmarks/prep.py [--seqlens 4096 16384] [--head-dims 128 64]
+    python benchmarks/prep.py [--seqlens 4096 16384] [--head-dims 128 64] [--tiles 64x4 128x8]
+
+``--tiles``: the quantization passes again with each (tokens x warps) program tile (quantize.QUANTIZE_TILE).
 """
 import argparse
 
 import torch
 
 from sagebwd_hf.kernels.layout import SeqLayout
+from sagebwd_hf.kernels import quantize as quantize_module
 from sagebwd_hf.kernels.quantize import quantize, token_stats
 
 from forward_kernels import add_shape_arguments, median_ms, print_versions
@@ -19,9 +22,11 @@ from forward_kernels import add_shape_arguments, median_ms, print_versions
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_arguments(p, seqlens=[4096, 16384])
+    p.add_argument("--tiles", nargs="+", default=[], help="quantization tiles to compare, TOKENSxWARPS (e.g. 128x8)")
     args = p.parse_args()
     print_versions()
-    print(f"{'shape':<12} {'pass':<16} {'call ms':>7} {'GB/s':>6} | {'GPU ms':>7} {'GB/s':>6}")
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles] or [quantize_module.QUANTIZE_TILE]
+    print(f"{'shape':<12} {'pass':<16} {'tile':>6} {'call ms':>7} {'GB/s':>6} | {'GPU ms':>7} {'GB/s':>6}")
     for d in args.head_dims:
         for n in args.seqlens:
             b, h = max(1, args.tokens // n), args.width // d
@@ -41,13 +46,17 @@ def main():
                 ("dO T + delta", lambda: quantize(x, lay, natural=False, transposed=True, out_for_delta=o), 2.5 * xb),
             ]
             for name, fn, nbytes in passes:
-                ms = median_ms(fn)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn()
-                gpu_ms = median_ms(graph.replay)
-                print(f"d{d}_n{n // 1024}k{'':<5} {name:<16} {ms:7.3f} {nbytes / ms * 1e-6:6.0f} | {gpu_ms:7.3f} "
-                      f"{nbytes / gpu_ms * 1e-6:6.0f}", flush=True)
+                for tile in (tiles if name not in ("copy", "K mean", "V max") else [None]):
+                    if tile is not None:
+                        quantize_module.QUANTIZE_TILE = tile
+                    ms = median_ms(fn)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        fn()
+                    gpu_ms = median_ms(graph.replay)
+                    label = f"{tile[0]}x{tile[1]}" if tile else "-"
+                    print(f"d{d}_n{n // 1024}k{'':<5} {name:<16} {label:>6} {ms:7.3f} {nbytes / ms * 1e-6:6.0f} | "
+                          f"{gpu_ms:7.3f} {nbytes / gpu_ms * 1e-6:6.0f}", flush=True)
 
 
 if __name__ == "__main__":

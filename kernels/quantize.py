@@ -288,6 +288,10 @@ def _stats(x4, layout, abs_max, block_tokens=None, factor=1.0, second=None):
     return out, cu_blocks, out2 if second is not None else None
 
 
+# (tokens, warps) per program of the quantization pass; benchmarks/prep.py --tiles sweeps it
+QUANTIZE_TILE = (64, 4)
+
+
 def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
@@ -329,7 +333,7 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
     assert scaled is None or scale is not None
     assert dot is None or scale is not None    # row_dot shares scale's strides
     any_out = next(t for t in (x8, x8t) if t is not None)
-    block_t = 64
+    block_t, num_warps = QUANTIZE_TILE
     grid = (triton.cdiv(max(layout.max_len, 1), block_t), layout.num_seqs * h)
     _quantize_kernel[grid](
         x4, sub if sub is not None else x4, sub_cu if sub_cu is not None else any_out,
@@ -348,6 +352,7 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
         IS_VARLEN=layout.is_varlen, HAS_SUB=sub is not None, PER_CHANNEL=channel_scale is not None,
         WITH_DELTA=delta is not None, WITH_SCALED=scaled is not None, WRITE_NATURAL=natural, WRITE_T=transposed,
         HAS_T_CU=t_starts is not None, WITH_DOT=dot is not None, BLOCK_T=block_t, BLOCK_D=_block_d(d),
+        num_warps=num_warps,
     )
     return dict(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot, scaled=scaled_out)
 

@@ -35,16 +35,21 @@ QUICK_SEQLENS = [1024, 4096]
 # The first is Llama-3-like (D=128, 4 queries per KV head); the second is Llama-3.2-1B's attention
 # (32 query heads, 8 KV heads, D=64) at 8K, the e2e benchmark's main point.
 GQA_SHAPES = [(128, 16, 4, 4096, True), (64, 32, 8, 8192, True)]
-METHODS = ["sagebwd", "sagebwd_portable", "sagebwd_sinks", "sagebwd_softcap", "cudnn", "flash", "sageattn"]
-# The model-zoo options on the same shapes (issue 15): sinks (one logit per head, gpt-oss) on the default
-# kernels; a soft cap of 50 (Gemma 2), which only the portable kernels compute. Their "cos" is against plain
-# SDPA, which computes neither (a cap of 50 barely moves these scores; sinks rescale every row).
-FEATURE_METHODS = {"sagebwd_sinks": "sagebwd", "sagebwd_softcap": "sagebwd_portable"}
+METHODS = ["sagebwd", "sagebwd_portable", "sagebwd_sinks", "sagebwd_softcap", "sagebwd_softcap_portable", "cudnn",
+           "flash", "sageattn"]
+# The model-zoo options on the same shapes (issue 15): sinks (one logit per head, gpt-oss) and a soft cap of 50
+# (Gemma 2) on the default kernels (on Hopper since session 11 the capped backward is Gluon, its forward
+# portable: dispatch.GLUON_SOFTCAP_FORWARD), the cap on the portable kernels alone too.
+# Each is compared with the plain call on the same kernels. Their "cos" is against plain SDPA, which computes
+# neither (a cap of 50 barely moves these scores; sinks rescale every row).
+FEATURE_METHODS = {"sagebwd_sinks": "sagebwd", "sagebwd_softcap": "sagebwd",
+                   "sagebwd_softcap_portable": "sagebwd_portable"}
 SOFTCAP = 50.0
 # sagebwd runs what the dispatch picks (SAGEBWD_KERNELS=gluon: the Gluon forward on Hopper); sagebwd_portable
 # forces the tl.dot kernels. Not in the default list while the dispatch picks those anyway.
 DEFAULT_METHODS = ["sagebwd", "cudnn", "flash", "sageattn"]
-TRAIN_METHODS = {"sagebwd", "sagebwd_portable", "sagebwd_sinks", "sagebwd_softcap", "cudnn", "flash", "efficient"}   # sageattn has no backward
+TRAIN_METHODS = {"sagebwd", "sagebwd_portable", "sagebwd_sinks", "sagebwd_softcap", "sagebwd_softcap_portable",
+                 "cudnn", "flash", "efficient"}   # sageattn has no backward
 REFS = ("cudnn", "flash")
 
 
@@ -107,6 +112,11 @@ def make_method(name, shape, torch, F, ctx):
         return (lambda q, k, v: ctx["sagebwd_attn_func"](q, k, v, causal=causal, sinks=sinks)), ""
     if name == "sagebwd_softcap":
         return (lambda q, k, v: ctx["sagebwd_attn_func"](q, k, v, causal=causal, softcap=SOFTCAP)), ""
+    if name == "sagebwd_softcap_portable":
+        def softcap_portable(q, k, v):
+            return ctx["sagebwd_attn_func"](q, k, v, causal=causal, softcap=SOFTCAP)
+        softcap_portable.kernels = "triton"
+        return softcap_portable, ""
     if name == "sagebwd_portable":
         def portable(q, k, v):
             return ctx["sagebwd_attn_func"](q, k, v, causal=causal)
@@ -283,7 +293,7 @@ def print_features(rows, shapes):
                 continue
             same = [ratio(rows, s.name, m, base, k) for k in ("fwd_ms", "bwd_ms", "fwd_bwd_ms")]
             dflt = ratio(rows, s.name, m, "sagebwd", "fwd_bwd_ms")
-            print(f"  {m:<16} {s.name:<24} x {base:<16} fwd {fmt(same[0], '.2f')} bwd {fmt(same[1], '.2f')} "
+            print(f"  {m:<24} {s.name:<24} x {base:<16} fwd {fmt(same[0], '.2f')} bwd {fmt(same[1], '.2f')} "
                   f"f+b {fmt(same[2], '.2f')} | f+b x sagebwd {fmt(dflt, '.2f')}")
 
 

@@ -31,6 +31,10 @@ inputs: dV 1.15-1.65x, dK 1.42-1.62x, dQ 1.08-1.35x, whole backward 1.22-1.34x; 
 as ``log2`` inside P^T's exp2 instead of a multiply per score) made dV 1.09-1.12x faster again. The forward's
 ping-pong turns between the two consumers measured 0.87-1.02x here (not kept).
 
+``SOFTCAP`` (a compile-time option of the same kernels): the capped scores recomputed as the forward does,
+dS (dS^T) times the cap's derivative ``1 - tanh^2``, and the dQ launch writes rowsum(dS) (``ROW_DS``) for the
+op's K-smoothing term, as backward.py.
+
 Padded batches, head dims 64 and 128, no Q-smoothing (``dispatch.use_gluon(..., backward=True)``).
 """
 from triton.experimental import gluon
@@ -40,14 +44,14 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
 from .layout import tma_addressable, token_rows
 from .forward_hopper import (TensorDescriptor, _band_mask, _ceil_to, _floor_to, _key_tiles, _round_to_int8,
-                             _stage_k_scales, _tma_desc)
+                             _stage_k_scales, _tanh_scores, _tma_desc)
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
 BLOCK_M = gl.constexpr(128)   # queries per dQ program (two consumers); the dQ numerics follow BLOCK_N only
 STAGES = gl.constexpr(2)
 # per-query vectors the loader stages beside each query tile: one row each of vec_smem per stage
-VQS, VLSE, VDOS, VDELTA, VQSR, NVEC = (gl.constexpr(i) for i in range(6))
+VQS, VLSE, VDOS, VDELTA, VQSR, VSHIFT, NVEC = (gl.constexpr(i) for i in range(7))
 
 
 def dkdv_query_tile(head_dim: int, fused: bool) -> int:
@@ -83,12 +87,13 @@ def _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 @gluon.jit
 def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem,
-            vec_smem, k_bar, ready, empty, QS, LSE, DOS, DELTA, QSR, k_row, v_row, v_col, q_head0, do_row0, do_col0,
-            do_rh, do_ch, vec_head0, s_vech, n_q, group, seqlen_q, lo, hi, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
-            FOLD: gl.constexpr, BLOCK_Q: gl.constexpr):
+            vec_smem, k_bar, ready, empty, QS, LSE, DOS, DELTA, QSR, SHIFT, inv_cap, k_row, v_row, v_col, q_head0,
+            do_row0, do_col0, do_rh, do_ch, vec_head0, s_vech, n_q, group, seqlen_q, lo, hi, DO_DK: gl.constexpr,
+            DO_DV: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr):
     """One warp: K (and V for dK) once; then per query head of the group and query tile in ``[lo, hi)``: Q8
     (for S^T), dO8^T (dV's operand), dO (dK's dP^T) and Q8^T (dK's operand), with the per-query vectors
-    (q_scale, lse (+inf past the end), and dO's scale, delta, the raw Q scale as the products need them)."""
+    (q_scale, lse (+inf past the end), and dO's scale, delta, the raw Q scale as the products need them; with
+    ``SOFTCAP`` q_scale and the row shift over the cap)."""
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + (v_desc.block_type.nbytes if DO_DK else 0)
     mbarrier.expect(k_bar, 2 * kv_bytes)
     tma.async_copy_global_to_shared(k_desc, [k_row, 0], k_bar, k_smem.index(0))
@@ -120,7 +125,11 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_smem, qt_smem,
             rows = start_m + offs
             ok = rows < seqlen_q
             base = vec_head0 + g * s_vech + rows
-            vec_smem.index(NVEC * s + VQS).store(gl.load(QS + base, mask=ok, other=0.0))
+            if SOFTCAP:   # the cap's argument: (s + shift) / cap, both terms over the cap
+                vec_smem.index(NVEC * s + VQS).store(gl.load(QS + base, mask=ok, other=0.0) * inv_cap)
+                vec_smem.index(NVEC * s + VSHIFT).store(gl.load(SHIFT + base, mask=ok, other=0.0) * inv_cap)
+            else:
+                vec_smem.index(NVEC * s + VQS).store(gl.load(QS + base, mask=ok, other=0.0))
             lse = gl.load(LSE + base, mask=ok, other=float("inf"))
             if DO_DV:
                 do_scale = gl.load(DOS + base, mask=ok, other=0.0)
@@ -164,8 +173,9 @@ def _quantized_product(acc, x, x_max, b_smem, empty_bar, o_zero, p_layout: gl.co
 @gluon.jit
 def _key_tiles_bwd(dv_acc, dk_acc, it, k8, v16, k_scale, k_bias, q_smem, qt_smem, do_smem, dot_smem, vec_smem,
                    ready, empty, keys, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
-                   MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DO_DK: gl.constexpr,
-                   DO_DV: gl.constexpr, FOLD: gl.constexpr, BLOCK_Q: gl.constexpr, s_layout: gl.constexpr,
+                   softcap2, MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                   DO_DK: gl.constexpr, DO_DV: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr,
+                   BLOCK_Q: gl.constexpr, s_layout: gl.constexpr,
                    dp_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Query tiles ``[lo, hi)`` of one head for one warpgroup's 64 keys: dV += P^T dO and/or dK += dS^T Q."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -186,7 +196,11 @@ def _key_tiles_bwd(dv_acc, dk_acc, it, k8, v16, k_scale, k_bias, q_smem, qt_smem
         q_scale = vec_smem.index(NVEC * s + VQS).load(col_layout)
         lse = vec_smem.index(NVEC * s + VLSE).load(col_layout)
         st = gl.fma((st_int + 0x4B400000).to(gl.float32, bitcast=True), k_scale[:, None], k_bias[:, None])
-        pt = gl.exp2(gl.fma(st, q_scale[None, :], -lse[None, :]))   # lse is +inf past the end: 0
+        if SOFTCAP:   # capped scores as in the forward; tanh kept for the cap's derivative in dS^T
+            tht = _tanh_scores(gl.fma(st, q_scale[None, :], vec_smem.index(NVEC * s + VSHIFT).load(col_layout)[None, :]))
+            pt = gl.exp2(gl.fma(tht, softcap2, -lse[None, :]))
+        else:
+            pt = gl.exp2(gl.fma(st, q_scale[None, :], -lse[None, :]))   # lse is +inf past the end: 0
         if MASKED:
             valid = _band_mask((start_m + offs_m)[None, :], keys[:, None], seqlen_q, seqlen_k, diag, window_left,
                                window_right, MASK_LEFT, MASK_RIGHT)
@@ -205,6 +219,8 @@ def _key_tiles_bwd(dv_acc, dk_acc, it, k8, v16, k_scale, k_bias, q_smem, qt_smem
             delta = vec_smem.index(NVEC * s + VDELTA).load(col_layout)
             qr_scale = vec_smem.index(NVEC * s + VQSR).load(col_layout)
             xk = pt * (gl.convert_layout(dpt, s_layout) - delta[None, :]) * qr_scale[None, :]
+            if SOFTCAP:   # dS^T with respect to the uncapped score: times 1 - tanh^2
+                xk = xk * (1.0 - tht * tht)
             ds8, ds_scale = _quantize_rows(xk, gl.max(gl.abs(xk), 1), p_layout, o_layout)
         if DO_DV:
             dv_acc = _accumulate_product(dv_acc, pv8, pv_scale, dot_smem.index(s), o_zero)
@@ -226,9 +242,9 @@ def _store_rows(acc, rows, seqlen, OUT, out_off, s_ot, out_scale, HEAD_DIM: gl.c
 @gluon.jit
 def _bwd_consumer(k8, v16, first, q_smem, qt_smem, do_smem, dot_smem, vec_smem, k_bar, ready, empty, KS, DV, DK,
                   ks_off, dv_off, s_dvt, dk_off, s_dkt, seqlen_q, seqlen_k, window_left, window_right, group, lo,
-                  full_lo, full_hi, hi, softmax_scale, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr,
+                  full_lo, full_hi, hi, softmax_scale, softcap2, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr,
                   MASK_RIGHT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr, FOLD: gl.constexpr,
-                  BLOCK_Q: gl.constexpr):
+                  SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr):
     """One warpgroup: keys ``[first, first + 64)`` (their int8 K in ``k8``, V in ``v16``) against every query
     tile of every query head of the group; writes their dV and/or dK rows."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -248,16 +264,16 @@ def _bwd_consumer(k8, v16, first, q_smem, qt_smem, do_smem, dot_smem, vec_smem, 
     for g in range(group):
         dv_acc, dk_acc, it = _key_tiles_bwd(
             dv_acc, dk_acc, it, k8, v16, k_scale, k_bias, q_smem, qt_smem, do_smem, dot_smem, vec_smem, ready,
-            empty, keys, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
-            DO_DK, DO_DV, FOLD, BLOCK_Q, s_layout, dp_layout, o_layout, p_layout)
+            empty, keys, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right, softcap2, True, MASK_LEFT,
+            MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, s_layout, dp_layout, o_layout, p_layout)
         dv_acc, dk_acc, it = _key_tiles_bwd(
             dv_acc, dk_acc, it, k8, v16, k_scale, k_bias, q_smem, qt_smem, do_smem, dot_smem, vec_smem, ready,
-            empty, keys, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right, False, MASK_LEFT,
-            MASK_RIGHT, DO_DK, DO_DV, FOLD, BLOCK_Q, s_layout, dp_layout, o_layout, p_layout)
+            empty, keys, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right, softcap2, False, MASK_LEFT,
+            MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, s_layout, dp_layout, o_layout, p_layout)
         dv_acc, dk_acc, it = _key_tiles_bwd(
             dv_acc, dk_acc, it, k8, v16, k_scale, k_bias, q_smem, qt_smem, do_smem, dot_smem, vec_smem, ready,
-            empty, keys, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
-            DO_DK, DO_DV, FOLD, BLOCK_Q, s_layout, dp_layout, o_layout, p_layout)
+            empty, keys, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right, softcap2, True, MASK_LEFT,
+            MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, s_layout, dp_layout, o_layout, p_layout)
     if DO_DV:
         _store_rows(dv_acc, keys, seqlen_k, DV, dv_off, s_dvt, 1.0, HEAD_DIM, o_layout)
     if DO_DK:
@@ -266,12 +282,12 @@ def _bwd_consumer(k8, v16, first, q_smem, qt_smem, do_smem, dot_smem, vec_smem, 
 
 @gluon.jit
 def _attn_bwd_dkdv_hopper_kernel(
-    q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, QS, LSE, DOS, DELTA, QSR, KS, DV, DK,
+    q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, QS, LSE, DOS, DELTA, QSR, SHIFT, KS, DV, DK,
     s_qsb, s_qsh, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch,
-    n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softmax_scale,
+    n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softmax_scale, softcap2,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr, DO_DK: gl.constexpr,
     DO_DV: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FOLD: gl.constexpr,
-    BLOCK_Q: gl.constexpr,
+    SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr,
 ):
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -323,16 +339,16 @@ def _attn_bwd_dkdv_hopper_kernel(
     gl.warp_specialize([
         (_bwd_consumer, (k_smem.index(0), v_smem.index(0), start_n, q_smem, qt_smem, do_smem, dot_smem, vec_smem,
                          k_bar, ready, empty, KS, DV, DK, ks_off, dv_off, s_dvt, dk_off, s_dkt, seqlen_q, seqlen_k,
-                         window_left, window_right, group, lo, full_lo, full_hi, hi, softmax_scale, HEAD_DIM,
-                         MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, BLOCK_Q)),
+                         window_left, window_right, group, lo, full_lo, full_hi, hi, softmax_scale, softcap2,
+                         HEAD_DIM, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q)),
         (_bwd_consumer, (k_smem.index(1), v_smem.index(1), start_n + HALF_N, q_smem, qt_smem, do_smem, dot_smem,
                          vec_smem, k_bar, ready, empty, KS, DV, DK, ks_off, dv_off, s_dvt, dk_off, s_dkt, seqlen_q,
                          seqlen_k, window_left, window_right, group, lo, full_lo, full_hi, hi, softmax_scale,
-                         HEAD_DIM, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, BLOCK_Q)),
+                         softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q)),
         (_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem,
-                   v_smem, vec_smem, k_bar, ready, empty, QS, LSE, DOS, DELTA, QSR, k_row, v_row, v_col, q_head0,
-                   do_row0, do_col0, do_rh, do_ch, vec_head0, s_qsh, n_q, group, seqlen_q, lo, hi, DO_DK, DO_DV,
-                   FOLD, BLOCK_Q)),
+                   v_smem, vec_smem, k_bar, ready, empty, QS, LSE, DOS, DELTA, QSR, SHIFT, 1.0 / softcap2, k_row,
+                   v_row, v_col, q_head0, do_row0, do_col0, do_rh, do_ch, vec_head0, s_qsh, n_q, group, seqlen_q,
+                   lo, hi, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -368,11 +384,12 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem
 
 
 @gluon.jit
-def _dq_tiles(acc, it, q8, do16, q_scale, lse, delta, rows, k_smem, v_smem, kt_smem, ks_smem, ready, empty,
-              lo, hi, seqlen_q, seqlen_k, window_left, window_right,
-              MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+def _dq_tiles(acc, row_ds, it, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta, rows, k_smem, v_smem, kt_smem,
+              ks_smem, ready, empty, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
+              MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               s_layout: gl.constexpr, dp_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """Key tiles ``[lo, hi)`` for one warpgroup's 64 queries: ``dQ += dS K`` (backward._dq_tile's numerics)."""
+    """Key tiles ``[lo, hi)`` for one warpgroup's 64 queries: ``dQ += dS K`` (backward._dq_tile's numerics);
+    with ``SOFTCAP`` also ``row_ds += rowsum(dS)``."""
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([HALF_N, BLOCK_N], gl.int32, s_layout)
     dp_zero = gl.zeros([HALF_N, BLOCK_N], gl.float32, dp_layout)
@@ -391,23 +408,32 @@ def _dq_tiles(acc, it, q8, do16, q_scale, lse, delta, rows, k_smem, v_smem, kt_s
         # loads a tile) and made this kernel 1.2-1.4x faster on an H100 (docs/speed_notes.md, session 10)
         k_bias = ks_smem.index(2 * s + 1).load(gl.SliceLayout(0, s_layout))
         t = gl.fma((s_int + 0x4B400000).to(gl.float32, bitcast=True), k_scale[None, :], k_bias[None, :])
-        p = gl.exp2(gl.fma(t, q_scale[:, None], -lse[:, None]))     # lse is +inf past the end: 0
+        if SOFTCAP:   # capped scores as in the forward; tanh kept for the cap's derivative in dS
+            th = _tanh_scores(gl.fma(t, cap_a[:, None], cap_b[:, None]))
+            p = gl.exp2(gl.fma(th, softcap2, -lse[:, None]))
+        else:
+            p = gl.exp2(gl.fma(t, q_scale[:, None], -lse[:, None]))     # lse is +inf past the end: 0
         if MASKED:
             valid = _band_mask(rows[:, None], (start_n + offs_n)[None, :], seqlen_q, seqlen_k, diag, window_left,
                                window_right, MASK_LEFT, MASK_RIGHT)
             p = gl.where(valid, p, 0.0)
         # dS with K's per-token scale folded in, then one scale per query over the tile (signed)
-        x = p * (gl.convert_layout(dp, s_layout) - delta[:, None]) * k_scale[None, :]
+        x = p * (gl.convert_layout(dp, s_layout) - delta[:, None])
+        if SOFTCAP:   # dS with respect to the uncapped score; its row sums for the op's K-smoothing term
+            x = x * (1.0 - th * th)
+            row_ds += gl.sum(gl.where((start_n + offs_n < seqlen_k)[None, :], x, 0.0), 1)
+        x = x * k_scale[None, :]
         x_max = gl.max(gl.abs(x), 1)
         acc = _quantized_product(acc, x, x_max, kt_smem.index(s), empty.index(s), o_zero, p_layout, o_layout)
         it += 1
-    return acc, it
+    return acc, row_ds, it
 
 
 @gluon.jit
-def _dq_consumer(q8, do16, first, k_smem, v_smem, kt_smem, ks_smem, q_bar, ready, empty, QS, LSE, DELTA, DQ,
-                 vec_off, dq_off, s_dqt, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi,
-                 out_scale, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def _dq_consumer(q8, do16, first, k_smem, v_smem, kt_smem, ks_smem, q_bar, ready, empty, QS, LSE, DELTA, SHIFT,
+                 ROW_DS, DQ, vec_off, dq_off, s_dqt, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo,
+                 full_hi, hi, out_scale, softcap2, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr,
+                 MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
     """One warpgroup: queries ``[first, first + 64)`` against every key tile; writes their dQ rows."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
@@ -422,31 +448,43 @@ def _dq_consumer(q8, do16, first, k_smem, v_smem, kt_smem, ks_smem, q_bar, ready
     q_scale = gl.load(QS + vec_off + rows, mask=m_ok, other=0.0)
     lse = gl.load(LSE + vec_off + rows, mask=m_ok, other=float("inf"))
     delta = gl.load(DELTA + vec_off + rows, mask=m_ok, other=0.0)
+    cap_a = q_scale     # unused unless SOFTCAP
+    cap_b = q_scale
+    if SOFTCAP:
+        inv_cap = 1.0 / softcap2
+        cap_a = q_scale * inv_cap
+        cap_b = gl.load(SHIFT + vec_off + rows, mask=m_ok, other=0.0) * inv_cap
+    row_ds = gl.zeros([HALF_N], gl.float32, row_layout)
     acc = gl.zeros([HALF_N, HEAD_DIM], gl.float32, o_layout)
     mbarrier.wait(q_bar, 0)
     it = lo * 0
-    acc, it = _dq_tiles(acc, it, q8, do16, q_scale, lse, delta, rows, k_smem, v_smem, kt_smem, ks_smem, ready,
-                        empty, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT,
-                        MASK_RIGHT, s_layout, dp_layout, o_layout, p_layout)
-    acc, it = _dq_tiles(acc, it, q8, do16, q_scale, lse, delta, rows, k_smem, v_smem, kt_smem, ks_smem, ready,
-                        empty, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right, False, MASK_LEFT,
-                        MASK_RIGHT, s_layout, dp_layout, o_layout, p_layout)
-    acc, it = _dq_tiles(acc, it, q8, do16, q_scale, lse, delta, rows, k_smem, v_smem, kt_smem, ks_smem, ready,
-                        empty, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT,
-                        MASK_RIGHT, s_layout, dp_layout, o_layout, p_layout)
+    acc, row_ds, it = _dq_tiles(acc, row_ds, it, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta, rows,
+                                k_smem, v_smem, kt_smem, ks_smem, ready, empty, lo, full_lo, seqlen_q, seqlen_k,
+                                window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, s_layout,
+                                dp_layout, o_layout, p_layout)
+    acc, row_ds, it = _dq_tiles(acc, row_ds, it, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta, rows,
+                                k_smem, v_smem, kt_smem, ks_smem, ready, empty, full_lo, full_hi, seqlen_q, seqlen_k,
+                                window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, s_layout,
+                                dp_layout, o_layout, p_layout)
+    acc, row_ds, it = _dq_tiles(acc, row_ds, it, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta, rows,
+                                k_smem, v_smem, kt_smem, ks_smem, ready, empty, full_hi, hi, seqlen_q, seqlen_k,
+                                window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, s_layout,
+                                dp_layout, o_layout, p_layout)
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
     ptrs = DQ + dq_off + rows_o.to(gl.int64)[:, None] * s_dqt + offs_d[None, :]
     gl.store(ptrs, (acc * out_scale).to(DQ.dtype.element_ty), mask=(rows_o < seqlen_q)[:, None])
+    if SOFTCAP:
+        gl.store(ROW_DS + vec_off + rows, row_ds, mask=m_ok)
 
 
 @gluon.jit
 def _attn_bwd_dq_hopper_kernel(
-    q_desc, do_desc, k_desc, v_desc, kt_desc, QS, LSE, DELTA, KS, DQ,
+    q_desc, do_desc, k_desc, v_desc, kt_desc, QS, LSE, DELTA, SHIFT, ROW_DS, KS, DQ,
     s_qsb, s_qsh, s_ksb, s_ksh, s_dqb, s_dqh, s_dqt, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch,
-    n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, out_scale,
+    n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, out_scale, softcap2,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, SOFTCAP: gl.constexpr,
 ):
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -488,12 +526,13 @@ def _attn_bwd_dq_hopper_kernel(
     dq_off = b.to(gl.int64) * s_dqb + h.to(gl.int64) * s_dqh
     gl.warp_specialize([
         (_dq_consumer, (q_smem.index(0), do_smem.index(0), start_m, k_smem, v_smem, kt_smem, ks_smem, q_bar,
-                        ready, empty, QS, LSE, DELTA, DQ, vec_off, dq_off, s_dqt, seqlen_q, seqlen_k, window_left,
-                        window_right, lo, full_lo, full_hi, hi, out_scale, HEAD_DIM, MASK_LEFT, MASK_RIGHT)),
+                        ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, DQ, vec_off, dq_off, s_dqt, seqlen_q, seqlen_k,
+                        window_left, window_right, lo, full_lo, full_hi, hi, out_scale, softcap2, HEAD_DIM,
+                        MASK_LEFT, MASK_RIGHT, SOFTCAP)),
         (_dq_consumer, (q_smem.index(1), do_smem.index(1), start_m + HALF_N, k_smem, v_smem, kt_smem, ks_smem,
-                        q_bar, ready, empty, QS, LSE, DELTA, DQ, vec_off, dq_off, s_dqt, seqlen_q, seqlen_k,
-                        window_left, window_right, lo, full_lo, full_hi, hi, out_scale, HEAD_DIM, MASK_LEFT,
-                        MASK_RIGHT)),
+                        q_bar, ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, DQ, vec_off, dq_off, s_dqt, seqlen_q,
+                        seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, out_scale, softcap2,
+                        HEAD_DIM, MASK_LEFT, MASK_RIGHT, SOFTCAP)),
         (_dq_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, ks_smem,
                       q_bar, ready, empty, q_row, do_row, do_col, k_row, v_row, v_col, kt_row, lo, hi, KS, ks_off,
                       seqlen_k)),
@@ -515,12 +554,16 @@ def _caller_desc(x4, block_shape, dtype):
 
 
 def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
-                     window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None, block_q=None):
+                     window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None, block_q=None, softcap=0.0,
+                     shift=None):
     """(grid, args, kwargs) of one launch, ``part`` "dv", "dk" or "dkdv" (both in one program): padded
     ``[B, H, N, D]`` tensors as ``backward.launch_backward`` takes them (``quant`` from
-    ``quantize_qk(..., transposed=True)``); ``dv4`` / ``dk4`` may be None where not written."""
+    ``quantize_qk(..., transposed=True)``; ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None
+    where not written."""
     import torch
     import triton
+
+    from .quantize import LOG2E
 
     assert part in ("dv", "dk", "dkdv") and head_dim in (64, 128)
     do_dv, do_dk = part in ("dv", "dkdv"), part in ("dk", "dkdv")
@@ -533,7 +576,8 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     bsz, hq, n_q, d = q8.shape
     hk, n_k = k8.shape[1], k8.shape[2]
     q_scale_raw = quant["q_scale_raw"]
-    for t in (lse, do_scale, delta, q_scale_raw):
+    shift = shift if softcap else lse
+    for t in (lse, do_scale, delta, q_scale_raw, shift):
         assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
     io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
     q_desc = _tma_desc(_rows(q8), [block_q, d], gl.int8)
@@ -552,11 +596,13 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     assert dv4.stride(3) == 1 and dk4.stride(3) == 1
     grid = (triton.cdiv(n_k, BLOCK_N.value), bsz * hk)
     return grid, (
-        q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_scale, lse, do_scale, delta, q_scale_raw, k_scale,
-        dv4, dk4, q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1), *dv4.stride()[:3],
-        *dk4.stride()[:3], *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1], softmax_scale,
+        q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_scale, lse, do_scale, delta, q_scale_raw, shift,
+        k_scale, dv4, dk4, q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
+        *dv4.stride()[:3], *dk4.stride()[:3], *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1],
+        softmax_scale, float(softcap) * LOG2E if softcap else 1.0,
     ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim, DO_DK=do_dk, DO_DV=do_dv,
-            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, BLOCK_Q=block_q, num_warps=4)
+            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, SOFTCAP=bool(softcap),
+            BLOCK_Q=block_q, num_warps=4)
 
 
 def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
@@ -568,18 +614,23 @@ def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk
 
 
 def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale,
-                   consumer_regs=240, loader_regs=32):
+                   consumer_regs=240, loader_regs=32, softcap=0.0, shift=None, row_ds=None):
     """(grid, args, kwargs) of the dQ launch: padded ``[B, H, N, D]`` tensors as ``backward.launch_backward``
-    takes them (``quant`` from ``quantize_qk(..., transposed=True)``, whose ``k8t`` is dQ's B operand)."""
+    takes them (``quant`` from ``quantize_qk(..., transposed=True)``, whose ``k8t`` is dQ's B operand;
+    ``softcap``, ``shift``, ``row_ds`` as there)."""
     import torch
     import triton
+
+    from .quantize import LOG2E
 
     assert head_dim in (64, 128) and dq4.stride(3) == 1
     assert quant["q_mean"] is None, "no Q-smoothing on this path"
     q8, k8, k8t, q_scale, k_scale = quant["q8"], quant["k8"], quant["k8t"], quant["q_scale"], quant["k_scale"]
     bsz, hq, n_q, d = q8.shape
     hk, n_k = k8.shape[1], k8.shape[2]
-    for t in (lse, delta):
+    assert not softcap or (shift is not None and row_ds is not None)
+    shift, row_ds = (shift, row_ds) if softcap else (lse, lse)
+    for t in (lse, delta, shift, row_ds):
         assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
     io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
     q_desc = _tma_desc(_rows(q8), [HALF_N.value, d], gl.int8)
@@ -589,11 +640,12 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
     kt_desc = _tma_desc(k8t.reshape(-1, k8t.shape[-1]), [d, BLOCK_N.value], gl.int8)
     grid = (triton.cdiv(n_q, BLOCK_M.value), bsz * hq)
     return grid, (
-        q_desc, do_desc, k_desc, v_desc, kt_desc, q_scale, lse, delta, k_scale, dq4,
+        q_desc, do_desc, k_desc, v_desc, kt_desc, q_scale, lse, delta, shift, row_ds, k_scale, dq4,
         q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1), *dq4.stride()[:3],
         *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1], softmax_scale,
+        float(softcap) * LOG2E if softcap else 1.0,
     ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
-            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4)
+            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, SOFTCAP=bool(softcap), num_warps=4)
 
 
 def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale, **tuning):
@@ -604,17 +656,20 @@ def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim
 
 
 def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4, dv4, num_heads, num_kv_heads,
-                           head_dim, window, softmax_scale, split_dkdv=True, **tuning):
+                           head_dim, window, softmax_scale, split_dkdv=True, softcap=0.0, shift=None, row_ds=None,
+                           **tuning):
     """backward.launch_backward's contract on the Gluon kernels, for padded batches without Q-smoothing:
-    dK and dV in one launch (or two with ``split_dkdv``), then dQ; each deterministic (no atomics)."""
+    dK and dV in one launch (or two with ``split_dkdv``), then dQ; each deterministic (no atomics).
+    ``softcap`` > 0: capped scores (``shift`` as the forward's), rowsum(dS) written to ``row_ds``."""
     group = num_heads // num_kv_heads
     common = (num_heads, group, head_dim, window, softmax_scale)
     lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides
+    tuning = dict(tuning, softcap=softcap, shift=shift)
     do4, v4 = tma_addressable(do4), tma_addressable(v4)     # a copy, if one is needed, once for all launches
     if split_dkdv:
         launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, None, *common, **tuning)
         launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, None, dk4, *common, **tuning)
     else:
         launch_dkdv_hopper("dkdv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common, **tuning)
-    launch_dq_hopper(quant, lse, do4, delta, v4, dq4, *common,
+    launch_dq_hopper(quant, lse, do4, delta, v4, dq4, *common, row_ds=row_ds,
                      **{key: value for key, value in tuning.items() if key not in ("fold", "block_q")})

@@ -4,8 +4,8 @@
 
 * ``auto`` (default): on an sm_90 GPU with a Triton whose Gluon API they are tested on (``GLUON_TESTED``),
   the Gluon forward for the calls it takes where it measured faster (at head dim 128 only from
-  ``GLUON_MIN_KEYS_D128`` keys, the longest sequence's, on), padded or packed, and the Gluon backward for
-  padded calls; the portable kernels everywhere else (the backward of packed batches too, for now).
+  ``GLUON_MIN_KEYS_D128`` keys, the longest sequence's, on; not soft-capped calls), padded or packed, and the
+  Gluon backward for padded calls; the portable kernels everywhere else (the backward of packed batches too).
 * ``triton``: always the portable kernels (Ampere, Ada, Hopper, Blackwell, the interpreter).
 * ``gluon``: the Gluon kernels on an sm_90 GPU (H100, H200), also on an untested Triton release, for the calls
   they take (head dim 64 or 128, no Q-smoothing; the forward padded or packed, the backward padded); any other
@@ -31,6 +31,10 @@ GLUON_BY_DEFAULT = True
 GLUON_MIN_KEYS_D128 = 2048
 # The Gluon backward (dV, dK, dQ launches, kernels/backward_hopper.py) for padded batches.
 GLUON_BWD_BY_DEFAULT = True
+# Soft-capped scores (session 11, H100, B*N = 32K, H*D = 2048, cap 50): the Gluon backward 1.29-1.33x the
+# portable one at D=128 (N=4K, 16K), but the Gluon forward only 1.00-1.04x without a mask and 0.83-0.93x causal
+# (three MUFU ops a score: tanh's exp2 and reciprocal, then P's exp2): auto leaves that forward portable.
+GLUON_SOFTCAP_FORWARD = False
 
 _counts = collections.Counter()    # "fwd_gluon", "fwd_triton", ... -> launches
 _warned = set()
@@ -81,18 +85,20 @@ def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bo
               head_dim_v: Optional[int] = None) -> bool:
     """True when this call runs the Gluon (Hopper) kernels (``seqlen_k``: the longest key sequence;
     ``backward``: the choice for the backward pass, whose Gluon kernels take padded batches only;
-    ``softcap``: soft-capped scores, which only the portable kernels compute; ``head_dim_v``: V's head dim,
+    ``softcap``: soft-capped scores (both families compute them; ``auto`` keeps the forward of such calls on
+    the portable kernels, see ``GLUON_SOFTCAP_FORWARD``); ``head_dim_v``: V's head dim,
     which the Gluon kernels need equal to Q's and K's)."""
     choice = requested()
     if choice == "triton":
         return False
     takes_call = (head_dim in GLUON_HEAD_DIMS and not q_smoothing and not (backward and varlen)
-                  and not softcap and head_dim_v in (None, head_dim))
+                  and head_dim_v in (None, head_dim))
     if choice == "auto":
         if backward:
             faster = GLUON_BWD_BY_DEFAULT
         else:
-            faster = GLUON_BY_DEFAULT and (head_dim != 128 or seqlen_k >= GLUON_MIN_KEYS_D128)
+            faster = (GLUON_BY_DEFAULT and (head_dim != 128 or seqlen_k >= GLUON_MIN_KEYS_D128)
+                      and (GLUON_SOFTCAP_FORWARD or not softcap))
         return (takes_call and faster and _triton_minor() in GLUON_TESTED and gluon_unavailable(device) is None)
     reason = gluon_unavailable(device)
     if reason is not None:
@@ -104,7 +110,7 @@ def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bo
             _warned.add(key)
             what = "backward (packed batch)" if backward and varlen else "kernels"
             warnings.warn(f"{ENV_VAR}=gluon: the Gluon forward takes head dims {GLUON_HEAD_DIMS} (V's the same) "
-                          f"without Q-smoothing or a soft cap, the Gluon backward padded batches of those; this "
+                          f"without Q-smoothing, the Gluon backward padded batches of those; this "
                           f"call's {what} (head dim {head_dim}, V's {head_dim_v or head_dim}, q_smoothing="
                           f"{q_smoothing}, packed={varlen}, softcap={softcap}) runs the portable Triton kernels",
                           stacklevel=4)

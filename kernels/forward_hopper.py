@@ -20,6 +20,9 @@ keys), 1.02-1.09x at D=64; the default on Hopper through ``dispatch.py`` (at D=1
 this kernel reads V^T laid out by ``quantize.aligned_starts`` there; and programs past a short sequence's end
 run no tiles (tests/test_dispatch.py and the Transformers packing tests on an H100, session 5).
 
+``SOFTCAP``: the scores capped as in forward.py (the K-smoothing shift added back, then ``cap * tanh(s / cap)``
+with one ``rcp.approx``), a compile-time option of the same kernel.
+
 Head dims 64 and 128, no Q-smoothing. Gluon's API moves between Triton releases; this file is tested on the
 versions listed in ``dispatch.GLUON_TESTED``.
 """
@@ -41,6 +44,15 @@ LOG2_127 = gl.constexpr(6.988684686772166)
 @gluon.jit
 def _round_to_int8(x):
     return (x + 12582912.0).to(gl.int32, bitcast=True).to(gl.int8)
+
+
+@gluon.jit
+def _tanh_scores(y):
+    """forward.tanh_scores in Gluon: tanh as 1 - 2 / (e^(2y) + 1), the division one ``rcp.approx``."""
+    u = gl.exp2(y * 2.8853900817779268) + 1.0   # 2 log2(e)
+    r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [u], dtype=gl.float32, is_pure=True,
+                                  pack=1)
+    return 1.0 - 2.0 * r
 
 
 @gluon.jit
@@ -167,9 +179,9 @@ def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, rea
 
 @gluon.jit
 def _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, turn_me, turn_other, ks_smem,
-             rows, q_scale, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
+             rows, q_scale, cap_a, cap_b, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
              MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-             PINGPONG: gl.constexpr, FIRST: gl.constexpr, EXP_POLY: gl.constexpr,
+             PINGPONG: gl.constexpr, FIRST: gl.constexpr, EXP_POLY: gl.constexpr, SOFTCAP: gl.constexpr,
              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key tiles ``[lo, hi)`` for one warpgroup's 64 rows, each S = Q K^T waited for before its softmax.
 
@@ -194,6 +206,8 @@ def _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, turn_me, turn_o
         k_bias = ks_smem.index(2 * s + 1).load(gl.SliceLayout(0, s_layout))
         s_int = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
         t = gl.fma((s_int + 0x4B400000).to(gl.float32, bitcast=True), k_scale[None, :], k_bias[None, :])
+        if SOFTCAP:   # tanh((s + shift) / cap): q_scale is the cap then (forward._fwd_tile)
+            t = _tanh_scores(gl.fma(t, cap_a[:, None], cap_b[:, None]))
         if MASKED:
             valid = _band_mask(rows[:, None], cols[None, :], seqlen_q, seqlen_k, diag, window_left, window_right,
                                MASK_LEFT, MASK_RIGHT)
@@ -224,8 +238,9 @@ def _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, turn_me, turn_o
 def _consumer(q, first, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn_me, turn_other, QS, VS, O, LSE,
               qs_off, vs_off, o_off, lse_off, s_ot,
               seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
-              HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-              PINGPONG: gl.constexpr, FIRST: gl.constexpr, SINK_MODE: gl.constexpr, EXP_POLY: gl.constexpr):
+              SHIFT, softcap2, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+              PINGPONG: gl.constexpr, FIRST: gl.constexpr, SINK_MODE: gl.constexpr, EXP_POLY: gl.constexpr,
+              SOFTCAP: gl.constexpr):
     """One warpgroup: query rows ``[first, first + 64)`` (their int8 Q in ``q``) against all key tiles."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
@@ -238,6 +253,13 @@ def _consumer(q, first, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn_me, t
     m_ok = rows < seqlen_q
     # kept above zero: masked (-inf) scores are scaled by it, and an all-zero row has scale 0
     q_scale = gl.maximum(gl.load(QS + qs_off + rows, mask=m_ok, other=0.0), 1e-30)
+    cap_a = q_scale     # unused unless SOFTCAP
+    cap_b = q_scale
+    if SOFTCAP:   # the score's dequantization and the shift back to the caller's scores, both over the cap
+        inv_cap = 1.0 / softcap2
+        cap_a = q_scale * inv_cap
+        cap_b = gl.load(SHIFT + lse_off + rows, mask=m_ok, other=0.0) * inv_cap
+        q_scale = gl.full([HALF_M], 0.0, gl.float32, row_layout) + softcap2
     m_i = gl.full([HALF_M], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([HALF_M], gl.float32, row_layout)
     acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
@@ -246,17 +268,17 @@ def _consumer(q, first, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn_me, t
     it = lo * 0
     # masked left edge, unmasked middle, masked right edge
     acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty,
-                                        turn_me, turn_other, ks_smem, rows, q_scale, lo, full_lo, seqlen_q,
+                                        turn_me, turn_other, ks_smem, rows, q_scale, cap_a, cap_b, lo, full_lo, seqlen_q,
                                         seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
-                                        PINGPONG, FIRST, EXP_POLY, s_layout, o_layout, p_layout)
+                                        PINGPONG, FIRST, EXP_POLY, SOFTCAP, s_layout, o_layout, p_layout)
     acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty,
-                                        turn_me, turn_other, ks_smem, rows, q_scale, full_lo, full_hi, seqlen_q,
+                                        turn_me, turn_other, ks_smem, rows, q_scale, cap_a, cap_b, full_lo, full_hi, seqlen_q,
                                         seqlen_k, window_left, window_right, False, MASK_LEFT, MASK_RIGHT,
-                                        PINGPONG, FIRST, EXP_POLY, s_layout, o_layout, p_layout)
+                                        PINGPONG, FIRST, EXP_POLY, SOFTCAP, s_layout, o_layout, p_layout)
     acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty,
-                                        turn_me, turn_other, ks_smem, rows, q_scale, full_hi, hi, seqlen_q,
+                                        turn_me, turn_other, ks_smem, rows, q_scale, cap_a, cap_b, full_hi, hi, seqlen_q,
                                         seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
-                                        PINGPONG, FIRST, EXP_POLY, s_layout, o_layout, p_layout)
+                                        PINGPONG, FIRST, EXP_POLY, SOFTCAP, s_layout, o_layout, p_layout)
 
     has_keys = l_i > 0
     lse = gl.where(has_keys, m_i + gl.log2(l_i), float("inf"))   # +inf: the backward's exp2(s - lse) is 0
@@ -283,12 +305,12 @@ def _consumer(q, first, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn_me, t
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(
-    q_desc, k_desc, vt_desc, QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS, SINK_SHIFT,
+    q_desc, k_desc, vt_desc, QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS, SINK_SHIFT, SHIFT,
     s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
-    n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right,
+    n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softcap2,
     IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, PINGPONG: gl.constexpr, SINK_MODE: gl.constexpr,
-    EXP_POLY: gl.constexpr,
+    EXP_POLY: gl.constexpr, SOFTCAP: gl.constexpr,
 ):
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -357,11 +379,11 @@ def _attn_fwd_hopper_kernel(
         (_consumer, (q_smem.index(0), start_m, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn.index(0),
                      turn.index(1), QS, VS, O, LSE, qs_off, vs_off, o_off, lse_off, s_ot,
                      seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
-                     HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE, EXP_POLY)),
+                     SHIFT, softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE, EXP_POLY, SOFTCAP)),
         (_consumer, (q_smem.index(1), start_m + HALF_M, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn.index(1),
                      turn.index(0), QS, VS, O, LSE, qs_off, vs_off, o_off, lse_off, s_ot,
                      seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
-                     HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE, EXP_POLY)),
+                     SHIFT, softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE, EXP_POLY, SOFTCAP)),
         (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, ready, empty,
                    q_row, k_row, v_row, v0, lo, hi, KS, ks_off, seqlen_k)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -375,16 +397,20 @@ def _tma_desc(x2d, block_shape, dtype=gl.int8):
 
 def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
                         window, v_starts=None, consumer_regs=240, loader_regs=24, pingpong=None, sinks=None,
-                        sink_shift=None, exp_poly=0):
-    """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift`` as
-    there). ``pingpong`` defaults to on at head dim 128 (faster there on an H100) and off at 64 (slower there).
+                        sink_shift=None, exp_poly=0, softcap=0.0, shift=None):
+    """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift``,
+    ``softcap``, ``shift`` as there). ``pingpong`` defaults to on at head dim 128 (faster there on an H100) and off at 64 (slower there).
     ``exp_poly`` 2 or 4: that fraction of each tile's exp2 on the FMA units (off: measured slower, session 10)."""
     if exp_poly not in (0, 2, 4):
         raise ValueError(f"exp_poly must be 0, 2 or 4, got {exp_poly!r}")
     assert sink_shift is None or (sinks is not None and sink_shift.stride() == lse.stride())
+    assert not softcap or (shift is not None and shift.stride() == lse.stride())
+    assert not (softcap and sink_shift is not None), "capped scores are already the caller's"
     if pingpong is None:
         pingpong = head_dim == 128
     import triton
+
+    from .quantize import LOG2E
 
     q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]
     assert quant["q_mean"] is None and head_dim in (64, 128) and out4.stride(3) == 1
@@ -401,13 +427,14 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     return grid, (
         q_desc, k_desc, vt_desc, q_scale, k_scale, v_scale, out4, lse, cu_q, cu_k,
         v_starts if v_starts is not None else cu_k, sinks if sinks is not None else lse,
-        sink_shift if sink_shift is not None else lse,
+        sink_shift if sink_shift is not None else lse, shift if softcap else lse,
         q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
         v_scale.stride(0), v_scale.stride(1), *out4.stride()[:3], lse.stride(0), lse.stride(1),
-        n_q, n_k, num_heads, hk, group, window[0], window[1],
+        n_q, n_k, num_heads, hk, group, window[0], window[1], float(softcap) * LOG2E,
     ), dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, PINGPONG=pingpong,
-            SINK_MODE=0 if sinks is None else 2 if sink_shift is not None else 1, EXP_POLY=exp_poly, num_warps=4)
+            SINK_MODE=0 if sinks is None else 2 if sink_shift is not None else 1, EXP_POLY=exp_poly,
+            SOFTCAP=bool(softcap), num_warps=4)
 
 
 def launch_forward_hopper(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim, window,

@@ -55,6 +55,9 @@ def test_auto_and_forced_choices_on_hopper(monkeypatch):
     assert dispatch.use_gluon(dev, 128, False, seqlen_k=1024, backward=True) == dispatch.GLUON_BWD_BY_DEFAULT
     assert not dispatch.use_gluon(dev, 64, False, varlen=True, backward=True)
     assert not dispatch.use_gluon(dev, 64, True, backward=True)
+    # soft-capped scores: a compile-time option of both Gluon families; auto runs the capped forward portable
+    assert dispatch.use_gluon(dev, 64, False, softcap=True) == dispatch.GLUON_SOFTCAP_FORWARD
+    assert dispatch.use_gluon(dev, 128, False, backward=True, softcap=True) == dispatch.GLUON_BWD_BY_DEFAULT
     monkeypatch.setattr(dispatch, "GLUON_BWD_BY_DEFAULT", False)
     assert not dispatch.use_gluon(dev, 128, False, backward=True)
     monkeypatch.setattr(dispatch, "_triton_minor", lambda: "99.0")
@@ -66,6 +69,7 @@ def test_auto_and_forced_choices_on_hopper(monkeypatch):
     assert dispatch.use_gluon(dev, 64, False, varlen=True)          # forced: the Gluon forward takes them
     with pytest.warns(UserWarning, match="q_smoothing=True"):
         assert not dispatch.use_gluon(dev, 64, True, varlen=True)
+    assert dispatch.use_gluon(dev, 64, False, softcap=True)          # forced: the Gluon forward takes them
     assert dispatch.use_gluon(dev, 64, False, backward=True)
     with pytest.warns(UserWarning, match=r"backward \(packed batch\).*portable"):
         assert not dispatch.use_gluon(dev, 64, False, varlen=True, backward=True)
@@ -210,6 +214,52 @@ def test_gluon_backward_matches_reference(case, monkeypatch):
         assert rel_port <= ORACLE_REL, (name, rel_port)
     if causal and nq > nk:                      # rows that see no key have zero dQ
         assert (got["dQ"][:, :, : nq - nk] == 0).all()
+
+
+SOFTCAP_REF_REL = 2e-2
+# (batch, heads, kv heads, queries, keys, head dim, causal, window, cap): caps that bend the scores hard (5) and
+# gently (30), GQA, Nq != Nk with rows that see no key, a window
+SOFTCAP_CASES = [
+    (2, 4, 2, 700, 700, 128, True, (-1, -1), 5.0),
+    (1, 4, 1, 300, 520, 128, False, (130, 77), 30.0),
+    (2, 4, 2, 900, 600, 64, True, (-1, -1), 30.0),
+    (1, 2, 2, 1100, 1100, 64, True, (200, 0), 5.0),
+]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=lambda c: _case_id(c[:8]) + f"-cap{c[8]:g}")
+def test_gluon_softcap_matches_reference(case, monkeypatch):
+    """Soft-capped scores (Gemma 2) on the Gluon forward and backward against the reference and the portable
+    kernels: K with channel outliers, so K-smoothing's row shift, which the cap must undo, is large; dQ checks
+    the op's K-smoothing term, which needs the dQ kernel's rowsum(dS) once capped."""
+    b, h, hk, nq, nk, d, causal, window, cap = case
+    q, k, v, do = make_qkv(b, h, hk, nq, nk, d, torch.bfloat16, "cuda", k_outliers=6.0)
+    q = (q * 2.0).detach()   # scores large enough for a cap of 5 to bend them
+    kw = dict(causal=causal, window_size=window, softcap=cap)
+    out, lse = _forward(monkeypatch, "gluon", sagebwd_attn_func, q, k, v, return_lse=True, **kw)
+    got = _grads(monkeypatch, "gluon", q, k, v, do, **kw)
+    portable = _grads(monkeypatch, "triton", q, k, v, do, **kw)
+    monkeypatch.setenv(dispatch.ENV_VAR, "auto")
+    ref = run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, backend="naive", **kw), q, k, v, do)
+    with torch.no_grad():
+        _, lse_ref = sagebwd_attn_func(q, k, v, backend="naive", return_lse=True, **kw)
+    assert torch.equal(out, got["O"]), "the forward alone and inside the training call differ"
+    seen = torch.isfinite(lse_ref)
+    assert torch.equal(seen, torch.isfinite(lse))
+    torch.testing.assert_close(lse[seen], lse_ref[seen], rtol=0, atol=1e-2)
+    for name in ("O", "dQ", "dK", "dV"):
+        assert torch.isfinite(got[name]).all(), f"{name}: an element the Gluon kernels never wrote"
+        cos, rel = error_stats(got[name], ref[name])
+        rel_port = error_stats(got[name], portable[name])[1]
+        print(f"{_case_id(case[:8])} cap {cap:g} {name}: gluon vs reference cos {cos:.6f} rel {rel:.2e}; "
+              f"vs portable {rel_port:.2e}")
+        # the reference quantizes in PyTorch (its K mean can flip an INT8 code), and a cap of 5 on doubled
+        # scores amplifies that: test_sinks_softcap.py's bound against it; the portable kernels read the same
+        # INT8 bytes as the Gluon ones: this file's
+        assert cos >= 0.9998 and rel <= SOFTCAP_REF_REL, (name, cos, rel)
+        assert rel_port <= ORACLE_REL, (name, rel_port)
 
 
 @pytest.mark.gpu

@@ -32,8 +32,9 @@ GLUON_MIN_KEYS_D128 = 2048
 # The Gluon backward (dV, dK, dQ launches, kernels/backward_hopper.py) for padded batches.
 GLUON_BWD_BY_DEFAULT = True
 # Soft-capped scores (session 11, H100, B*N = 32K, H*D = 2048, cap 50): the Gluon backward 1.18-1.33x the
-# portable one at D=128 (N=4K, 16K, causal or not), but the Gluon forward only 1.00-1.04x without a mask and 0.83-0.93x causal
-# (three MUFU ops a score: tanh's exp2 and reciprocal, then P's exp2): auto leaves that forward portable.
+# portable one at D=128 (N=4K, 16K, causal or not), but the Gluon forward only 1.00-1.04x without a mask and
+# 0.83-0.93x causal (three MUFU ops a score: tanh's exp2 and reciprocal, then P's exp2): auto leaves that
+# forward portable.
 GLUON_SOFTCAP_FORWARD = False
 
 _counts = collections.Counter()    # "fwd_gluon", "fwd_triton", ... -> launches

@@ -197,7 +197,8 @@ def _key_tiles_bwd(dv_acc, dk_acc, it, k8, v16, k_scale, k_bias, q_smem, qt_smem
         lse = vec_smem.index(NVEC * s + VLSE).load(col_layout)
         st = gl.fma((st_int + 0x4B400000).to(gl.float32, bitcast=True), k_scale[:, None], k_bias[:, None])
         if SOFTCAP:   # capped scores as in the forward; tanh kept for the cap's derivative in dS^T
-            tht = _tanh_scores(gl.fma(st, q_scale[None, :], vec_smem.index(NVEC * s + VSHIFT).load(col_layout)[None, :]))
+            tht = _tanh_scores(gl.fma(st, q_scale[None, :],
+                                      vec_smem.index(NVEC * s + VSHIFT).load(col_layout)[None, :]))
             pt = gl.exp2(gl.fma(tht, softcap2, -lse[None, :]))
         else:
             pt = gl.exp2(gl.fma(st, q_scale[None, :], -lse[None, :]))   # lse is +inf past the end: 0

@@ -268,17 +268,17 @@ def _consumer(q, first, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn_me, t
     it = lo * 0
     # masked left edge, unmasked middle, masked right edge
     acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty,
-                                        turn_me, turn_other, ks_smem, rows, q_scale, cap_a, cap_b, lo, full_lo, seqlen_q,
-                                        seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
-                                        PINGPONG, FIRST, EXP_POLY, SOFTCAP, s_layout, o_layout, p_layout)
+                                 turn_me, turn_other, ks_smem, rows, q_scale, cap_a, cap_b, lo, full_lo,
+                                 seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
+                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, s_layout, o_layout, p_layout)
     acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty,
-                                        turn_me, turn_other, ks_smem, rows, q_scale, cap_a, cap_b, full_lo, full_hi, seqlen_q,
-                                        seqlen_k, window_left, window_right, False, MASK_LEFT, MASK_RIGHT,
-                                        PINGPONG, FIRST, EXP_POLY, SOFTCAP, s_layout, o_layout, p_layout)
+                                 turn_me, turn_other, ks_smem, rows, q_scale, cap_a, cap_b, full_lo, full_hi,
+                                 seqlen_q, seqlen_k, window_left, window_right, False, MASK_LEFT, MASK_RIGHT,
+                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, s_layout, o_layout, p_layout)
     acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty,
-                                        turn_me, turn_other, ks_smem, rows, q_scale, cap_a, cap_b, full_hi, hi, seqlen_q,
-                                        seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
-                                        PINGPONG, FIRST, EXP_POLY, SOFTCAP, s_layout, o_layout, p_layout)
+                                 turn_me, turn_other, ks_smem, rows, q_scale, cap_a, cap_b, full_hi, hi,
+                                 seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
+                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, s_layout, o_layout, p_layout)
 
     has_keys = l_i > 0
     lse = gl.where(has_keys, m_i + gl.log2(l_i), float("inf"))   # +inf: the backward's exp2(s - lse) is 0
@@ -399,7 +399,8 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
                         window, v_starts=None, consumer_regs=240, loader_regs=24, pingpong=None, sinks=None,
                         sink_shift=None, exp_poly=0, softcap=0.0, shift=None):
     """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift``,
-    ``softcap``, ``shift`` as there). ``pingpong`` defaults to on at head dim 128 (faster there on an H100) and off at 64 (slower there).
+    ``softcap``, ``shift`` as there). ``pingpong`` defaults to on at head dim 128 (faster there on an H100) and
+    off at 64 (slower there).
     ``exp_poly`` 2 or 4: that fraction of each tile's exp2 on the FMA units (off: measured slower, session 10)."""
     if exp_poly not in (0, 2, 4):
         raise ValueError(f"exp_poly must be 0, 2 or 4, got {exp_poly!r}")

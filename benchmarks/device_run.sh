@@ -9,6 +9,9 @@
 #   bench     = sweep e2e plot
 #   breakdown per-kernel times, registers/spills and SASS opcode counts at N=4096, D=128 and D=64
 #   kernels   forward and dK/dV kernels alone, portable against Gluon (forward_kernels.py, backward_kernels.py)
+#   study     the tokens-per-step study (examples/scale_study.py): builds the code corpus, then runs the
+#             study's next cells for STUDY_S seconds (default 540) -> $OUT/study.tgz (docs/fidelity/study,
+#             to unpack into the repository: the next call resumes from it)
 #   bash benchmarks/device_run.sh [stage ...]       (default: tests accuracy speed)
 # Extra arguments per script: SPEED_ARGS, SWEEP_ARGS, E2E_ARGS, ACCURACY_ARGS (e.g. E2E_ARGS="--seqlens 8192").
 # A time limit per stage in seconds: TIMEOUT_<stage> (e.g. TIMEOUT_tests=330), so one stage cannot eat the call.
@@ -59,6 +62,11 @@ for stage in $stages; do
                  && python3 benchmarks/breakdown.py --head-dim 64 --sass $TMP/sass" ;;
     kernels)  run kernels bash -c "python3 benchmarks/forward_kernels.py --varlen first --seqlens 4096 16384 \
                  && python3 benchmarks/backward_kernels.py" ;;
+    study)    run study bash -c "t0=\$SECONDS; python3 examples/code_corpus.py --output_dir /tmp/code_corpus \
+                 && cp /tmp/code_corpus/manifest.json docs/fidelity/corpus_manifest.json \
+                 && python3 examples/scale_study.py --corpus /tmp/code_corpus \
+                    --deadline_s \$(( ${STUDY_S:-540} - (SECONDS - t0) )) ${STUDY_ARGS:-}; \
+                 tar czf $OUT/study.tgz docs/fidelity/study docs/fidelity/corpus_manifest.json" ;;
     plot)
       src="$OUT/sweep.csv"; [ -f "$src" ] || src="$OUT/speed.csv"
       if ! python3 -c "import matplotlib" 2>/dev/null; then
@@ -85,6 +93,7 @@ for stage in $stages; do
     accuracy) sed -n '/^inputs /,$p' "$TMP/$stage.log" ;;
     speed|sweep|e2e) sed -n '/^== /,$p' "$TMP/$stage.log" ;;
     plot)     tail -1 "$TMP/$stage.log" ;;
+    study)    grep -E "^(train|eval|vocabulary|\[scale_study\] (ran|stop|note)|.*seed[0-9]+: (done|to run))" "$TMP/$stage.log" ;;
   esac
 done
 rm -rf "$TMP"

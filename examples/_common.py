@@ -117,7 +117,9 @@ def add_data_arguments(parser):
                        help="a dataset on the Hugging Face Hub (e.g. Salesforce/wikitext); needs a network")
     group.add_argument("--dataset_config_name", default=None, help="the dataset's configuration (e.g. wikitext-2-raw-v1)")
     group.add_argument("--train_file", default=None,
-                       help="a local .txt, .json or .jsonl file (json: one object per line with --text_column)")
+                       help="a local .txt, .json or .jsonl file (json: one object per line with --text_column), "
+                            "or pre-tokenized ids in a .npy (examples/code_corpus.py; pretrain.py only, with "
+                            "--tokenizer_name the tokenizer that made it)")
     group.add_argument("--validation_file", default=None, help="like --train_file, for evaluation")
     group.add_argument("--text_column", default="text", help="the column holding the text (default: text)")
     group.add_argument("--text_sample_by", default="paragraph", choices=("line", "paragraph", "document"),
@@ -245,6 +247,87 @@ def build_lm_dataset(tokenized, mode, seq_len, per_device_batch_size):
                          desc=f"batching ({mode})")
 
 
+TOKEN_FILE_SUFFIX = ".npy"
+
+
+def is_token_file(path) -> bool:
+    return path is not None and Path(path).suffix.lower() == TOKEN_FILE_SUFFIX
+
+
+def vocab_fingerprint(tokenizer) -> str:
+    """A digest of the token -> id map: two tokenizers with the same one encode the same ids."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
+
+
+class TokenRows(torch.utils.data.Dataset):
+    """Packed rows of ``seq_len`` tokens cut in order from a pre-tokenized stream: a 1-D ``.npy`` of token ids
+    with EOS between documents (what examples/code_corpus.py writes), read through a memory map, so a corpus of
+    any size costs no tokenization and no copy in memory. Rows are what ``build_lm_dataset``'s packed mode
+    makes: attention crosses document boundaries inside a row; the remainder (< seq_len tokens) is dropped."""
+
+    def __init__(self, ids, seq_len):
+        self.ids, self.seq_len = ids, seq_len
+
+    def __len__(self):
+        return len(self.ids) // self.seq_len
+
+    def __getitem__(self, i):
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        row = torch.from_numpy(self.ids[i * self.seq_len:(i + 1) * self.seq_len].astype("int64"))
+        return {"input_ids": row, "labels": row}
+
+
+def token_file_datasets(args, tokenizer, seq_len):
+    """``train`` and ``validation`` TokenRows from ``--train_file`` (and ``--validation_file``, else the last
+    ``--validation_split_percentage`` of the training rows). Every id must be below the tokenizer's size."""
+    import numpy as np
+
+    streams = {}
+    for split, flag in (("train", "train_file"), ("validation", "validation_file")):
+        path = getattr(args, flag)
+        if path is None:
+            continue
+        if not is_token_file(path):
+            raise SystemExit(f"error: --{flag} {path}: with a token file (.npy) for --train_file, "
+                             f"--validation_file must be one too")
+        try:
+            ids = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"error: --{flag} {path}: not a .npy array: {exc}") from None
+        if ids.ndim != 1 or ids.dtype.kind not in "ui" or ids.size == 0:
+            raise SystemExit(f"error: --{flag} {path}: a token file is a non-empty 1-D integer array, got "
+                             f"shape {ids.shape} dtype {ids.dtype}")
+        manifest = Path(path).parent / "manifest.json"      # code_corpus.py's: names the tokenizer it used
+        if manifest.exists():
+            made_by = json.loads(manifest.read_text()).get("vocab_fingerprint")
+            if made_by and made_by != vocab_fingerprint(tokenizer):
+                raise SystemExit(f"error: --{flag} {path} was made by another tokenizer than --tokenizer_name "
+                                 f"(vocabulary {made_by} in {manifest}, {vocab_fingerprint(tokenizer)} given); use "
+                                 f"the tokenizer folder written beside it")
+        top = int(ids.max())
+        if top >= len(tokenizer) or int(ids.min()) < 0:
+            raise SystemExit(f"error: --{flag} {path}: token id {top} is outside the tokenizer's {len(tokenizer)} "
+                             f"ids (--tokenizer_name: the tokenizer that made the file)")
+        streams[split] = ids
+    if "validation" not in streams:
+        if not 0 < args.validation_split_percentage < 100:
+            raise SystemExit("error: --validation_split_percentage must be in (0, 100), got "
+                             f"{args.validation_split_percentage}")
+        ids = streams["train"]
+        rows = len(ids) // seq_len
+        cut = (rows - max(1, int(rows * args.validation_split_percentage / 100))) * seq_len
+        streams = {"train": ids[:cut], "validation": ids[cut:]}
+    out = {split: TokenRows(ids, seq_len) for split, ids in streams.items()}
+    for split, rows in out.items():
+        if len(rows) == 0:
+            raise SystemExit(f"error: the {split} token file holds fewer than --seq_len {seq_len} tokens")
+    if args.max_train_samples is not None:
+        out["train"] = TokenRows(streams["train"][:args.max_train_samples * seq_len], seq_len)
+    return out
+
+
 def make_collator(mode, tokenizer):
     """The collate function for ``build_lm_dataset``'s rows."""
     if mode == "padded":
@@ -258,7 +341,8 @@ def make_collator(mode, tokenizer):
     def collate(features):
         if mode == "padding_free" and len(features) != 1:
             raise ValueError("padding_free rows are whole micro-batches: use a DataLoader batch size of 1")
-        return {key: torch.tensor([f[key] for f in features], dtype=torch.long) for key in features[0]}
+        return {key: torch.stack([torch.as_tensor(f[key], dtype=torch.long) for f in features])
+                for key in features[0]}
     return collate
 
 

@@ -16,7 +16,9 @@ K-smoothing (on by default; the paper finds it essential), --q_smoothing turns o
 optimizer step are printed and checked by sagebwd_hf.check_training_setup.
 
 Data: the embedded book by default (or --dataset_name / --train_file), packed into fixed-length rows, or
---padding_free rows with restarting position_ids (no padding, no attention across documents). Cosine
+--padding_free rows with restarting position_ids (no padding, no attention across documents). A .npy
+--train_file holds token ids already (examples/code_corpus.py builds one from the installed Python sources:
+tens of millions of tokens, offline); it is read through a memory map, with no `datasets` needed. Cosine
 schedule with linear warm-up; metrics per step in OUTPUT_DIR/metrics.csv; checkpoints with
 --checkpointing_steps and --resume_from_checkpoint; the final model in OUTPUT_DIR/final_model.
 
@@ -81,6 +83,13 @@ def parse_args(argv=None):
     if args.init_from and args.save_init:
         parser.error("--init_from and --save_init: give one of them")
     common.check_files(args, "train_file", "validation_file", "init_from")
+    if common.is_token_file(args.train_file):
+        if args.padding_free:
+            raise SystemExit("error: --padding_free needs documents; a token file (.npy --train_file) gives "
+                             "packed rows only")
+        if args.tokenizer_name is None:
+            raise SystemExit("error: a token file (.npy --train_file) needs --tokenizer_name: the tokenizer "
+                             "that made it")
     return args
 
 
@@ -134,9 +143,12 @@ def main(argv=None):
     mode = "padding_free" if args.padding_free else "packed"
     with accelerator.main_process_first():
         tokenizer = common.load_tokenizer(args.tokenizer_name)
-        raw = common.load_raw_datasets(args)
-        tokenized = common.tokenize_documents(raw, tokenizer, args.text_column)
-        lm_datasets = common.build_lm_dataset(tokenized, mode, args.seq_len, args.per_device_batch_size)
+        if common.is_token_file(args.train_file):      # pre-tokenized (code_corpus.py): no datasets needed
+            lm_datasets = common.token_file_datasets(args, tokenizer, args.seq_len)
+        else:
+            raw = common.load_raw_datasets(args)
+            tokenized = common.tokenize_documents(raw, tokenizer, args.text_column)
+            lm_datasets = common.build_lm_dataset(tokenized, mode, args.seq_len, args.per_device_batch_size)
     train_dataloader, eval_dataloader = common.make_dataloaders(lm_datasets, mode, tokenizer,
                                                                 args.per_device_batch_size)
 

@@ -304,6 +304,120 @@ def test_compare_runs_launch_and_metrics(tmp_path, env):
     assert "no noise estimate" in out
 
 
+# ---------------------------------------------------------------------------------------------------------
+# code_corpus.py, token files, scale_study.py
+# ---------------------------------------------------------------------------------------------------------
+
+def _source_tree(root, n=60):
+    """A folder of small Python files, a duplicate of one of them, an empty one and one over the size limit."""
+    rng = random.Random(0)
+    words = ["def", "return", "self", "import", "for", "in", "if", "else", "value", "index", "numpy", "torch"]
+    for i in range(n):
+        package = root / f"pkg{i % 5}"
+        package.mkdir(parents=True, exist_ok=True)
+        body = "\n".join(f"    x{j} = {' '.join(rng.choice(words) for _ in range(6))!r}" for j in range(30))
+        (package / f"mod{i}.py").write_text(f"def f{i}():\n{body}\n    return {i}\n")
+    (root / "pkg0" / "copy_of_mod0.py").write_bytes((root / "pkg0" / "mod0.py").read_bytes())
+    (root / "pkg1" / "empty.py").write_text("\n")
+    (root / "pkg2" / "table.py").write_text("T = [" + ", ".join(map(str, range(40000))) + "]\n")
+    (root / "pkg3" / "notes.txt").write_text("not python\n")
+
+
+def test_code_corpus_then_pretrain_on_its_token_files(tmp_path, env):
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    _source_tree(tmp_path / "src")
+    corpus = tmp_path / "corpus"
+    out = run([sys.executable, EXAMPLES / "code_corpus.py", "--roots", tmp_path / "src", "--output_dir", corpus,
+               "--vocab_size", "512", "--eval_percent", "20", "--max_file_kb", "64"], env, tmp_path).stdout
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    train, held = manifest["splits"]["train"], manifest["splits"]["eval"]
+    # 60 files kept: the duplicate, the empty file, the oversized table and the .txt are left out
+    assert train["files"] + held["files"] == 60 and held["files"] >= 3 and "train:" in out
+    tokenizer = AutoTokenizer.from_pretrained(corpus / "tokenizer")
+    ids = {split: np.load(corpus / f"{split}.npy") for split in ("train", "eval")}
+    assert ids["train"].dtype == np.uint16 and ids["train"].size == train["tokens"]
+    assert int(ids["train"].max()) < len(tokenizer) == manifest["vocab_size"]
+    eos = tokenizer.eos_token_id
+    assert (ids["train"] == eos).sum() == train["files"] and ids["train"][-1] == eos   # one EOS per file
+    first = ids["train"][:int(np.argmax(ids["train"] == eos))]
+    assert tokenizer.decode(first.tolist()).startswith("def f")                    # byte-level: exact text back
+    # no held-out text in training: every eval file's first line is absent from the training text
+    text = tokenizer.decode(ids["train"].tolist())
+    eval_docs = tokenizer.decode(ids["eval"].tolist()).split(common.EOS_TOKEN)
+    assert all(doc.splitlines()[0] not in text for doc in eval_docs if doc.strip())
+    # the same sources give the same bytes
+    run([sys.executable, EXAMPLES / "code_corpus.py", "--roots", tmp_path / "src", "--output_dir", tmp_path / "again",
+         "--vocab_size", "512", "--eval_percent", "20", "--max_file_kb", "64"], env, tmp_path)
+    assert json.loads((tmp_path / "again" / "manifest.json").read_text())["splits"] == manifest["splits"]
+
+    out_dir = tmp_path / "run"
+    data = ["--train_file", corpus / "train.npy", "--validation_file", corpus / "eval.npy",
+            "--tokenizer_name", corpus / "tokenizer"]
+    out = launch("pretrain.py", SMALL + data + ["--max_steps", "3", "--no_save_model", "--output_dir", out_dir],
+                 env, tmp_path).stdout
+    rows_per_split = {split: ids[split].size // 64 for split in ids}
+    assert f"{rows_per_split['train']} training rows (packed), {rows_per_split['eval']} validation rows" in out
+    rows = metrics(out_dir)
+    assert len(train_rows(out_dir)) == 3 and rows[-1]["eval_loss"] and int(rows[-1]["tokens"]) == 3 * 4 * 64
+    _fails_before_training("pretrain.py", SMALL + data[:4] + ["--output_dir", tmp_path / "x"], env, tmp_path,
+                           "--tokenizer_name")
+    _fails_before_training("pretrain.py", SMALL + data + ["--padding_free", "--output_dir", tmp_path / "x"], env,
+                           tmp_path, "--padding_free")
+    _fails_before_training("pretrain.py", SMALL + ["--train_file", corpus / "train.npy", "--tokenizer_name", "embedded",
+                                                   "--output_dir", tmp_path / "x"], env, tmp_path,
+                           "was made by another tokenizer")
+    np.save(tmp_path / "bad.npy", np.array([1, 2, 600] * 100, dtype=np.uint16))
+    _fails_before_training("pretrain.py", SMALL + ["--train_file", tmp_path / "bad.npy", "--tokenizer_name",
+                                                   corpus / "tokenizer", "--output_dir", tmp_path / "x"], env,
+                           tmp_path, "token id 600 is outside the tokenizer's")
+
+
+def test_scale_study_runs_cells_resumes_and_reports(tmp_path, env, monkeypatch):
+    import scale_study
+
+    _source_tree(tmp_path / "src")
+    corpus = tmp_path / "corpus"
+    run([sys.executable, EXAMPLES / "code_corpus.py", "--roots", tmp_path / "src", "--output_dir", corpus,
+         "--vocab_size", "512", "--eval_percent", "20"], env, tmp_path)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(scale_study, "SEQ_LEN", 32)
+    monkeypatch.setattr(scale_study, "MICRO_BATCH", 2)
+    monkeypatch.setattr(scale_study, "MODEL", ["--size", "tiny", "--seq_len", "32", "--per_device_batch_size", "2",
+                                               "--no_save_model", "--max_eval_batches", "2"])
+    monkeypatch.setattr(scale_study, "PLAN", {"64k": dict(accumulation=1, steps=4, lr=1e-3),
+                                              "1m": dict(accumulation=2, steps=2, lr=2e-3)})
+    results, docs = tmp_path / "results", tmp_path / "docs"
+    argv = ["--corpus", str(corpus), "--results", str(results), "--work_dir", str(tmp_path / "work"),
+            "--seeds", "0", "1", "--arms", "sdpa", "sagebwd"]
+    # a deadline too short for any cell runs none
+    scale_study.main(argv + ["--deadline_s", "1"])
+    assert not results.exists()
+    scale_study.main(argv)
+    done = sorted(p.relative_to(results).as_posix() for p in results.glob("*/*/seed*/run_summary.json"))
+    assert len(done) == 2 * 2 * 2 and "1m/sagebwd/seed1/run_summary.json" in done
+    cell = json.loads((results / "1m" / "sagebwd" / "seed0" / "cell.json").read_text())
+    assert cell["plan"]["tokens_per_step"] == 2 * 32 * 2 and "--gradient_accumulation_steps 2" in cell["command"]
+    assert len(train_rows(results / "1m" / "sagebwd" / "seed0")) == 2
+    # within a seed the arms start from the same weights on the same batches: first losses agree
+    first = {arm: float(train_rows(results / "64k" / arm / "seed0")[0]["loss"]) for arm in ("sdpa", "sagebwd")}
+    assert first["sdpa"] == pytest.approx(first["sagebwd"], abs=1e-2)
+    # called again: nothing left to run; a changed plan makes its cells pending again
+    assert all(scale_study.is_done(results, r, a, s) for r, a, s in scale_study.cells(scale_study.parse_args(argv)))
+    monkeypatch.setitem(scale_study.PLAN, "1m", dict(accumulation=2, steps=3, lr=2e-3))
+    assert not scale_study.is_done(results, "1m", "sdpa", 0) and scale_study.is_done(results, "64k", "sdpa", 0)
+
+    scale_study.main(["--report", "--results", str(results), "--docs", str(docs)])
+    for regime in ("64k", "1m"):
+        summary = json.loads((docs / regime / "summary.json").read_text())
+        assert [r["run"] for r in summary["runs"]] == ["sdpa", "sagebwd"]
+        assert summary["runs"][1]["seeds"] == 2 and "verdict" in summary["runs"][1]
+        assert (docs / regime / "comparison.png").exists()
+    assert not (docs / "64k_qknorm").exists()        # no sdpa_qknorm reference ran
+
+
 def _synthetic_run(path, offset, step_time_s=0.5):
     """A metrics.csv of 40 steps: a falling loss moved by ``offset``."""
     logger = common.CSVLogger(path / "metrics.csv")

@@ -62,7 +62,8 @@ for stage in $stages; do
                  && python3 benchmarks/breakdown.py --head-dim 64 --sass $TMP/sass" ;;
     kernels)  run kernels bash -c "python3 benchmarks/forward_kernels.py --varlen first --seqlens 4096 16384 \
                  && python3 benchmarks/backward_kernels.py" ;;
-    study)    run study bash -c "t0=\$SECONDS; python3 examples/code_corpus.py --output_dir /tmp/code_corpus \
+    study)    run study bash -c "t0=\$SECONDS; [ -f /tmp/code_corpus/manifest.json ] \
+                 || python3 examples/code_corpus.py --output_dir /tmp/code_corpus \
                  && cp /tmp/code_corpus/manifest.json docs/fidelity/corpus_manifest.json \
                  && python3 examples/scale_study.py --corpus /tmp/code_corpus \
                     --deadline_s \$(( ${STUDY_S:-540} - (SECONDS - t0) )) ${STUDY_ARGS:-}; \
@@ -93,7 +94,7 @@ for stage in $stages; do
     accuracy) sed -n '/^inputs /,$p' "$TMP/$stage.log" ;;
     speed|sweep|e2e) sed -n '/^== /,$p' "$TMP/$stage.log" ;;
     plot)     tail -1 "$TMP/$stage.log" ;;
-    study)    grep -E "^(train|eval|vocabulary|\[scale_study\] (ran|stop|note)|.*seed[0-9]+: (done|to run))" "$TMP/$stage.log" ;;
+    study)    grep -E "^(train|eval|vocabulary|\[scale_study\] (ran|not now|note)|.*seed[0-9]+: (done|to run))" "$TMP/$stage.log" ;;
   esac
 done
 rm -rf "$TMP"

@@ -241,6 +241,9 @@ def summarize(groups, labels, last_n, skip_steps):
                        relative_gap=mean(per_seed) / mean(ref_final[:len(pairs)]),
                        common_steps=min(len(step_gaps(run, ref)[0]) for run, ref in pairs))
             row["verdict"] = verdict(row, labels[0], std(ref_final))
+            if all(r["eval"] for r in runs + refs):      # the held-out loss at the end, paired by seed
+                eval_gaps = [run["eval"][-1][1] - ref["eval"][-1][1] for run, ref in pairs]
+                row.update(eval_gap=mean(eval_gaps), eval_gap_per_seed=eval_gaps, eval_gap_ci95=ci95(eval_gaps))
         rows.append(row)
     ref_speed = rows[0]["tokens_per_s"]
     for row in rows:
@@ -261,6 +264,15 @@ def verdict(row, ref_label, ref_sd):
         direction = "worse" if gap > 0 else "better"
         return f"{head}, {interval}: larger than the noise ({noise}): {row['run']} trains {direction}"
     return f"{head}, {interval}: within the noise ({noise}): no difference shown"
+
+
+def eval_line(row, ref):
+    """The held-out loss at the last evaluation: the figure that says whether a model generalises, not memorises."""
+    half = row["eval_gap_ci95"]
+    ci = f" ± {half:.4f} (95% CI over {row['seeds']} seeds)" if math.isfinite(half) else " (one seed)"
+    return (f"held-out eval loss: {row['run']} {row['final_eval_loss']:.4f} vs {ref['run']} "
+            f"{ref['final_eval_loss']:.4f}: gap {row['eval_gap']:+.4f}{ci} "
+            f"({100 * row['eval_gap'] / ref['final_eval_loss']:+.2f}%)")
 
 
 def _f(value, fmt):
@@ -390,6 +402,9 @@ def main(argv=None):
     header, body = table_lines(rows, labels, args.last_n)
     table = markdown(header, body)
     verdicts = "\n".join("verdict: " + r["verdict"] for r in rows if "verdict" in r)
+    evals = [eval_line(r, rows[0]) for r in rows if "eval_gap" in r]
+    if evals:
+        verdicts += "\n" + "\n".join(evals)
     info = groups[0][0]["run_summary"]
     context = ""
     if info:

@@ -22,8 +22,8 @@ Each cell (regime, arm, seed) is one examples/pretrain.py run; within a seed eve
 weights (same seed, same config; QK-norm gains start at 1) and sees the same batches in the same order. A
 cell's metrics.csv, run_summary.json and cell.json (its command and the plan it ran under) go to
 ``--results/REGIME/ARM/seedN/``. A cell is done when its run_summary.json is there and its plan matches: the
-script skips done cells and stops before a cell that would not end by --deadline_s (a GPU call lasts at most
-10 minutes here), so calling it again resumes the study. --report draws each regime with
+script skips done cells and any cell that would not end by --deadline_s (a GPU call lasts at most 10
+minutes here; a later, shorter cell may still fit), so calling it again resumes the study. --report draws each regime with
 examples/compare_runs.py (loss curves, the reference's seed-to-seed band, the gaps with their 95% interval, a
 verdict per arm) and writes the table to ``--docs``.
 """
@@ -189,10 +189,9 @@ def run(args):
             continue
         need = estimate_s(args, regime, arm)
         left = None if args.deadline_s is None else args.deadline_s - (time.time() - start)
-        if left is not None and need > left:
-            print(f"[scale_study] stopping: {regime}/{arm}/seed{seed} needs ~{need:.0f} s, {left:.0f} s left; "
-                  f"call again to resume")
-            break
+        if left is not None and need > left:     # a later, shorter cell may still fit
+            print(f"[scale_study] not now: {regime}/{arm}/seed{seed} needs ~{need:.0f} s, {left:.0f} s left")
+            continue
         cell = run_cell(args, regime, arm, seed, data_args, manifest)
         ran += 1
         print(f"[scale_study] {regime}/{arm}/seed{seed} done in {cell['wall_s']} s", flush=True)

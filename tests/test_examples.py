@@ -276,6 +276,7 @@ def test_compare_runs_launch_and_metrics(tmp_path, env):
            "--launcher", shlex.join(LAUNCH), "--", *SMALL, "--max_steps", "5", "--no_save_model"]
     out = run(cmd, env, tmp_path).stdout
     assert "| sdpa | 2 |" in out and "| sagebwd | 2 |" in out and "verdict: sagebwd - sdpa" in out
+    assert "held-out eval loss: sagebwd " in out and "(95% CI over 2 seeds)" in out
     png = out_dir / "comparison.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     assert (out_dir / "init_seed0.safetensors").exists() and (out_dir / "init_seed1.safetensors").exists()
@@ -285,6 +286,7 @@ def test_compare_runs_launch_and_metrics(tmp_path, env):
     assert ref["tokens_per_s"] > 0 and sage["tokens_per_s"] > 0 and ref["speed_vs_ref"] == 1.0
     # Same initial weights, same batches within a seed: the runs differ by INT8 attention error only.
     assert abs(sage["mean_gap"]) < 0.02 and sage["mean_abs_gap"] < 0.02 and math.isfinite(sage["gap_ci95"])
+    assert sage["eval_gap"] == pytest.approx(sage["final_eval_loss"] - ref["final_eval_loss"], abs=1e-9)
     first = {(impl, seed): float(train_rows(out_dir / impl / f"seed{seed}")[0]["loss"])
              for impl in ("sdpa", "sagebwd") for seed in (0, 1)}
     for seed in (0, 1):

@@ -199,6 +199,11 @@ def run(args):
     status(args)
 
 
+def _relative(path):
+    path = Path(path).resolve()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+
+
 def report(args):
     """compare_runs.py over each regime's done cells: one PNG, summary.md and summary.json per comparison."""
     import compare_runs
@@ -219,6 +224,10 @@ def report(args):
                      f"{' vs '.join(arms)}")
             compare_runs.main(["--metrics"] + [str(base / a) for a in arms] + ["--labels"] + arms
                               + ["--output_dir", str(out), "--title", title, "--last_n", "10"])
+            # the summary names its metrics files relative to the repository, not to this machine
+            summary = json.loads((out / "summary.json").read_text())
+            summary["metrics"] = [[_relative(p) for p in group] for group in summary["metrics"]]
+            (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
 
 
 def main(argv=None):

@@ -385,6 +385,8 @@ def test_scale_study_runs_cells_resumes_and_reports(tmp_path, env, monkeypatch):
          "--vocab_size", "512", "--eval_percent", "20"], env, tmp_path)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    for name in ("TRITON_INTERPRET", "SAGEBWD_POISON"):     # as the env fixture: the runs take the CPU path
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(scale_study, "SEQ_LEN", 32)
     monkeypatch.setattr(scale_study, "MICRO_BATCH", 2)
     monkeypatch.setattr(scale_study, "MODEL", ["--size", "tiny", "--seq_len", "32", "--per_device_batch_size", "2",

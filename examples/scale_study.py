@@ -183,6 +183,13 @@ def run(args):
         if need > train_tokens:
             print(f"[scale_study] note: {regime} trains on {need:,} tokens, the corpus holds {train_tokens:,}: "
                   f"{need / train_tokens:.2f} epochs (some data repeats)")
+    # the corpus is what is installed on the machine: cells made on another one are not comparable
+    sha = manifest["splits"]["train"]["sha256"]
+    for cell_file in sorted(Path(args.results).glob("*/*/seed*/cell.json")):
+        other = json.loads(cell_file.read_text())["corpus"]["sha256"]
+        if other != sha:
+            print(f"[scale_study] warning: {cell_file.parent} was trained on another corpus (train sha256 "
+                  f"{other[:12]}, this one {sha[:12]}): other installed packages; compare with care")
     ran = 0
     for regime, arm, seed in cells(args):
         if is_done(args.results, regime, arm, seed):

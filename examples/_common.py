@@ -61,28 +61,34 @@ def _atomic_save_dir(final: Path, write) -> Path:
 # Tokenizer
 # ---------------------------------------------------------------------------------------------------------
 
-def train_embedded_tokenizer(text_file: Path = EMBEDDED_TEXT, vocab_size: int = EMBEDDED_VOCAB_SIZE):
-    """A byte-level BPE (GPT-2 style: any UTF-8 text encodes, nothing is ever unknown) trained on ``text_file``
-    with the ``tokenizers`` library, wrapped as a Transformers fast tokenizer. Trained once (about a second)
-    and cached under ``cache_dir()``, keyed by the text's hash and the vocabulary size."""
+def train_bpe(texts, vocab_size: int):
+    """A byte-level BPE (GPT-2 style: any UTF-8 text encodes, nothing is ever unknown) trained on ``texts``
+    with the ``tokenizers`` library: (the ``tokenizers.Tokenizer``, it wrapped as a Transformers fast
+    tokenizer). One special token serves as end of text and as padding (GPT-2's convention); the model's loss
+    never sees padding because the collators set those labels to -100."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(texts, trainer)
+    return bpe, PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
+                                        pad_token=EOS_TOKEN, model_max_length=1 << 20)
+
+
+def train_embedded_tokenizer(text_file: Path = EMBEDDED_TEXT, vocab_size: int = EMBEDDED_VOCAB_SIZE):
+    """``train_bpe`` on the paragraphs of ``text_file``. Trained once (about a second) and cached under
+    ``cache_dir()``, keyed by the text's hash and the vocabulary size."""
+    from transformers import AutoTokenizer
 
     target = cache_dir() / f"tokenizer-bpe{vocab_size}-{_file_digest(text_file)}"
     if not (target / "tokenizer.json").exists():
         def write(folder):
             paragraphs = [p for p in Path(text_file).read_text(encoding="utf-8").split("\n\n") if p.strip()]
-            bpe = Tokenizer(models.BPE())
-            bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-            bpe.decoder = decoders.ByteLevel()
-            trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
-                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-            bpe.train_from_iterator(paragraphs, trainer)
-            # One special token serves as end of text and as padding (GPT-2's convention); the model's loss
-            # never sees padding because the collators set those labels to -100.
-            tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
-                                          pad_token=EOS_TOKEN, model_max_length=1 << 20)
-            tok.save_pretrained(folder)
+            train_bpe(paragraphs, vocab_size)[1].save_pretrained(folder)
         _atomic_save_dir(target, write)
     return AutoTokenizer.from_pretrained(target)
 

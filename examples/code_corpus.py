@@ -99,21 +99,6 @@ def is_held_out(digest, eval_percent):
     return int(digest[:8], 16) % 10000 < eval_percent * 100
 
 
-def train_tokenizer(texts, vocab_size):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[common.EOS_TOKEN], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(texts, trainer)
-    return bpe, PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=common.EOS_TOKEN,
-                                        bos_token=common.EOS_TOKEN, pad_token=common.EOS_TOKEN,
-                                        model_max_length=1 << 20)
-
-
 def encode(bpe, texts, eos_id, chunk=2000):
     """Every text's ids followed by EOS, concatenated (``encode_batch`` runs on all cores)."""
     parts = []
@@ -155,7 +140,7 @@ def build(args):
             break
         sample.append(f[2])
         size += len(f[2])
-    bpe, tokenizer = train_tokenizer(sample, args.vocab_size)
+    bpe, tokenizer = common.train_bpe(sample, args.vocab_size)
     eos_id = tokenizer.eos_token_id
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -253,21 +253,20 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
         q8rt, q_scale_raw = quant["q8t"], quant["q_scale_raw"]
     do_q = quantize(do4, lay_q, natural=False, transposed=True, out_for_delta=o4)
     row_ds = torch.zeros(lse.shape, device=q.device, dtype=torch.float32) if softcap else None
+    cap_args = dict(softcap=softcap, shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
     if q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
                                                                  lay_k.max_len, backward=True,
                                                                  softcap=bool(softcap), head_dim_v=v4.shape[3]):
         from .kernels.backward_hopper import launch_backward_hopper   # imports Gluon: only where it runs
         launch_backward_hopper(quant, v4, do4, do_q["x8t"], do_q["scale"], lse, do_q["delta"], as_bhnd(dq, varlen),
                                as_bhnd(dk, varlen), as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3],
-                               window, scale, softcap=softcap, row_ds=row_ds,
-                               shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
+                               window, scale, row_ds=row_ds, **cap_args)
         dispatch.count("bwd_gluon")
         return dq, dk, dv, row_ds, shift, do_q["delta"]
     launch_backward(quant, q8rt, q_scale_raw, quant["k8t"], v4, do4, do_q["x8t"], do_q["scale"], lse,
                     do_q["delta"], as_bhnd(dq, varlen), as_bhnd(dk, varlen), as_bhnd(dv, varlen), lay_q, lay_k,
                     q4.shape[1], k4.shape[1], q4.shape[3], window, scale, cfg["dkdv"], cfg["dq"],
-                    split_dkdv=cfg["split_dkdv"], softcap=softcap,
-                    shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None, row_ds=row_ds)
+                    split_dkdv=cfg["split_dkdv"], row_ds=row_ds, **cap_args)
     dispatch.count("bwd_triton")
     return dq, dk, dv, row_ds, shift, do_q["delta"]
 

@@ -6,6 +6,7 @@ match at 260K tokens per step, a gap at 2.1M, and without QK-norm a failure at l
 
     python examples/code_corpus.py --output_dir /tmp/corpus          # the data: installed Python sources
     python examples/scale_study.py --corpus /tmp/corpus --deadline_s 540   # run what fits, resume next call
+    python examples/scale_study.py --corpus /tmp/corpus --cells 1m/sdpa/1 1m/sagebwd/1   # chosen cells, in order
     python examples/scale_study.py --status                          # the plan, and which cells are done
     python examples/scale_study.py --report                          # tables and PNGs into docs/fidelity/
 
@@ -73,6 +74,9 @@ def parse_args(argv=None):
     parser.add_argument("--regimes", nargs="+", default=list(PLAN), choices=list(PLAN))
     parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--cells", nargs="+", default=None, metavar="REGIME/ARM/SEED",
+                        help="run these cells, in this order (e.g. 1m/sdpa/1 64k/sagebwd/2), instead of "
+                             "--regimes x --arms x --seeds")
     parser.add_argument("--deadline_s", type=float, default=None,
                         help="start no cell that would not end within this many seconds of the start")
     parser.add_argument("--tokens_per_s", type=float, default=3e5,
@@ -83,6 +87,15 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds must be different from each other, got {args.seeds}")
+    if args.cells is not None:
+        parsed = []
+        for text in args.cells:
+            parts = text.split("/")
+            if len(parts) != 3 or parts[0] not in PLAN or parts[1] not in ARMS or not parts[2].isdigit():
+                parser.error(f"--cells: '{text}' is not REGIME/ARM/SEED with REGIME in {sorted(PLAN)}, ARM in "
+                             f"{sorted(ARMS)} and SEED a non-negative integer")
+            parsed.append((parts[0], parts[1], int(parts[2])))
+        args.cells = list(dict.fromkeys(parsed))
     return args
 
 
@@ -109,7 +122,10 @@ def is_done(results, regime, arm, seed):
 
 
 def cells(args):
-    """Seed by seed, small regime first: the first seed of every arm comes before any second seed."""
+    """--cells as given; else seed by seed, small regime first: the first seed of every arm comes before any
+    second seed."""
+    if args.cells is not None:
+        return args.cells
     return [(r, a, s) for s in args.seeds for r in args.regimes for a in args.arms]
 
 

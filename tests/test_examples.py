@@ -412,6 +412,12 @@ def test_scale_study_runs_cells_resumes_and_reports(tmp_path, env, monkeypatch):
     assert all(scale_study.is_done(results, r, a, s) for r, a, s in scale_study.cells(scale_study.parse_args(argv)))
     monkeypatch.setitem(scale_study.PLAN, "1m", dict(accumulation=2, steps=3, lr=2e-3))
     assert not scale_study.is_done(results, "1m", "sdpa", 0) and scale_study.is_done(results, "64k", "sdpa", 0)
+    # --cells names cells in its own order (duplicates once) and refuses what the plan does not hold
+    picked = scale_study.parse_args(argv + ["--cells", "1m/sagebwd/1", "64k/sdpa/0", "1m/sagebwd/1"])
+    assert scale_study.cells(picked) == [("1m", "sagebwd", 1), ("64k", "sdpa", 0)]
+    for bad in ("2m/sdpa/0", "1m/flash/0", "1m/sdpa", "1m/sdpa/x"):
+        with pytest.raises(SystemExit):
+            scale_study.parse_args(argv + ["--cells", bad])
 
     scale_study.main(["--report", "--results", str(results), "--docs", str(docs)])
     for regime in ("64k", "1m"):

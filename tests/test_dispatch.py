@@ -227,6 +227,16 @@ SOFTCAP_CASES = [
 ]
 
 
+def _one_code_lse(q, k):
+    """How far one INT8 code of Q or K moves a natural-log LSE at most: the largest q scale times the largest
+    (K-smoothed) k scale times 127, in softmax-scaled units (a soft cap only shrinks it)."""
+    from sagebwd_hf.naive import quantize_per_token
+    kf = k.float()
+    q_scale = quantize_per_token(q.float())[1]
+    k_scale = quantize_per_token(kf - kf.mean(2, keepdim=True))[1]
+    return float(q_scale.max() * k_scale.max() * 127 * q.shape[-1] ** -0.5)
+
+
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("case", SOFTCAP_CASES, ids=lambda c: _case_id(c[:8]) + f"-cap{c[8]:g}")
@@ -239,6 +249,7 @@ def test_gluon_softcap_matches_reference(case, monkeypatch):
     q = (q * 2.0).detach()   # scores large enough for a cap of 5 to bend them
     kw = dict(causal=causal, window_size=window, softcap=cap)
     out, lse = _forward(monkeypatch, "gluon", sagebwd_attn_func, q, k, v, return_lse=True, **kw)
+    _, lse_portable = _forward(monkeypatch, "triton", sagebwd_attn_func, q, k, v, return_lse=True, **kw)
     got = _grads(monkeypatch, "gluon", q, k, v, do, **kw)
     portable = _grads(monkeypatch, "triton", q, k, v, do, **kw)
     monkeypatch.setenv(dispatch.ENV_VAR, "auto")
@@ -247,8 +258,17 @@ def test_gluon_softcap_matches_reference(case, monkeypatch):
         _, lse_ref = sagebwd_attn_func(q, k, v, backend="naive", return_lse=True, **kw)
     assert torch.equal(out, got["O"]), "the forward alone and inside the training call differ"
     seen = torch.isfinite(lse_ref)
-    assert torch.equal(seen, torch.isfinite(lse))
-    torch.testing.assert_close(lse[seen], lse_ref[seen], rtol=0, atol=1e-2)
+    assert torch.equal(seen, torch.isfinite(lse)) and torch.equal(seen, torch.isfinite(lse_portable))
+    # The portable kernels read the same INT8 bytes: only fp32 rounding differs. The reference quantizes in
+    # PyTorch, and one INT8 code it rounds the other way (its K mean differs in the last bit) moves a row that
+    # sees one key by up to max(q scale) * max(k scale) * 127 * softmax scale: on these doubled q and outlier K
+    # about 1e-2, which a bound of 1e-2 alone missed now and then (an H100 run, session 13).
+    torch.testing.assert_close(lse[seen], lse_portable[seen], rtol=0, atol=1e-3)
+    one_code = _one_code_lse(q, k)
+    err = (lse - lse_ref)[seen].abs()
+    assert err.max() <= 1e-2 + one_code, (f"LSE against the reference: max {err.max():.3e} at flat row "
+                                          f"{int(err.argmax())}, 99.9th percentile {err.quantile(0.999):.3e}, "
+                                          f"one INT8 code {one_code:.3e}")
     for name in ("O", "dQ", "dK", "dV"):
         assert torch.isfinite(got[name]).all(), f"{name}: an element the Gluon kernels never wrote"
         cos, rel = error_stats(got[name], ref[name])

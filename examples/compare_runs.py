@@ -159,6 +159,8 @@ def load_run(path):
            "tokens": [float(r["tokens"]) if r.get("tokens") else math.nan for r in train],
            "step_time": [float(r["step_time_s"]) if r.get("step_time_s") else math.nan for r in train],
            "eval": [(int(r["step"]), float(r["eval_loss"])) for r in rows if r.get("eval_loss")]}
+    # a seed*/ folder names the run's seed: runs of different implementations pair on it
+    run["seed"] = path.parent.name if re.fullmatch(r"seed\d+", path.parent.name) else None
     summary_file = path.parent / "run_summary.json"
     run["run_summary"] = json.loads(summary_file.read_text()) if summary_file.exists() else {}
     return run
@@ -218,9 +220,17 @@ def step_gaps(run, ref):
     return steps, [loss[s] - ref_loss[s] for s in steps]
 
 
+def paired(runs, refs):
+    """(run, reference run) pairs: by seed folder name where every run has one, else by position."""
+    if all(r["seed"] for r in runs + refs):
+        by_seed = {r["seed"]: r for r in refs}
+        return [(r, by_seed[r["seed"]]) for r in runs if r["seed"] in by_seed]
+    return list(zip(runs, refs))
+
+
 def summarize(groups, labels, last_n, skip_steps):
-    """One row per implementation; ``groups[i]`` holds its runs, one per seed, paired by position with the
-    reference's (``groups[0]``)."""
+    """One row per implementation; ``groups[i]`` holds its runs, one per seed, each paired with the reference's
+    (``groups[0]``) run of the same seed."""
     refs = groups[0]
     ref_final = [mean(r["loss"][-last_n:]) for r in refs]
     rows = []
@@ -233,17 +243,18 @@ def summarize(groups, labels, last_n, skip_steps):
                "final_loss": mean(finals), "final_loss_sd": std(finals), "final_loss_per_seed": finals,
                "final_eval_loss": mean(evals) if evals else None, "tokens_per_s": mean(speeds)}
         if runs is not refs:
-            pairs = list(zip(runs, refs))       # paired by seed
+            pairs = paired(runs, refs)
             tails = [step_gaps(run, ref)[1][-last_n:] for run, ref in pairs]
             per_seed = [mean(tail) for tail in tails]
             row.update(mean_gap=mean(per_seed), gap_per_seed=per_seed, gap_ci95=ci95(per_seed),
                        mean_abs_gap=mean([mean([abs(g) for g in tail]) for tail in tails]),
-                       relative_gap=mean(per_seed) / mean(ref_final[:len(pairs)]),
+                       relative_gap=mean(per_seed) / mean([mean(ref["loss"][-last_n:]) for _, ref in pairs]),
                        common_steps=min(len(step_gaps(run, ref)[0]) for run, ref in pairs))
             row["verdict"] = verdict(row, labels[0], std(ref_final))
             if all(r["eval"] for r in runs + refs):      # the held-out loss at the end, paired by seed
                 eval_gaps = [run["eval"][-1][1] - ref["eval"][-1][1] for run, ref in pairs]
-                row.update(eval_gap=mean(eval_gaps), eval_gap_per_seed=eval_gaps, eval_gap_ci95=ci95(eval_gaps))
+                row.update(eval_gap=mean(eval_gaps), eval_gap_per_seed=eval_gaps, eval_gap_ci95=ci95(eval_gaps),
+                           ref_eval_loss_paired=mean([ref["eval"][-1][1] for _, ref in pairs]))
         rows.append(row)
     ref_speed = rows[0]["tokens_per_s"]
     for row in rows:
@@ -270,9 +281,9 @@ def eval_line(row, ref):
     """The held-out loss at the last evaluation: the figure that says whether a model generalises, not memorises."""
     half = row["eval_gap_ci95"]
     ci = f" ± {half:.4f} (95% CI over {row['seeds']} seeds)" if math.isfinite(half) else " (one seed)"
+    ref_eval = row["ref_eval_loss_paired"]        # the reference's runs of the same seeds
     return (f"held-out eval loss: {row['run']} {row['final_eval_loss']:.4f} vs {ref['run']} "
-            f"{ref['final_eval_loss']:.4f}: gap {row['eval_gap']:+.4f}{ci} "
-            f"({100 * row['eval_gap'] / ref['final_eval_loss']:+.2f}%)")
+            f"{ref_eval:.4f}: gap {row['eval_gap']:+.4f}{ci} ({100 * row['eval_gap'] / ref_eval:+.2f}%)")
 
 
 def _f(value, fmt):
@@ -353,7 +364,7 @@ def plot(groups, labels, rows, header, body, path, smoothing, title):
     for i, (runs, label) in enumerate(zip(groups[1:], labels[1:]), start=1):
         c = colors[i % len(colors)]
         gaps = []
-        for run, ref in zip(runs, groups[0]):
+        for run, ref in paired(runs, groups[0]):
             steps, gap = step_gaps(run, ref)
             gaps.append(dict(zip(steps, ema(gap, smoothing))))
             ax_gap.plot(steps, gaps[-1].values(), color=c, alpha=0.3, linewidth=0.8)
@@ -393,11 +404,22 @@ def main(argv=None):
     else:
         paths, labels = launch_runs(args, out)
     groups = [[load_run(p) for p in group] for group in paths]
-    n = min(len(g) for g in groups)
-    if any(len(g) != n for g in groups):
-        print(f"[compare_runs] the runs have different numbers of seeds ({[len(g) for g in groups]}): the first "
-              f"{n} of each are compared, paired in order")
-        groups = [g[:n] for g in groups]
+    if all(r["seed"] for g in groups for r in g):
+        # each implementation pairs with the reference on the seeds both ran; the reference's noise uses all of its
+        ref_seeds = {r["seed"] for r in groups[0]}
+        for label, group in zip(labels[1:], groups[1:]):
+            alone = [r["seed"] for r in group if r["seed"] not in ref_seeds]
+            if alone:
+                print(f"[compare_runs] {label}: {', '.join(alone)} without a {labels[0]} run of the same seed: left out")
+        groups = [groups[0]] + [[r for r in g if r["seed"] in ref_seeds] for g in groups[1:]]
+        if not all(groups):
+            raise SystemExit("error: an implementation shares no seed with the reference")
+    else:
+        n = min(len(g) for g in groups)
+        if any(len(g) != n for g in groups):
+            print(f"[compare_runs] the runs have different numbers of seeds ({[len(g) for g in groups]}): the first "
+                  f"{n} of each are compared, paired in order")
+            groups = [g[:n] for g in groups]
     rows = summarize(groups, labels, args.last_n, args.skip_steps)
     header, body = table_lines(rows, labels, args.last_n)
     table = markdown(header, body)

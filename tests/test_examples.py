@@ -6,6 +6,7 @@ import math
 import os
 import random
 import shlex
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -470,6 +471,28 @@ def test_compare_runs_verdict_against_seed_noise(tmp_path, offset, expected):
     assert expected in other["verdict"], other["verdict"]
     assert other["mean_gap"] == pytest.approx(offset, abs=0.02)
     assert expected in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_compare_runs_pairs_runs_by_seed(tmp_path, capsys):
+    """Implementations with different seeds: each pairs with the reference's run of the same seed (a seed shifts
+    both by the same amount, so pairing by position would mix the shifts); the reference's own spread uses all
+    of its seeds; a run whose seed the reference lacks is left out, and said so."""
+    import compare_runs
+
+    shifts = {0: 0.0, 1: 0.3, 2: -0.2, 3: 0.1}
+    for seed in (0, 1, 2):
+        _synthetic_run(tmp_path / "ref" / f"seed{seed}", shifts[seed])
+    for seed in (1, 2, 3):
+        _synthetic_run(tmp_path / "b" / f"seed{seed}", shifts[seed] + 0.05)
+    _synthetic_run(tmp_path / "c" / "seed0", shifts[0] - 0.01)
+    compare_runs.main(["--output_dir", str(tmp_path / "out"), "--metrics", str(tmp_path / "ref"), str(tmp_path / "b"),
+                       str(tmp_path / "c"), "--last_n", "10"])
+    assert "b: seed3 without a ref run of the same seed: left out" in capsys.readouterr().out
+    ref, b, c = json.loads((tmp_path / "out" / "summary.json").read_text())["runs"]
+    assert ref["seeds"] == 3 and b["seeds"] == 2 and c["seeds"] == 1
+    assert b["gap_per_seed"] == pytest.approx([0.05, 0.05]) and c["mean_gap"] == pytest.approx(-0.01)
+    assert b["relative_gap"] == pytest.approx(0.05 / (5.0 - 35.5 / 40 + 0.05))
+    assert ref["final_loss_sd"] == pytest.approx(statistics.stdev([0.0, 0.3, -0.2]))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -243,7 +243,7 @@ def report(args):
             if len(arms) < 2 or arms[0] not in ("sdpa", "sdpa_qknorm"):
                 continue
             out = docs / f"{regime}{suffix}"
-            title = (f"60M Llama on installed Python sources, {tokens_per_step(regime):,} tokens per step, bf16: "
+            title = (f"60M Llama on installed Python sources, {tokens_per_step(regime):,} tokens per step, bf16\n"
                      f"{' vs '.join(arms)}")
             compare_runs.main(["--metrics"] + [str(base / a) for a in arms] + ["--labels"] + arms
                               + ["--output_dir", str(out), "--title", title, "--last_n", "10"])

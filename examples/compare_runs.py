@@ -412,8 +412,10 @@ def main(argv=None):
             if alone:
                 print(f"[compare_runs] {label}: {', '.join(alone)} without a {labels[0]} run of the same seed: left out")
         groups = [groups[0]] + [[r for r in g if r["seed"] in ref_seeds] for g in groups[1:]]
-        if not all(groups):
-            raise SystemExit("error: an implementation shares no seed with the reference")
+        lonely = [label for label, g in zip(labels, groups) if not g]
+        if lonely:
+            raise SystemExit(f"error: --metrics: no seed in common with the reference {labels[0]} (its seeds: "
+                             f"{', '.join(sorted(ref_seeds))}): {', '.join(lonely)}")
     else:
         n = min(len(g) for g in groups)
         if any(len(g) != n for g in groups):

@@ -41,6 +41,8 @@ RECORD_ATTR = "sagebwd_qk_norm"
 # Tokens per optimizer step above which check_training_setup asks for QK-norm. The paper trains fine at
 # 260K (2^18) tokens per step and diverges at 2.1M (2^21) without QK-norm; nothing in between was tested.
 # 2^19 = 524,288 is the first power of two above the tested-safe setting: conservative, as QK-norm is cheap.
+# Our own study (docs/fidelity.md: 60M Llama, 2^16 and 2^20) saw no departure at 2^20 within 84M tokens: too
+# short to show a late divergence, so it neither confirms nor moves the threshold.
 QK_NORM_TOKENS_THRESHOLD = 2 ** 19
 # Attribute names under which models keep a QK-norm of their own (Qwen3, Gemma3, OLMo2, Cohere: q_norm/
 # k_norm; Persimmon, StableLM: q_layernorm/k_layernorm; Llama4: qk_norm).

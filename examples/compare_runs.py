@@ -320,6 +320,12 @@ def _across_seeds(curves):
     return steps, [mean([c[s] for c in curves]) for s in steps], [std([c[s] for c in curves]) for s in steps]
 
 
+def _which(runs, refs):
+    """': seed0' where a run's seeds are not the reference's: its mean curve is over other seeds, so say which."""
+    seeds = [r["seed"] for r in runs]
+    return f": {', '.join(seeds)}" if all(seeds) and set(seeds) != {r["seed"] for r in refs} else ""
+
+
 def plot(groups, labels, rows, header, body, path, smoothing, title):
     try:
         import matplotlib
@@ -343,7 +349,7 @@ def plot(groups, labels, rows, header, body, path, smoothing, title):
         steps, avg, sd = _across_seeds([smooth(r) for r in runs])
         # Later runs dashed: where the curves coincide, both stay visible.
         ax_loss.plot(steps, avg, color=c, linewidth=1.8, linestyle="-" if i == 0 else "--",
-                     label=f"{label} (train, mean of {len(runs)} seed{'s' if len(runs) > 1 else ''})")
+                     label=f"{label} (train, mean of {len(runs)} seed{'s' if len(runs) > 1 else ''}{_which(runs, groups[0])})")
         if len(runs) > 1 and i == 0:
             ax_loss.fill_between(steps, [a - s for a, s in zip(avg, sd)], [a + s for a, s in zip(avg, sd)], color=c,
                                  alpha=0.2, linewidth=0, label=f"{label}: ±1 sd over seeds")

@@ -2,7 +2,8 @@
 
 ``SAGEBWD_KERNELS`` (read on every call) forces a choice:
 
-* ``auto`` (default): on an sm_90 GPU with a Triton whose Gluon API they are tested on (``GLUON_TESTED``),
+* ``auto`` (default): on an sm_90 GPU with a Triton whose Gluon API they are tested on (``GLUON_TESTED``;
+  another release runs the portable kernels there, with one warning),
   the Gluon forward for the calls it takes where it measured faster (at head dim 128 only from
   ``GLUON_MIN_KEYS_D128`` keys, the longest sequence's, on; not soft-capped calls), padded or packed, and the
   Gluon backward for padded calls; the portable kernels everywhere else (the backward of packed batches too).
@@ -81,6 +82,23 @@ def gluon_unavailable(device: torch.device):
     return None
 
 
+def _is_hopper(device: torch.device) -> bool:
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def _warn_untested_triton(device: torch.device) -> None:
+    """auto on an H100/H200 with a Triton the Gluon kernels were not run on: they stay off, and once per
+    process the user learns that this GPU runs the slower portable kernels, and why."""
+    if "untested_triton" in _warned or not _is_hopper(device):
+        return
+    _warned.add("untested_triton")
+    warnings.warn(f"sagebwd: Triton {triton.__version__} is not a release the Hopper (Gluon) kernels are tested "
+                  f"on ({', '.join(GLUON_TESTED)}), so this sm_90 GPU runs the portable Triton kernels, which are "
+                  f"slower (README, Speed). {ENV_VAR}=gluon runs the Gluon kernels anyway; {ENV_VAR}=triton "
+                  f"keeps the portable ones without this warning.", stacklevel=4)
+
+
 def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bool = False,
               seqlen_k: int = 1 << 30, backward: bool = False, softcap: bool = False,
               head_dim_v: Optional[int] = None) -> bool:
@@ -100,7 +118,12 @@ def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bo
         else:
             faster = (GLUON_BY_DEFAULT and (head_dim != 128 or seqlen_k >= GLUON_MIN_KEYS_D128)
                       and (GLUON_SOFTCAP_FORWARD or not softcap))
-        return (takes_call and faster and _triton_minor() in GLUON_TESTED and gluon_unavailable(device) is None)
+        if not (takes_call and faster):
+            return False
+        if _triton_minor() not in GLUON_TESTED:
+            _warn_untested_triton(device)
+            return False
+        return gluon_unavailable(device) is None
     reason = gluon_unavailable(device)
     if reason is not None:
         raise ValueError(f"{ENV_VAR}=gluon, but the Gluon kernels cannot run here: {reason}. "

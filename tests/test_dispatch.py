@@ -4,6 +4,8 @@ CPU: the choice, the environment switch and its errors. GPU (``-m gpu``): the Gl
 the op's padded feature grid against the PyTorch reference of the same quantized algorithm and against the
 portable kernels, with poisoned outputs (conftest sets SAGEBWD_POISON=1); the Gluon forward on packed
 batches; the dispatch choosing each path."""
+import warnings
+
 import pytest
 import torch
 
@@ -60,8 +62,20 @@ def test_auto_and_forced_choices_on_hopper(monkeypatch):
     assert dispatch.use_gluon(dev, 128, False, backward=True, softcap=True) == dispatch.GLUON_BWD_BY_DEFAULT
     monkeypatch.setattr(dispatch, "GLUON_BWD_BY_DEFAULT", False)
     assert not dispatch.use_gluon(dev, 128, False, backward=True)
+    # an untested Triton: auto stays portable, and says so once per process on an H100/H200 (not elsewhere)
     monkeypatch.setattr(dispatch, "_triton_minor", lambda: "99.0")
-    assert not dispatch.use_gluon(dev, 128, False)
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda device: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not dispatch.use_gluon(dev, 128, False)
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda device: True)
+    with pytest.warns(UserWarning, match=r"Triton .* not a release the Hopper \(Gluon\) kernels are tested on"):
+        assert not dispatch.use_gluon(dev, 128, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not dispatch.use_gluon(dev, 64, False, backward=True)
+        assert not dispatch.use_gluon(dev, 96, False)            # a call Gluon does not take: no warning
     monkeypatch.setenv(dispatch.ENV_VAR, "gluon")
     assert dispatch.use_gluon(dev, 128, False) and dispatch.use_gluon(dev, 128, False, seqlen_k=1)
     with pytest.warns(UserWarning, match="head dim 96"):

@@ -19,18 +19,32 @@ def _version(dist: str) -> str:
 
 
 def _kernel_path(device) -> str:
+    """Which kernel family a plain call (head dim 128, 4K keys) runs on ``device``, and why."""
+    import warnings
+
     from .kernels import dispatch
 
     try:
-        gluon = dispatch.use_gluon(device, 128, q_smoothing=False)
+        with warnings.catch_warnings():       # the untested-Triton warning: said below instead
+            warnings.simplefilter("ignore")
+            forward = dispatch.use_gluon(device, 128, q_smoothing=False, seqlen_k=4096)
+            backward = dispatch.use_gluon(device, 128, q_smoothing=False, seqlen_k=4096, backward=True)
     except ValueError as exc:              # SAGEBWD_KERNELS=gluon where Gluon cannot run
         return f"error: {exc}"
-    if gluon:
-        return "Gluon Hopper forward (kernels/forward_hopper.py) + portable backward"
+    if forward or backward:
+        parts = [name for name, on in (("forward", forward), ("backward", backward)) if on]
+        return (f"Gluon Hopper kernels for the {' and '.join(parts)} (kernels/forward_hopper.py, "
+                f"backward_hopper.py) at head dims {dispatch.GLUON_HEAD_DIMS}; portable Triton kernels otherwise")
     reason = dispatch.gluon_unavailable(device)
-    why = reason if reason else ("SAGEBWD_KERNELS=triton" if dispatch.requested() == "triton" else
-                                 "the Gluon forward is opt-in (SAGEBWD_KERNELS=gluon; dispatch.GLUON_BY_DEFAULT)")
-    return f"portable Triton kernels (tl.dot); Gluon: {why}"
+    if reason is None:
+        if dispatch.requested() == "triton":
+            reason = "off (SAGEBWD_KERNELS=triton)"
+        elif dispatch._triton_minor() not in dispatch.GLUON_TESTED:
+            reason = (f"off: triton {dispatch._triton_minor()} is not a tested release {dispatch.GLUON_TESTED} "
+                      f"(SAGEBWD_KERNELS=gluon forces it)")
+        else:
+            reason = "off by default (dispatch.GLUON_BY_DEFAULT / GLUON_BWD_BY_DEFAULT)"
+    return f"portable Triton kernels (tl.dot); Gluon: {reason}"
 
 
 def report() -> str:

@@ -146,3 +146,25 @@ def test_environment_report_runs_as_a_module():
                  "Transformers registration: attention function yes, mask function yes"):
         assert text in out, out
     assert ("GPU 0:" in out) if __import__("torch").cuda.is_available() else ("GPU: none" in out)
+
+
+def test_environment_report_names_the_kernel_path(monkeypatch):
+    """The report's kernel line on an H100/H200, as the dispatch decides it (mocked here): Gluon with a tested
+    Triton, portable with the reason otherwise."""
+    from sagebwd_hf.__main__ import _kernel_path
+    from sagebwd_hf.kernels import dispatch
+
+    dev = torch.device("cuda")
+    monkeypatch.setattr(dispatch, "gluon_unavailable", lambda device: None)
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda device: True)
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr(dispatch, "_triton_minor", lambda: dispatch.GLUON_TESTED[0])
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    assert _kernel_path(dev).startswith("Gluon Hopper kernels for the forward and backward")
+    monkeypatch.setattr(dispatch, "_triton_minor", lambda: "99.0")
+    assert "not a tested release" in _kernel_path(dev)
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    assert _kernel_path(dev).endswith("Gluon: off (SAGEBWD_KERNELS=triton)")
+    monkeypatch.setattr(dispatch, "gluon_unavailable", lambda device: "compute capability 8.0")
+    monkeypatch.setenv(dispatch.ENV_VAR, "auto")
+    assert _kernel_path(dev).endswith("Gluon: compute capability 8.0")

@@ -87,14 +87,21 @@ def _is_hopper(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) == (9, 0))
 
 
+def untested_triton() -> Optional[str]:
+    """Why ``auto`` keeps the Gluon kernels off whatever the GPU, when this Triton is not a tested release."""
+    if _triton_minor() in GLUON_TESTED:
+        return None
+    return f"Triton {triton.__version__} is not a release the Hopper (Gluon) kernels are tested on " \
+           f"({', '.join(GLUON_TESTED)})"
+
+
 def _warn_untested_triton(device: torch.device) -> None:
     """auto on an H100/H200 with a Triton the Gluon kernels were not run on: they stay off, and once per
     process the user learns that this GPU runs the slower portable kernels, and why."""
     if "untested_triton" in _warned or not _is_hopper(device):
         return
     _warned.add("untested_triton")
-    warnings.warn(f"sagebwd: Triton {triton.__version__} is not a release the Hopper (Gluon) kernels are tested "
-                  f"on ({', '.join(GLUON_TESTED)}), so this sm_90 GPU runs the portable Triton kernels, which are "
+    warnings.warn(f"sagebwd: {untested_triton()}, so this sm_90 GPU runs the portable Triton kernels, which are "
                   f"slower (README, Speed). {ENV_VAR}=gluon runs the Gluon kernels anyway; {ENV_VAR}=triton "
                   f"keeps the portable ones without this warning.", stacklevel=4)
 
@@ -120,7 +127,7 @@ def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bo
                       and (GLUON_SOFTCAP_FORWARD or not softcap))
         if not (takes_call and faster):
             return False
-        if _triton_minor() not in GLUON_TESTED:
+        if untested_triton() is not None:
             _warn_untested_triton(device)
             return False
         return gluon_unavailable(device) is None

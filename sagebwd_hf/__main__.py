@@ -20,15 +20,13 @@ def _version(dist: str) -> str:
 
 def _kernel_path(device) -> str:
     """Which kernel family a plain call (head dim 128, 4K keys) runs on ``device``, and why."""
-    import warnings
-
     from .kernels import dispatch
 
+    # auto on an untested Triton runs no Gluon kernel: said here, without spending use_gluon's one warning
+    untested = dispatch.untested_triton() if dispatch.requested() == "auto" else None
     try:
-        with warnings.catch_warnings():       # the untested-Triton warning: said below instead
-            warnings.simplefilter("ignore")
-            forward = dispatch.use_gluon(device, 128, q_smoothing=False, seqlen_k=4096)
-            backward = dispatch.use_gluon(device, 128, q_smoothing=False, seqlen_k=4096, backward=True)
+        forward = not untested and dispatch.use_gluon(device, 128, q_smoothing=False, seqlen_k=4096)
+        backward = not untested and dispatch.use_gluon(device, 128, q_smoothing=False, seqlen_k=4096, backward=True)
     except ValueError as exc:              # SAGEBWD_KERNELS=gluon where Gluon cannot run
         return f"error: {exc}"
     if forward or backward:
@@ -37,11 +35,10 @@ def _kernel_path(device) -> str:
                 f"backward_hopper.py) at head dims {dispatch.GLUON_HEAD_DIMS}; portable Triton kernels otherwise")
     reason = dispatch.gluon_unavailable(device)
     if reason is None:
-        if dispatch.requested() == "triton":
-            reason = "off (SAGEBWD_KERNELS=triton)"
-        elif dispatch._triton_minor() not in dispatch.GLUON_TESTED:
-            reason = (f"off: triton {dispatch._triton_minor()} is not a tested release {dispatch.GLUON_TESTED} "
-                      f"(SAGEBWD_KERNELS=gluon forces it)")
+        if untested:
+            reason = f"off: {untested} ({dispatch.ENV_VAR}=gluon forces it)"
+        elif dispatch.requested() == "triton":
+            reason = f"off ({dispatch.ENV_VAR}=triton)"
         else:
             reason = "off by default (dispatch.GLUON_BY_DEFAULT / GLUON_BWD_BY_DEFAULT)"
     return f"portable Triton kernels (tl.dot); Gluon: {reason}"

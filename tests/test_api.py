@@ -162,7 +162,9 @@ def test_environment_report_names_the_kernel_path(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     assert _kernel_path(dev).startswith("Gluon Hopper kernels for the forward and backward")
     monkeypatch.setattr(dispatch, "_triton_minor", lambda: "99.0")
-    assert "not a tested release" in _kernel_path(dev)
+    assert "Gluon: off: Triton " in _kernel_path(dev) and "not a release the Hopper (Gluon) kernels are tested on" \
+        in _kernel_path(dev)
+    assert "untested_triton" not in dispatch._warned          # the report leaves the one warning to real calls
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
     assert _kernel_path(dev).endswith("Gluon: off (SAGEBWD_KERNELS=triton)")
     monkeypatch.setattr(dispatch, "gluon_unavailable", lambda device: "compute capability 8.0")

@@ -21,9 +21,10 @@ import torch.nn.functional as F
 
 import sagebwd_hf
 
-SHAPES = {   # B*N = 32K tokens, H*D = 2048, as speed.py
+SHAPES = {   # (B, H, N, D[, KV heads]). B*N = 32K tokens, H*D = 2048, as speed.py; and gpu_proof.sh's batch
     "d128_n1k": (32, 16, 1024, 128), "d128_n4k": (8, 16, 4096, 128), "d128_n16k": (2, 16, 16384, 128),
     "d64_n1k": (32, 32, 1024, 64), "d64_n4k": (8, 32, 4096, 64),
+    "proof": (8, 10, 1024, 64, 5),   # the 60m preset (10 query / 5 KV heads of 64) at 8 x 1024 tokens a step
 }
 
 
@@ -34,23 +35,37 @@ def methods(causal):
         return sagebwd_hf.sagebwd_attn_func(q, k, v, causal=causal)
 
     def sdpa(backend):
-        def call(q, k, v):
+        refuses_gqa = []
+
+        def call(q, k, v):   # GQA through enable_gqa, or K/V repeated where the backend refuses it (as speed.py)
+            group = q.shape[1] // k.shape[1]
+            if group > 1 and refuses_gqa:
+                k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                try:
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=group > 1)
+                except RuntimeError:
+                    if group == 1 or refuses_gqa:
+                        raise
+                    refuses_gqa.append(True)
+            return call(q, k, v)
         return call
     return {"sagebwd": sage, "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "flash": sdpa(SDPBackend.FLASH_ATTENTION)}
 
 
-def host_ms(call, reps):
-    """Host time per call with the GPU busy for the whole loop (so no call waits on a kernel)."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(3e9))    # ~1.5 s of GPU spinning at H100 clocks
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        call()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) * 1e3 / reps
+def host_ms(call, reps, trials=5):
+    """Host time per call with the GPU busy for the whole loop (so no call waits on a kernel): the least of
+    ``trials`` loops of ``reps`` calls (the device machines' host timings vary by 2x from loop to loop)."""
+    best = float("inf")
+    for _ in range(trials):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(1e9))    # ~0.5 s of GPU spinning at H100 clocks
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            call()
+        best = min(best, time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return best * 1e3 / reps
 
 
 def event_ms(call, reps):
@@ -84,8 +99,10 @@ def kernels(call):
 
 def calls(shape, causal, method):
     """(forward, forward + backward) of ``method`` on fresh inputs of ``shape``, as closures."""
-    b, h, n, d = SHAPES[shape]
-    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    b, h, n, d, *kv = SHAPES[shape]
+    hk = kv[0] if kv else h
+    q, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     for x in (q, k, v):
         x.requires_grad_(True)
     fn = methods(causal)[method]
@@ -120,7 +137,7 @@ def measure(shape, causal, args):
     return rows
 
 
-def host_profile(shape, reps=20, top=35):
+def host_profile(shape, reps=20, top=45):
     """cProfile of sagebwd's forward and forward + backward with the GPU kept busy (host work only)."""
     import cProfile
     import pstats
@@ -141,6 +158,67 @@ def host_profile(shape, reps=20, top=35):
         pstats.Stats(prof).sort_stats("cumulative").print_stats(top)
 
 
+def host_parts(shape, reps=20):
+    """Host time of each piece of a causal sagebwd call (padded, head-major inputs; the Hopper kernels), the
+    launch cache on and off: where the host time of ``host ms`` goes, without a profiler's own overhead."""
+    from sagebwd_hf import interface as itf
+    from sagebwd_hf.kernels import launch as launch_cache
+    from sagebwd_hf.kernels.backward_hopper import launch_backward_hopper
+    from sagebwd_hf.kernels.forward_hopper import launch_forward_hopper
+    from sagebwd_hf.kernels.layout import SeqLayout
+    from sagebwd_hf.kernels.quantize import quantize, quantize_qk, quantize_v
+
+    b, h, n, d, *kv = SHAPES[shape]
+    hk = kv[0] if kv else h
+    q, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lay, scale, window = SeqLayout(b, n, None), d ** -0.5, (-1, 0)
+    quant = quantize_qk(q, k, lay, lay, scale, True, False, v4=v)
+    v8t, v_scale = quantize_v(v, lay, None, quant["v_scale"])
+    out, lse = itf._forward(q, k, v, None, None, n, n, scale, window, True, False, "triton")
+    bquant = quantize_qk(q, k, lay, lay, scale, True, False, transposed=True)
+    do_q = quantize(do, lay, natural=False, transposed=True, out_for_delta=out)
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+
+    def fwd_bwd():
+        for x in leaves:
+            x.grad = None
+        sagebwd_hf.sagebwd_attn_func(*leaves, causal=True).backward(do)
+
+    parts = {
+        "torch.empty [B,H,N] fp32": lambda: torch.empty(b, h, n, device="cuda"),
+        "fwd: quantize_qk (K mean + V scales, K, Q)": lambda: quantize_qk(q, k, lay, lay, scale, True, False, v4=v),
+        "fwd: quantize_v": lambda: quantize_v(v, lay, None, quant["v_scale"]),
+        "fwd: launch_forward_hopper": lambda: launch_forward_hopper(quant, v8t, v_scale, out, lse, lay, lay, h,
+                                                                     h // hk, d, window),
+        "fwd: interface._forward (no op)": lambda: itf._forward(q, k, v, None, None, n, n, scale, window, True,
+                                                                False, "triton"),
+        "fwd: sagebwd_attn_func, no grad": lambda: _no_grad(sagebwd_hf.sagebwd_attn_func, q, k, v, causal=True),
+        "bwd: quantize_qk transposed": lambda: quantize_qk(q, k, lay, lay, scale, True, False, transposed=True),
+        "bwd: quantize dO (+ delta)": lambda: quantize(do, lay, natural=False, transposed=True, out_for_delta=out),
+        "bwd: launch_backward_hopper (dV, dK, dQ)": lambda: launch_backward_hopper(
+            bquant, v, do, do_q["x8t"], do_q["scale"], lse, do_q["delta"], *grads, h, hk, d, window, scale),
+        "bwd: interface._backward (no op)": lambda: itf._backward(do, q, k, v, out, lse, None, None, n, n, scale,
+                                                                   window, True, False, "triton"),
+        "fwd+bwd through autograd": fwd_bwd,
+    }
+    print(f"\n{shape}: host us per call (GPU kept busy), launch cache on / off")
+    for name, call in parts.items():
+        row = []
+        for enabled in (True, False):
+            launch_cache.ENABLED = enabled
+            call()
+            row.append(host_ms(call, reps) * 1e3)
+        print(f"  {row[0]:8.1f} {row[1]:8.1f}  {name}")
+    launch_cache.ENABLED = True
+
+
+def _no_grad(fn, *args, **kwargs):
+    with torch.no_grad():
+        return fn(*args, **kwargs)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["d128_n1k", "d128_n4k", "d64_n1k"], choices=sorted(SHAPES))
@@ -148,7 +226,10 @@ def main():
     ap.add_argument("--methods", nargs="+", default=["sagebwd", "cudnn", "flash"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--host-profile", choices=sorted(SHAPES), help="cProfile sagebwd's calls on this shape, then stop")
+    ap.add_argument("--host-parts", choices=sorted(SHAPES), help="host time of each piece of a call, then stop")
     args = ap.parse_args()
+    if args.host_parts:
+        return host_parts(args.host_parts)
     if args.host_profile:
         return host_profile(args.host_profile)
     torch.manual_seed(0)

@@ -41,10 +41,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-# the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
+from .launch import launch
 from .layout import tma_addressable, token_rows
+# the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
 from .forward_hopper import (TensorDescriptor, _band_mask, _ceil_to, _floor_to, _key_tiles, _round_to_int8,
-                             _stage_k_scales, _tanh_scores, _tma_desc)
+                             _stage_k_scales, _tanh_scores, _tma_desc, shared_layout)
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
@@ -550,8 +551,7 @@ def _caller_desc(x4, block_shape, dtype):
     coordinates for the kernel."""
     x4 = tma_addressable(x4)
     shape, strides, coords = token_rows(x4)
-    layout = gl.NVMMASharedLayout.get_default_for(block_shape, dtype)
-    return TensorDescriptor(x4, shape, strides, block_shape, layout), coords
+    return TensorDescriptor(x4, shape, strides, block_shape, shared_layout(tuple(block_shape), dtype)), coords
 
 
 def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
@@ -611,7 +611,7 @@ def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk
     """dV (``part="dv"``), dK (``"dk"``) or both (``"dkdv"``) into ``dv4`` / ``dk4`` ``[B, Hk, N, D]``."""
     grid, args, kwargs = dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads,
                                           group, head_dim, window, softmax_scale, **tuning)
-    return _attn_bwd_dkdv_hopper_kernel[grid](*args, **kwargs)
+    return launch(_attn_bwd_dkdv_hopper_kernel, grid, *args, **kwargs)
 
 
 def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale,
@@ -653,7 +653,7 @@ def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim
     """dQ into ``dq4`` ``[B, H, N, D]`` (any strides with a contiguous last dim) on the Gluon kernel."""
     grid, args, kwargs = dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window,
                                         softmax_scale, **tuning)
-    return _attn_bwd_dq_hopper_kernel[grid](*args, **kwargs)
+    return launch(_attn_bwd_dq_hopper_kernel, grid, *args, **kwargs)
 
 
 def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4, dv4, num_heads, num_kv_heads,

@@ -40,6 +40,7 @@ GLUON_SOFTCAP_FORWARD = False
 
 _counts = collections.Counter()    # "fwd_gluon", "fwd_triton", ... -> launches
 _warned = set()
+_unavailable = {}                  # CUDA device index -> gluon_unavailable's answer
 
 
 def kernel_counts() -> dict:
@@ -72,6 +73,13 @@ def gluon_unavailable(device: torch.device):
         return f"{device.type} tensors (the Gluon kernels need a CUDA GPU; the interpreter does not run Gluon)"
     if os.environ.get("TRITON_INTERPRET") == "1":
         return "TRITON_INTERPRET=1 (the interpreter does not run Gluon)"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _unavailable:       # asked on every call: the capability query and import cost host time
+        _unavailable[index] = _gluon_unavailable_on(device)
+    return _unavailable[index]
+
+
+def _gluon_unavailable_on(device: torch.device):
     capability = torch.cuda.get_device_capability(device)
     if capability != (9, 0):
         return f"compute capability {capability[0]}.{capability[1]} (the Gluon kernels are for sm_90: H100, H200)"

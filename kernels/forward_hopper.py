@@ -26,10 +26,14 @@ with one ``rcp.approx``), a compile-time option of the same kernel.
 Head dims 64 and 128, no Q-smoothing. Gluon's API moves between Triton releases; this file is tested on the
 versions listed in ``dispatch.GLUON_TESTED``.
 """
+import functools
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .launch import launch
 
 HALF_M = gl.constexpr(64)     # query rows per consumer warpgroup (one wgmma M)
 BLOCK_M = gl.constexpr(128)   # query rows per program: two consumers
@@ -389,9 +393,15 @@ def _attn_fwd_hopper_kernel(
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
+@functools.lru_cache(maxsize=None)
+def shared_layout(block_shape, dtype):
+    """The swizzled shared-memory layout of a TMA tile (computing it costs ~8 us of host time a descriptor)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+
+
 def _tma_desc(x2d, block_shape, dtype=gl.int8):
     """A TMA descriptor over a 2-D view: int8 tiles here, bf16/fp16 ones too in backward_hopper."""
-    layout = gl.NVMMASharedLayout.get_default_for(block_shape, dtype)
+    layout = shared_layout(tuple(block_shape), dtype)
     return TensorDescriptor(x2d, list(x2d.shape), list(x2d.stride()), block_shape, layout)
 
 
@@ -445,4 +455,4 @@ def launch_forward_hopper(quant, v8t, v_scale, out4, lse, layout_q, layout_k, nu
     ``v8t`` from ``quantize_v(..., t_starts=aligned_starts(layout_k))`` and those starts as ``v_starts``."""
     grid, args, kwargs = forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group,
                                              head_dim, window, **tuning)
-    return _attn_fwd_hopper_kernel[grid](*args, **kwargs)
+    return launch(_attn_fwd_hopper_kernel, grid, *args, **kwargs)

@@ -297,15 +297,35 @@ def _per_sequence(fn, q, k, v, cu_q, cu_k, extra_q=()):
 # attention without a graph break, and autograd is attached to the op rather than to Python code.
 # The outputs' layout follows the inputs' strides (_new_like): compiled graphs must hand the op the strides
 # it was traced with (the default for custom ops in recent torch; the tag makes it explicit).
+# Eager calls skip torch.library's dispatch and run the same functions through a plain autograd.Function
+# (eager_autograd): the op's autograd wrapper cost ~80 us of host time a forward and as much a backward.
 OP_TAGS = (torch.Tag.needs_exact_strides,) if hasattr(torch.Tag, "needs_exact_strides") else ()
 
-@torch.library.custom_op("sagebwd::attn_fwd", mutates_args=(), tags=OP_TAGS)
-def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
-                 cu_k: Optional[torch.Tensor], max_q: int, max_k: int, scale: float, window_left: int,
-                 window_right: int, k_smoothing: bool, q_smoothing: bool, backend: str, softcap: float,
-                 sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+
+def _attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
+              cu_k: Optional[torch.Tensor], max_q: int, max_k: int, scale: float, window_left: int,
+              window_right: int, k_smoothing: bool, q_smoothing: bool, backend: str, softcap: float,
+              sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, (window_left, window_right), k_smoothing,
                     q_smoothing, backend, softcap, sinks)
+
+
+def _attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor], max_q: int,
+              max_k: int, scale: float, window_left: int, window_right: int, k_smoothing: bool,
+              q_smoothing: bool, backend: str, softcap: float, sinks: Optional[torch.Tensor]
+              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale,
+                                   (window_left, window_right), k_smoothing, q_smoothing, backend, softcap, sinks)
+    return dq, dk, dv, _no_sinks_grad(q) if dsinks is None else dsinks
+
+
+_attn_fwd_op = torch.library.custom_op("sagebwd::attn_fwd", _attn_fwd, mutates_args=(), tags=OP_TAGS)
+_attn_bwd_op = torch.library.custom_op("sagebwd::attn_bwd", _attn_bwd, mutates_args=(), tags=OP_TAGS)
+
+
+def _no_sinks_grad(q):
+    return q.new_empty(0, dtype=torch.float32)     # a custom op cannot return None
 
 
 @_attn_fwd_op.register_fake
@@ -314,21 +334,6 @@ def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smo
     varlen = cu_q is not None
     lse_shape = (1, q.shape[1], q.shape[0]) if varlen else q.shape[:3]
     return _new_like(q, varlen, v.shape[-1]), q.new_empty(lse_shape, dtype=torch.float32)
-
-
-@torch.library.custom_op("sagebwd::attn_bwd", mutates_args=(), tags=OP_TAGS)
-def _attn_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor], max_q: int,
-                 max_k: int, scale: float, window_left: int, window_right: int, k_smoothing: bool,
-                 q_smoothing: bool, backend: str, softcap: float, sinks: Optional[torch.Tensor]
-                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale,
-                                   (window_left, window_right), k_smoothing, q_smoothing, backend, softcap, sinks)
-    return dq, dk, dv, _no_sinks_grad(q) if dsinks is None else dsinks
-
-
-def _no_sinks_grad(q):
-    return q.new_empty(0, dtype=torch.float32)     # a custom op cannot return None
 
 
 @_attn_bwd_op.register_fake
@@ -346,13 +351,34 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _attn_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
-    dq, dk, dv, dsinks = _attn_bwd_op(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args, sinks)
-    return (dq, dk, dv) + (None,) * 11 + (dsinks if sinks is not None else None,)
+def _attn_backward_with(bwd):
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
+        dq, dk, dv, dsinks = bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args, sinks)
+        return (dq, dk, dv) + (None,) * 11 + (dsinks if sinks is not None else None,)
+    return backward
 
 
-_attn_fwd_op.register_autograd(_attn_backward, setup_context=_setup_context)
+_attn_fwd_op.register_autograd(_attn_backward_with(_attn_bwd_op), setup_context=_setup_context)
+
+
+def eager_autograd(name, forward, setup_context, backward):
+    """``forward`` as an autograd.Function with a custom op's ``setup_context`` and ``backward``: what an eager
+    call of the op runs (the same functions, without torch.library's dispatch)."""
+    def fwd(ctx, *inputs):
+        output = forward(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+    return type(name, (torch.autograd.Function,), dict(forward=staticmethod(fwd),
+                                                        backward=staticmethod(backward))).apply
+
+
+_attn_eager = eager_autograd("SageBwdAttention", _attn_fwd, _setup_context, _attn_backward_with(_attn_bwd))
+
+
+def _attn(*inputs):
+    """The op: registered (torch.compile traces it) or, in eager code, the same functions called directly."""
+    return _attn_fwd_op(*inputs) if torch.compiler.is_compiling() else _attn_eager(*inputs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -497,7 +523,7 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     softcap = _check_extras(softcap, sinks, q.shape[1], q.device)
     backend = _backend(q, backend)
     q, k, v, restore = _compute_dtype(q, k, v)
-    out, lse = _attn_fwd_op(q, k, v, None, None, q.shape[2], k.shape[2], scale, *window,
+    out, lse = _attn(q, k, v, None, None, q.shape[2], k.shape[2], scale, *window,
                             bool(k_smoothing), bool(q_smoothing), backend, softcap, sinks)
     if restore is not None:
         out = out.to(restore)
@@ -530,7 +556,7 @@ def sagebwd_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     softcap = _check_extras(softcap, sinks, q.shape[1], q.device)
     backend = _backend(q, backend)
     q, k, v, restore = _compute_dtype(q, k, v)
-    out, lse = _attn_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *window,
+    out, lse = _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *window,
                             bool(k_smoothing), bool(q_smoothing), backend, softcap, sinks)
     if restore is not None:
         out = out.to(restore)

@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .interface import OP_TAGS, _backend, _backward, _check_options, _forward
+from .interface import OP_TAGS, _backend, _backward, _check_options, _forward, eager_autograd
 
 # Values derived from a mask or sequence-id tensor that every layer of one forward gets again: one host
 # read per forward instead of one per layer (and per backward). A few tensors per name: models whose layers
@@ -113,8 +113,7 @@ def _to_tokens(lse):
     return lse.transpose(0, 1).reshape(1, lse.shape[1], -1)
 
 
-@torch.library.custom_op("sagebwd::segmented_fwd", mutates_args=(), tags=OP_TAGS)
-def _segmented_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+def _segmented_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                    ids: Optional[torch.Tensor], causal: bool, scale: float, window_left: int, window_right: int,
                    k_smoothing: bool, q_smoothing: bool, backend: str, softcap: float,
                    sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -136,14 +135,17 @@ def _segmented_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
     return _scatter(out, plan.idx_q, _out_shape(q, v)), lse
 
 
+_segmented_fwd = torch.library.custom_op("sagebwd::segmented_fwd", _segmented_fwd_impl, mutates_args=(),
+                                         tags=OP_TAGS)
+
+
 @_segmented_fwd.register_fake
 def _(q, k, v, mask, ids, causal, scale, window_left, window_right, k_smoothing, q_smoothing, backend, softcap,
       sinks):
     return q.new_empty(_out_shape(q, v)), q.new_empty((1, q.shape[2], q.shape[0] * q.shape[1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("sagebwd::segmented_bwd", mutates_args=(), tags=OP_TAGS)
-def _segmented_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+def _segmented_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, mask: Optional[torch.Tensor], ids: Optional[torch.Tensor], causal: bool,
                    scale: float, window_left: int, window_right: int, k_smoothing: bool, q_smoothing: bool,
                    backend: str, softcap: float, sinks: Optional[torch.Tensor]
@@ -165,6 +167,10 @@ def _segmented_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             _sinks_grad(dsinks, q))
 
 
+_segmented_bwd = torch.library.custom_op("sagebwd::segmented_bwd", _segmented_bwd_impl, mutates_args=(),
+                                         tags=OP_TAGS)
+
+
 def _sinks_grad(dsinks, q):
     return q.new_empty(0, dtype=torch.float32) if dsinks is None else dsinks   # a custom op cannot return None
 
@@ -183,13 +189,17 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _segmented_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, mask, ids, sinks = ctx.saved_tensors
-    dq, dk, dv, dsinks = _segmented_bwd(dout, q, k, v, out, lse, mask, ids, *ctx.args, sinks)
-    return (dq, dk, dv) + (None,) * 10 + (dsinks if sinks is not None else None,)
+def _segmented_backward_with(bwd):
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, mask, ids, sinks = ctx.saved_tensors
+        dq, dk, dv, dsinks = bwd(dout, q, k, v, out, lse, mask, ids, *ctx.args, sinks)
+        return (dq, dk, dv) + (None,) * 10 + (dsinks if sinks is not None else None,)
+    return backward
 
 
-_segmented_fwd.register_autograd(_segmented_backward, setup_context=_setup_context)
+_segmented_fwd.register_autograd(_segmented_backward_with(_segmented_bwd), setup_context=_setup_context)
+_segmented_eager = eager_autograd("SageBwdSegmentedAttention", _segmented_fwd_impl, _setup_context,
+                                  _segmented_backward_with(_segmented_bwd_impl))
 
 
 def segmented_attention(q, k, v, mask=None, ids=None, *, causal, softmax_scale, window_size=(-1, -1),
@@ -200,5 +210,6 @@ def segmented_attention(q, k, v, mask=None, ids=None, *, causal, softmax_scale, 
     if (mask is None) == (ids is None):
         raise ValueError("segmented_attention needs exactly one of mask and ids")
     window, scale = _check_options(window_size, softmax_scale, q.shape[-1], causal)   # causal: right = 0
-    return _segmented_fwd(q, k, v, mask, ids, bool(causal), scale, *window, bool(k_smoothing), bool(q_smoothing),
+    op = _segmented_fwd if torch.compiler.is_compiling() else _segmented_eager
+    return op(q, k, v, mask, ids, bool(causal), scale, *window, bool(k_smoothing), bool(q_smoothing),
                           _backend(q, None), float(softcap), sinks)[0]

@@ -9,6 +9,8 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("SAGEBWD_POISON", "1")   # kernel outputs start as NaN: unwritten elements fail
+# every launch the launch cache makes is checked against the compiled kernel Triton's own lookup picks
+os.environ.setdefault("SAGEBWD_CHECK_LAUNCH", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,108 @@
+"""Launching a Triton (or Gluon) kernel again without Triton's per-call Python.
+
+``kernel[grid](*args, **kwargs)`` binds every argument, specializes each (dtype, 16-byte alignment, ints equal
+to 1 or divisible by 16), builds a cache key and looks the compiled kernel up before it launches: 60-180 µs
+of host time a launch with our 30-50 arguments, and one attention call makes 6 launches forward and 9 back.
+For a short sequence or a small batch that host time, not the GPU, bounds a training step (H100, the 60m
+preset at 8 x 1024 tokens: 4.7 ms of host time per attention forward + backward for 0.4 ms of GPU work,
+``benchmarks/per_call.py --shapes proof``; docs/speed_notes.md, session 14).
+
+``launch`` keeps the compiled kernel of each call site under a key of its own that is at least as fine as
+Triton's specialization (equal keys imply equal specializations: see ``_arg_key``), and launches it through
+the compiled kernel's own launcher, the call Triton itself ends with. The first call of a key, and every call
+where the key cannot be formed (an argument of another type), goes through ``kernel[grid]``, so compilation,
+autotuning-free configs and errors stay Triton's.
+
+It is on only where it was checked: a Triton release in ``TESTED`` (the launcher call is internal API), no
+interpreter, no launch hooks (a profiler such as proton installs them), and ``SAGEBWD_FAST_LAUNCH`` not "0".
+``SAGEBWD_CHECK_LAUNCH=1`` (the GPU tests set it) also asks Triton's own binder on every fast launch and raises
+if it would have picked another compiled kernel.
+"""
+import os
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+TESTED = ("3.6",)           # Triton major.minor releases whose launcher call this module was checked on
+_MAJOR_MINOR = ".".join(triton.__version__.split(".")[:2])
+ENABLED = (_MAJOR_MINOR in TESTED and os.environ.get("SAGEBWD_FAST_LAUNCH", "1") != "0"
+           and os.environ.get("TRITON_INTERPRET") != "1")
+CHECK = os.environ.get("SAGEBWD_CHECK_LAUNCH") == "1"
+
+_compiled = {}   # (id(kernel), device, key) -> (compiled kernel, its launcher, function, packed metadata, trailing args)
+_I32 = (-2 ** 31, 2 ** 31)
+_I64 = (-2 ** 63, 2 ** 63)
+
+
+class _Uncached(Exception):
+    pass
+
+
+def _arg_key(a):
+    """What Triton 3.6 specializes a runtime argument on (``native_specialize_impl``), or finer: tensors on
+    dtype and 16-byte alignment; ints on being 1 (then a constant), divisibility by 16, and 32/64-bit range;
+    bools, floats and None on nothing more than their type; tensor descriptors on dtype, block and layout."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    cls = a.__class__
+    if cls is int:
+        return a == 1, a % 16 == 0, _I32[0] <= a < _I32[1], _I64[0] <= a < _I64[1]
+    if cls is float:
+        return 0.0
+    if cls is bool or a is None:
+        return a
+    if hasattr(a, "block_shape") and hasattr(a, "layout") and hasattr(a, "base"):   # a TMA descriptor
+        return a.base.dtype, tuple(a.block_shape), a.layout
+    raise _Uncached
+
+
+def _hooks_installed() -> bool:
+    rt = triton.knobs.runtime
+    return any(getattr(h, "calls", h) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+
+
+def _triton_pick(kernel, args, kwargs):
+    """The compiled kernel ``kernel[grid]`` would launch for these arguments (JITFunction.run's lookup)."""
+    from triton.runtime.jit import compute_cache_key
+
+    knobs = triton.knobs
+    device = triton.runtime.driver.active.get_current_device()
+    kernel_cache, kernel_key_cache, _, _, binder = kernel.device_caches[device]
+    kw = dict(kwargs, debug=kwargs.get("debug", kernel.debug) or knobs.runtime.debug,
+              instrumentation_mode=knobs.compilation.instrumentation_mode)
+    _, specialization, options = binder(*args, **kw)
+    return kernel_cache.get(compute_cache_key(kernel_key_cache, specialization, options))
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``, re-launching the compiled kernel directly once one exists for the
+    arguments' specialization. Runtime arguments go positionally, constexprs and options by keyword."""
+    if not ENABLED or not isinstance(kernel, JITFunction) or _hooks_installed():
+        return kernel[grid](*args, **kwargs)
+    try:
+        key = (id(kernel), torch.cuda.current_device(), tuple(map(_arg_key, args)), tuple(kwargs.items()))
+        entry = _compiled.get(key)
+    except (_Uncached, TypeError):      # TypeError: an unhashable keyword value
+        return kernel[grid](*args, **kwargs)
+    if entry is None:
+        compiled = kernel[grid](*args, **kwargs)
+        if compiled is not None and not hasattr(compiled, "result"):
+            # constexprs and defaults after the positional arguments, in signature order: fixed by the key
+            tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in kernel.params[len(args):])
+            _compiled[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata, tail)
+        return compiled
+    compiled, run, function, metadata, tail = entry
+    if CHECK:
+        picked = _triton_pick(kernel, args, kwargs)
+        if picked is None or picked.function != function:
+            raise RuntimeError(f"sagebwd launch cache: {getattr(kernel, '__name__', kernel)} would run another compiled kernel under "
+                               f"Triton's own lookup (key {key[2:]})")
+    g = tuple(grid) + (1, 1)
+    run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(key[1]), function, metadata, None, None, None,
+        *args, *tail)
+    return compiled
+
+
+def cache_size() -> int:
+    return len(_compiled)

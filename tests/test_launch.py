@@ -1,0 +1,109 @@
+"""The launch cache (kernels/launch.py): its key never merges arguments Triton would compile apart, and on a
+GPU its launches give the bytes Triton's own launches give."""
+import pytest
+import torch
+
+from sagebwd_hf import sagebwd_attn_func
+from sagebwd_hf.kernels import launch as launch_mod
+
+
+def _triton_specialization(arg):
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    return native_specialize_impl(BaseBackend, arg, False, True, True)
+
+
+def _sample_args():
+    ints = [0, 1, 2, 15, 16, 17, 32, 48, 1000, 1024, 2 ** 31 - 16, 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 16, 2 ** 32,
+            -1, -16, -17, -2 ** 31, -2 ** 31 - 16, 2 ** 63 - 16, 2 ** 63, 2 ** 63 + 16]
+    base = torch.empty(256, dtype=torch.uint8)     # CPU storage: only the addresses matter
+    tensors = [base[i:i + 64].view(dtype) for i in (0, 1, 2, 4, 8, 16, 32)
+               for dtype in (torch.uint8, torch.int8) if i % dtype.itemsize == 0]
+    tensors += [base[i:i + 64].view(torch.bfloat16) for i in (0, 2, 16, 18)]
+    tensors += [base[i:i + 64].view(torch.float32) for i in (0, 4, 16, 32)]
+    return ints + tensors + [True, False, 0.0, 1.0, -2.5, 1e30, None]
+
+
+def test_key_is_at_least_as_fine_as_tritons_specialization():
+    """Two arguments with one key must get one specialization from the installed Triton: else a launch could
+    reuse a kernel compiled for, say, a 16-byte aligned pointer on an unaligned one."""
+    args = _sample_args()
+    seen = {}
+    for a in args:
+        key = (type(a).__name__, launch_mod._arg_key(a))
+        spec = _triton_specialization(a)
+        if key in seen:
+            assert seen[key][1] == spec, f"{seen[key][0]!r} and {a!r} share key {key} but Triton gives " \
+                                         f"{seen[key][1]} and {spec}"
+        else:
+            seen[key] = (a, spec)
+    assert len(seen) >= 12      # the sample does tell arguments apart
+
+
+def test_key_of_tensor_descriptors_covers_tritons():
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    base = torch.empty(64 * 256, dtype=torch.int8)
+    seen = {}
+    for rows in (64, 128):
+        for block in ([64, 64], [128, 64], [64, 32]):
+            for dtype in (torch.int8, torch.bfloat16):
+                x = base.view(dtype)[:rows * 64].view(rows, 64)
+                layout = gl.NVMMASharedLayout.get_default_for(block, gl.int8 if dtype == torch.int8 else gl.bfloat16)
+                desc = hopper.TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
+                key, spec = launch_mod._arg_key(desc), _triton_specialization(desc)
+                assert seen.setdefault(key, spec) == spec
+    assert len(seen) == 6
+
+
+def test_other_arguments_take_tritons_own_path():
+    with pytest.raises(launch_mod._Uncached):
+        launch_mod._arg_key([1, 2])
+    with pytest.raises(launch_mod._Uncached):
+        launch_mod._arg_key("a string")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cached_launches_give_tritons_bytes(monkeypatch, causal, head_dim):
+    """Forward and backward with the cache (second and third calls: cache hits, each checked against Triton's
+    lookup by SAGEBWD_CHECK_LAUNCH) are bit-identical to the same calls through kernel[grid]."""
+    if not launch_mod.ENABLED:
+        pytest.skip("the launch cache is off for this Triton release")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 4, 700, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(2, 2, 900, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    do = torch.randn(2, 4, 700, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def run():
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        out = sagebwd_attn_func(*leaves, causal=causal)
+        out.backward(do)
+        return [out.detach()] + [x.grad for x in leaves]
+
+    monkeypatch.setattr(launch_mod, "CHECK", True)
+    run()
+    size = launch_mod.cache_size()
+    cached = [run(), run()]
+    assert launch_mod.cache_size() == size, "a repeated call missed the cache"
+    monkeypatch.setattr(launch_mod, "ENABLED", False)
+    plain = run()
+    for got in cached:
+        for name, a, b in zip(("O", "dQ", "dK", "dV"), got, plain):
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_unaligned_inputs_get_their_own_kernel(monkeypatch):
+    """A view 2 bytes off a 16-byte boundary specializes differently: the cache must not reuse the aligned
+    kernel (SAGEBWD_CHECK_LAUNCH raises if it would)."""
+    if not launch_mod.ENABLED:
+        pytest.skip("the launch cache is off for this Triton release")
+    monkeypatch.setattr(launch_mod, "CHECK", True)
+    flat = torch.randn(2 * 4 * 300 * 64 + 1, device="cuda", dtype=torch.bfloat16)
+    aligned = flat[:-1].view(2, 4, 300, 64)
+    shifted = flat[1:].view(2, 4, 300, 64)
+    for x in (aligned, shifted, aligned, shifted):
+        out = sagebwd_attn_func(x, x, x, causal=True, backend="triton")
+        assert torch.isfinite(out).all()

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .forward import _ceil_to, _floor_to, _key_tiles, _score_mask, block_dim, fast_rcp, tanh_scores
 from .launch import launch
-from .layout import SeqLayout, maybe, strides3, strides4
+from .layout import SeqLayout, cdiv, maybe, strides3, strides4
 from .quantize import LOG2E, Q_SMOOTH_BLOCK, _seq_bounds, int32_times, round_to_int8
 
 
@@ -461,8 +461,9 @@ def _launch_dkdv(q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_
                  head_dim, window, softmax_scale, softcap2, config, common):
     block_m, block_n, block_d, num_warps, num_stages = config
     assert Q_SMOOTH_BLOCK % block_m == 0
-    grid = (triton.cdiv(layout_k.max_len, block_n), layout_k.num_seqs * num_kv_heads)
-    return launch(_attn_bwd_dkdv_kernel, grid,
+    grid = (cdiv(layout_k.max_len, block_n), layout_k.num_seqs * num_kv_heads)
+    return launch(
+        _attn_bwd_dkdv_kernel, grid,
         q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_scale, lse, delta, shift,
         q_mean_arg, q_mean_cu_arg, dk4, dv4, cu_q, cu_k,
         *strides4(q8)[:3], *strides3(q_scale)[:2], *strides4(q8rt)[:3],
@@ -481,8 +482,9 @@ def _launch_dq(q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, shift, row_ds
                common):
     block_m, block_n, block_d, num_warps, num_stages = config
     assert Q_SMOOTH_BLOCK % block_m == 0
-    grid = (triton.cdiv(layout_q.max_len, block_m), layout_q.num_seqs * num_heads)
-    return launch(_attn_bwd_dq_kernel, grid,
+    grid = (cdiv(layout_q.max_len, block_m), layout_q.num_seqs * num_heads)
+    return launch(
+        _attn_bwd_dq_kernel, grid,
         q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, shift, row_ds, q_mean_arg, q_mean_cu_arg, dq4, cu_q,
         cu_k, *strides4(q8)[:3], *strides3(q_scale)[:2],
         *strides4(k8)[:3], *strides4(k8t)[:3], *strides3(k_scale)[:2],

@@ -37,15 +37,17 @@ op's K-smoothing term, as backward.py.
 
 Padded batches, head dims 64 and 128, no Q-smoothing (``dispatch.use_gluon(..., backward=True)``).
 """
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .launch import launch
-from .layout import tma_addressable, token_rows
+from .layout import cdiv, tma_addressable, token_rows
+from .quantize import LOG2E
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
-from .forward_hopper import (TensorDescriptor, _band_mask, _ceil_to, _floor_to, _key_tiles, _round_to_int8,
-                             _stage_k_scales, _tanh_scores, _tma_desc, shared_layout)
+from .forward_hopper import (_band_mask, _ceil_to, _floor_to, _key_tiles, _round_to_int8,
+                             _stage_k_scales, _tanh_scores, _tma_desc, tma_descriptor)
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
@@ -551,7 +553,7 @@ def _caller_desc(x4, block_shape, dtype):
     coordinates for the kernel."""
     x4 = tma_addressable(x4)
     shape, strides, coords = token_rows(x4)
-    return TensorDescriptor(x4, shape, strides, block_shape, shared_layout(tuple(block_shape), dtype)), coords
+    return tma_descriptor(x4, shape, strides, block_shape, dtype), coords
 
 
 def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
@@ -561,11 +563,6 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     ``[B, H, N, D]`` tensors as ``backward.launch_backward`` takes them (``quant`` from
     ``quantize_qk(..., transposed=True)``; ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None
     where not written."""
-    import torch
-    import triton
-
-    from .quantize import LOG2E
-
     assert part in ("dv", "dk", "dkdv") and head_dim in (64, 128)
     do_dv, do_dk = part in ("dv", "dkdv"), part in ("dk", "dkdv")
     if fold is None:    # measured (H100): dV alone 1.09-1.12x with it; dK 0.95-1.03x (more spills at D=128)
@@ -595,7 +592,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     dv4 = dv4 if do_dv else dk4
     dk4 = dk4 if do_dk else dv4
     assert dv4.stride(3) == 1 and dk4.stride(3) == 1
-    grid = (triton.cdiv(n_k, BLOCK_N.value), bsz * hk)
+    grid = (cdiv(n_k, BLOCK_N.value), bsz * hk)
     return grid, (
         q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_scale, lse, do_scale, delta, q_scale_raw, shift,
         k_scale, dv4, dk4, q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
@@ -619,11 +616,6 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
     """(grid, args, kwargs) of the dQ launch: padded ``[B, H, N, D]`` tensors as ``backward.launch_backward``
     takes them (``quant`` from ``quantize_qk(..., transposed=True)``, whose ``k8t`` is dQ's B operand;
     ``softcap``, ``shift``, ``row_ds`` as there)."""
-    import torch
-    import triton
-
-    from .quantize import LOG2E
-
     assert head_dim in (64, 128) and dq4.stride(3) == 1
     assert quant["q_mean"] is None, "no Q-smoothing on this path"
     q8, k8, k8t, q_scale, k_scale = quant["q8"], quant["k8"], quant["k8t"], quant["q_scale"], quant["k_scale"]
@@ -639,7 +631,7 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
     k_desc = _tma_desc(_rows(k8), [BLOCK_N.value, d], gl.int8)
     v_desc, v_coords = _caller_desc(v4, [BLOCK_N.value, d], io_dtype)
     kt_desc = _tma_desc(k8t.reshape(-1, k8t.shape[-1]), [d, BLOCK_N.value], gl.int8)
-    grid = (triton.cdiv(n_q, BLOCK_M.value), bsz * hq)
+    grid = (cdiv(n_q, BLOCK_M.value), bsz * hq)
     return grid, (
         q_desc, do_desc, k_desc, v_desc, kt_desc, q_scale, lse, delta, shift, row_ds, k_scale, dq4,
         q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1), *dq4.stride()[:3],

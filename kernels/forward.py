@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch
-from .layout import SeqLayout, maybe, strides3, strides4
+from .layout import SeqLayout, cdiv, maybe, strides3, strides4
 from .quantize import LOG2E, Q_SMOOTH_BLOCK, _seq_bounds, int32_times, round_to_int8
 
 
@@ -273,8 +273,9 @@ def launch_forward(quant, v8t, v_scale, out4, lse, layout_q: SeqLayout, layout_k
     assert Q_SMOOTH_BLOCK % block_m == 0
     q8, k8 = quant["q8"], quant["k8"]
     q_mean = quant["q_mean"]
-    grid = (triton.cdiv(layout_q.max_len, block_m), layout_q.num_seqs * num_heads)
-    return launch(_attn_fwd_kernel, grid,
+    grid = (cdiv(layout_q.max_len, block_m), layout_q.num_seqs * num_heads)
+    return launch(
+        _attn_fwd_kernel, grid,
         q8, quant["q_scale"], k8, quant["k_scale"], v8t, v_scale,
         maybe(q_mean, v_scale), maybe(quant["q_mean_cu"], q8), out4, lse, maybe(shift, lse), maybe(sinks, lse),
         maybe(layout_q.cu_seqlens, q8), maybe(layout_k.cu_seqlens, q8),

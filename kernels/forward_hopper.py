@@ -34,6 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .launch import launch
+from .layout import cdiv
+from .quantize import LOG2E
 
 HALF_M = gl.constexpr(64)     # query rows per consumer warpgroup (one wgmma M)
 BLOCK_M = gl.constexpr(128)   # query rows per program: two consumers
@@ -396,13 +398,28 @@ def _attn_fwd_hopper_kernel(
 @functools.lru_cache(maxsize=None)
 def shared_layout(block_shape, dtype):
     """The swizzled shared-memory layout of a TMA tile (computing it costs ~8 us of host time a descriptor)."""
+    assert all(b & (b - 1) == 0 and 0 < b <= 256 for b in block_shape), block_shape
     return gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+
+
+def tma_descriptor(base, shape, strides, block_shape, dtype=gl.int8):
+    """Gluon's ``TensorDescriptor`` over ``base`` seen as ``shape`` / ``strides``, with the checks its constructor
+    makes that the data needs (TMA faults on a base or stride that is not 16-byte aligned); the constructor's
+    generic validation costs ~5 us of host time a descriptor, and a forward and backward build 16."""
+    esize = base.element_size()
+    if not (base.data_ptr() % 16 == 0 and strides[-1] == 1 and all(st * esize % 16 == 0 for st in strides[:-1])
+            and min(shape) > 0):
+        raise ValueError(f"TMA cannot address this memory: base {base.data_ptr():#x}, shape {list(shape)}, "
+                         f"strides {list(strides)}, {esize}-byte elements")
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(base=base, shape=list(shape), strides=list(strides), block_shape=list(block_shape),
+                         layout=shared_layout(tuple(block_shape), dtype), padding="zero")
+    return desc
 
 
 def _tma_desc(x2d, block_shape, dtype=gl.int8):
     """A TMA descriptor over a 2-D view: int8 tiles here, bf16/fp16 ones too in backward_hopper."""
-    layout = shared_layout(tuple(block_shape), dtype)
-    return TensorDescriptor(x2d, list(x2d.shape), list(x2d.stride()), block_shape, layout)
+    return tma_descriptor(x2d, x2d.shape, x2d.stride(), block_shape, dtype)
 
 
 def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
@@ -419,10 +436,6 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     assert not (softcap and sink_shift is not None), "capped scores are already the caller's"
     if pingpong is None:
         pingpong = head_dim == 128
-    import triton
-
-    from .quantize import LOG2E
-
     q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]
     assert quant["q_mean"] is None and head_dim in (64, 128) and out4.stride(3) == 1
     bsz, hq, n_q, d = q8.shape
@@ -434,7 +447,7 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     cu_k = layout_k.cu_seqlens if layout_k.is_varlen else q_scale
     if layout_k.is_varlen and v_starts is None:
         raise ValueError("packed batches need v8t laid out with quantize.aligned_starts, passed as v_starts")
-    grid = (triton.cdiv(layout_q.max_len, BLOCK_M.value), layout_q.num_seqs * num_heads)
+    grid = (cdiv(layout_q.max_len, BLOCK_M.value), layout_q.num_seqs * num_heads)
     return grid, (
         q_desc, k_desc, vt_desc, q_scale, k_scale, v_scale, out4, lse, cu_q, cu_k,
         v_starts if v_starts is not None else cu_k, sinks if sinks is not None else lse,

@@ -7,8 +7,8 @@ For a short sequence or a small batch that host time, not the GPU, bounds a trai
 preset at 8 x 1024 tokens: 4.7 ms of host time per attention forward + backward for 0.4 ms of GPU work,
 ``benchmarks/per_call.py --shapes proof``; docs/speed_notes.md, session 14).
 
-``launch`` keeps the compiled kernel of each call site under a key of its own that is at least as fine as
-Triton's specialization (equal keys imply equal specializations: see ``_arg_key``), and launches it through
+``launch`` keeps the compiled kernel of each call under a key of its own that is at least as fine as Triton's
+specialization (equal keys imply equal specializations: see ``_arg_key``), and launches it through
 the compiled kernel's own launcher, the call Triton itself ends with. The first call of a key, and every call
 where the key cannot be formed (an argument of another type), goes through ``kernel[grid]``, so compilation,
 autotuning-free configs and errors stay Triton's.
@@ -30,9 +30,10 @@ ENABLED = (_MAJOR_MINOR in TESTED and os.environ.get("SAGEBWD_FAST_LAUNCH", "1")
            and os.environ.get("TRITON_INTERPRET") != "1")
 CHECK = os.environ.get("SAGEBWD_CHECK_LAUNCH") == "1"
 
-_compiled = {}   # (id(kernel), device, key) -> (compiled kernel, its launcher, function, packed metadata, trailing args)
-_I32 = (-2 ** 31, 2 ** 31)
-_I64 = (-2 ** 63, 2 ** 63)
+# (id(kernel), device, key) -> (compiled kernel, its launcher, function, packed metadata, trailing arguments)
+_compiled = {}
+MAX_ENTRIES = 4096   # ints are keyed by value: a stream of new shapes must not grow the cache without bound
+_descriptor_types = set()
 
 
 class _Uncached(Exception):
@@ -40,21 +41,33 @@ class _Uncached(Exception):
 
 
 def _arg_key(a):
-    """What Triton 3.6 specializes a runtime argument on (``native_specialize_impl``), or finer: tensors on
-    dtype and 16-byte alignment; ints on being 1 (then a constant), divisibility by 16, and 32/64-bit range;
-    bools, floats and None on nothing more than their type; tensor descriptors on dtype, block and layout."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
+    """A key at least as fine as Triton's specialization of a runtime argument (``native_specialize_impl``):
+    tensors by dtype and 16-byte alignment (what Triton specializes them on); ints by value (finer than
+    Triton's "is 1 / divisible by 16 / 32 or 64 bits"; a training loop repeats its shapes); floats by type
+    (never specialized; not by value, as 1.0 == 1 would meet the int 1); bools, None; TMA descriptors by
+    dtype, block and layout. Keys of different types never compare equal."""
     cls = a.__class__
     if cls is int:
-        return a == 1, a % 16 == 0, _I32[0] <= a < _I32[1], _I64[0] <= a < _I64[1]
-    if cls is float:
-        return 0.0
-    if cls is bool or a is None:
         return a
-    if hasattr(a, "block_shape") and hasattr(a, "layout") and hasattr(a, "base"):   # a TMA descriptor
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if cls in _descriptor_types:
         return a.base.dtype, tuple(a.block_shape), a.layout
+    if cls is float:
+        return float
+    if cls is bool:
+        return bool, a
+    if a is None:
+        return None
+    if all(hasattr(a, name) for name in ("base", "block_shape", "layout")):    # a TMA descriptor class
+        _descriptor_types.add(cls)
+        return _arg_key(a)
     raise _Uncached
+
+
+def _key(args):
+    # ints (strides, sizes) are most arguments: inline, without a call each
+    return tuple([a if a.__class__ is int else _arg_key(a) for a in args])
 
 
 def _hooks_installed() -> bool:
@@ -81,13 +94,15 @@ def launch(kernel, grid, *args, **kwargs):
     if not ENABLED or not isinstance(kernel, JITFunction) or _hooks_installed():
         return kernel[grid](*args, **kwargs)
     try:
-        key = (id(kernel), torch.cuda.current_device(), tuple(map(_arg_key, args)), tuple(kwargs.items()))
+        key = (id(kernel), torch.cuda.current_device(), _key(args), tuple(kwargs.items()))
         entry = _compiled.get(key)
     except (_Uncached, TypeError):      # TypeError: an unhashable keyword value
         return kernel[grid](*args, **kwargs)
     if entry is None:
         compiled = kernel[grid](*args, **kwargs)
         if compiled is not None and not hasattr(compiled, "result"):
+            if len(_compiled) >= MAX_ENTRIES:
+                _compiled.clear()
             # constexprs and defaults after the positional arguments, in signature order: fixed by the key
             tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in kernel.params[len(args):])
             _compiled[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata, tail)
@@ -96,8 +111,8 @@ def launch(kernel, grid, *args, **kwargs):
     if CHECK:
         picked = _triton_pick(kernel, args, kwargs)
         if picked is None or picked.function != function:
-            raise RuntimeError(f"sagebwd launch cache: {getattr(kernel, '__name__', kernel)} would run another compiled kernel under "
-                               f"Triton's own lookup (key {key[2:]})")
+            raise RuntimeError(f"sagebwd launch cache: {getattr(kernel, '__name__', kernel)} would run another "
+                               f"compiled kernel under Triton's own lookup (key {key[2:]})")
     g = tuple(grid) + (1, 1)
     run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(key[1]), function, metadata, None, None, None,
         *args, *tail)

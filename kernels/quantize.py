@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch
-from .layout import SeqLayout, strides3, strides4
+from .layout import SeqLayout, cdiv, strides3, strides4
 
 LOG2E = 1.4426950408889634
 TOKEN_ALIGN = 16        # transposed copies pad the token axis so every row starts 16-byte aligned
@@ -263,7 +263,8 @@ def _stats(x4, layout, abs_max, block_tokens=None, factor=1.0, second=None):
         part2 = part if part2 is None else part2
         stats = torch.empty(h, layout.num_seqs, d, device=x4.device, dtype=torch.float32)
         stats2 = torch.empty(h, layout.num_seqs, d2, device=x4.device, dtype=torch.float32) if second else stats
-        launch(_combine_chunks_kernel, (layout.num_seqs * h, inputs),
+        launch(
+            _combine_chunks_kernel, (layout.num_seqs * h, inputs),
             part, part2, stats, stats2, part.stride(0), part.stride(1), part2.stride(0), part2.stride(1),
             stats.stride(0), stats.stride(1), stats2.stride(0), stats2.stride(1), h,
             -(-layout.max_len // STATS_CHUNK), STATS_CHUNK, layout.max_len, d, d2, float(factor), float(factor2),
@@ -278,8 +279,9 @@ def _stats(x4, layout, abs_max, block_tokens=None, factor=1.0, second=None):
     alloc = torch.zeros if layout.is_varlen or total == 0 else torch.empty
     out = alloc(h, max(total, 1), d, device=x4.device, dtype=torch.float32)
     out2 = alloc(h, max(total, 1), d2, device=x4.device, dtype=torch.float32) if second is not None else out
-    grid = (1 if whole else triton.cdiv(max(layout.max_len, 1), block_tokens), layout.num_seqs * h, inputs)
-    launch(_token_stats_kernel, grid,
+    grid = (1 if whole else cdiv(max(layout.max_len, 1), block_tokens), layout.num_seqs * h, inputs)
+    launch(
+        _token_stats_kernel, grid,
         x4, x2, layout.cu_seqlens if layout.is_varlen else cu_blocks, cu_blocks, out, out2,
         *strides4(x4), *strides4(x2), out.stride(0), out.stride(1), out2.stride(0), out2.stride(1),
         x4.shape[2], h, d, d2, block_tokens, float(factor), float(factor2),
@@ -294,7 +296,7 @@ QUANTIZE_TILE = (64, 4)
 
 
 def _block_d(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, 1 << (d - 1).bit_length())
 
 
 def _padded_tokens(n: int) -> int:
@@ -335,8 +337,9 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
     assert dot is None or scale is not None    # row_dot shares scale's strides
     any_out = next(t for t in (x8, x8t) if t is not None)
     block_t, num_warps = QUANTIZE_TILE
-    grid = (triton.cdiv(max(layout.max_len, 1), block_t), layout.num_seqs * h)
-    launch(_quantize_kernel, grid,
+    grid = (cdiv(max(layout.max_len, 1), block_t), layout.num_seqs * h)
+    launch(
+        _quantize_kernel, grid,
         x4, sub if sub is not None else x4, sub_cu if sub_cu is not None else any_out,
         channel_scale if channel_scale is not None else x4,
         out_for_delta if out_for_delta is not None else x4,

@@ -6,7 +6,9 @@ autograd.Function. CUDA tensors run the Triton kernels in ``sagebwd_hf.kernels``
 same quantized algorithm in plain PyTorch (``sagebwd_hf.naive``), or the Triton kernels under Triton's
 interpreter when ``TRITON_INTERPRET=1``.
 """
+import functools
 import os
+import types
 import warnings
 from typing import NamedTuple, Optional, Tuple
 
@@ -44,10 +46,16 @@ def _warn_once(key: str, message: str):
 # PyTorch path uses the same ones as the kernels. Each entry: (BLOCK_M, BLOCK_N, num_warps, num_stages).
 # ---------------------------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def tile_configs(head_dim: int, device: torch.device, head_dim_v: Optional[int] = None):
     """{"fwd", "dq"} -> (BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages); "dkdv" -> one such tile, or a
     (dV tile, dK tile) pair sharing BLOCK_M when "split_dkdv" (dV and dK as two launches, kernels/backward.py).
-    ``BLOCK_D`` is Q's and K's; the tile shapes follow the larger of that and V's head dim (``head_dim_v``)."""
+    ``BLOCK_D`` is Q's and K's; the tile shapes follow the larger of that and V's head dim (``head_dim_v``).
+    Read-only (computed once per argument set: it is asked on every call)."""
+    return types.MappingProxyType(_tile_configs(head_dim, device, head_dim_v))
+
+
+def _tile_configs(head_dim, device, head_dim_v):
     block_d = block_dim(head_dim)
     block_max = max(block_d, block_dim(head_dim_v or head_dim))
     pack = lambda c: (c[0], c[1], block_d, c[2], c[3])  # noqa: E731

@@ -114,9 +114,9 @@ def _to_tokens(lse):
 
 
 def _segmented_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                   ids: Optional[torch.Tensor], causal: bool, scale: float, window_left: int, window_right: int,
-                   k_smoothing: bool, q_smoothing: bool, backend: str, softcap: float,
-                   sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+                        ids: Optional[torch.Tensor], causal: bool, scale: float, window_left: int, window_right: int,
+                        k_smoothing: bool, q_smoothing: bool, backend: str, softcap: float,
+                        sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """q ``[B, Nq, H, D]``, k/v ``[B, Nk, Hkv, D]`` (any strides; v's head dim may differ). Returns out
     ``[B, Nq, H, Dv]`` (zeros for padding queries) and the kernels' base-2 lse ``[1, H, B * Nq]``."""
     plan = _plan(q, k, mask, ids, causal)
@@ -146,10 +146,10 @@ def _(q, k, v, mask, ids, causal, scale, window_left, window_right, k_smoothing,
 
 
 def _segmented_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, mask: Optional[torch.Tensor], ids: Optional[torch.Tensor], causal: bool,
-                   scale: float, window_left: int, window_right: int, k_smoothing: bool, q_smoothing: bool,
-                   backend: str, softcap: float, sinks: Optional[torch.Tensor]
-                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                        lse: torch.Tensor, mask: Optional[torch.Tensor], ids: Optional[torch.Tensor], causal: bool,
+                        scale: float, window_left: int, window_right: int, k_smoothing: bool, q_smoothing: bool,
+                        backend: str, softcap: float, sinks: Optional[torch.Tensor]
+                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = _plan(q, k, mask, ids, causal)
     window = (window_left, window_right)
     if plan.cu_q is None:
@@ -212,4 +212,4 @@ def segmented_attention(q, k, v, mask=None, ids=None, *, causal, softmax_scale, 
     window, scale = _check_options(window_size, softmax_scale, q.shape[-1], causal)   # causal: right = 0
     op = _segmented_fwd if torch.compiler.is_compiling() else _segmented_eager
     return op(q, k, v, mask, ids, bool(causal), scale, *window, bool(k_smoothing), bool(q_smoothing),
-                          _backend(q, None), float(softcap), sinks)[0]
+              _backend(q, None), float(softcap), sinks)[0]

@@ -21,7 +21,7 @@ def _sample_args():
                for dtype in (torch.uint8, torch.int8) if i % dtype.itemsize == 0]
     tensors += [base[i:i + 64].view(torch.bfloat16) for i in (0, 2, 16, 18)]
     tensors += [base[i:i + 64].view(torch.float32) for i in (0, 4, 16, 32)]
-    return ints + tensors + [True, False, 0.0, 1.0, -2.5, 1e30, None]
+    return ints + tensors + [True, False, 0.0, 1.0, 16.0, -2.5, 1e30, None]
 
 
 def test_key_is_at_least_as_fine_as_tritons_specialization():
@@ -30,7 +30,7 @@ def test_key_is_at_least_as_fine_as_tritons_specialization():
     args = _sample_args()
     seen = {}
     for a in args:
-        key = (type(a).__name__, launch_mod._arg_key(a))
+        key = launch_mod._arg_key(a)     # raw: 1, True and 1.0 compare equal in Python, their keys must not
         spec = _triton_specialization(a)
         if key in seen:
             assert seen[key][1] == spec, f"{seen[key][0]!r} and {a!r} share key {key} but Triton gives " \
@@ -107,3 +107,25 @@ def test_unaligned_inputs_get_their_own_kernel(monkeypatch):
     for x in (aligned, shifted, aligned, shifted):
         out = sagebwd_attn_func(x, x, x, causal=True, backend="triton")
         assert torch.isfinite(out).all()
+
+
+def test_tma_descriptor_is_the_checked_constructors():
+    """forward_hopper.tma_descriptor skips Gluon's TensorDescriptor constructor (host time) but builds the
+    same descriptor, and refuses memory TMA cannot address as the constructor does."""
+    try:
+        from sagebwd_hf.kernels import forward_hopper
+    except Exception as exc:   # noqa: BLE001  (a Triton whose Gluon API these kernels do not build on)
+        pytest.skip(f"no Gluon kernels here: {exc}")
+    from triton.experimental.gluon import language as gl
+    base = torch.empty(256 * 128 + 64, dtype=torch.int8)
+    for rows, cols, block in ((64, 64, [64, 64]), (256, 128, [128, 128]), (128, 64, [64, 128][::-1])):
+        x = base[:rows * cols].view(rows, cols)
+        got = forward_hopper.tma_descriptor(x, x.shape, x.stride(), block)
+        want = forward_hopper.TensorDescriptor(x, list(x.shape), list(x.stride()), block,
+                                               forward_hopper.shared_layout(tuple(block), gl.int8))
+        assert got == want and type(got) is type(want)
+        assert launch_mod._arg_key(got) == launch_mod._arg_key(want)
+    for bad in (base[1:65 * 64 + 1].view(65, 64),          # base not 16-byte aligned
+                base[:63 * 65].view(63, 65)):               # row stride of 65 bytes
+        with pytest.raises(ValueError, match="TMA cannot address"):
+            forward_hopper.tma_descriptor(bad, bad.shape, bad.stride(), [64, 64])

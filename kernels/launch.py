@@ -26,8 +26,19 @@ from triton.runtime.jit import JITFunction
 
 TESTED = ("3.6",)           # Triton major.minor releases whose launcher call this module was checked on
 _MAJOR_MINOR = ".".join(triton.__version__.split(".")[:2])
-ENABLED = (_MAJOR_MINOR in TESTED and os.environ.get("SAGEBWD_FAST_LAUNCH", "1") != "0"
-           and os.environ.get("TRITON_INTERPRET") != "1")
+
+
+def _off_reason():
+    if _MAJOR_MINOR not in TESTED:
+        return f"Triton {triton.__version__} is not a release it was checked on ({', '.join(TESTED)})"
+    if os.environ.get("SAGEBWD_FAST_LAUNCH", "1") == "0":
+        return "SAGEBWD_FAST_LAUNCH=0"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "TRITON_INTERPRET=1"
+    return None
+
+
+ENABLED = _off_reason() is None
 CHECK = os.environ.get("SAGEBWD_CHECK_LAUNCH") == "1"
 
 # (id(kernel), device, key) -> (compiled kernel, its launcher, function, packed metadata, trailing arguments)
@@ -117,6 +128,13 @@ def launch(kernel, grid, *args, **kwargs):
     run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(key[1]), function, metadata, None, None, None,
         *args, *tail)
     return compiled
+
+
+def status() -> str:
+    """One line for ``python -m sagebwd_hf``: whether kernels are re-launched directly, and if not why."""
+    if ENABLED:
+        return f"direct re-launch of compiled kernels (kernels/launch.py, Triton {triton.__version__})"
+    return f"through Triton's kernel[grid] ({_off_reason() or 'turned off in this process'})"
 
 
 def cache_size() -> int:

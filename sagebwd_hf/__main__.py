@@ -2,7 +2,8 @@
 
 Versions (sagebwd-hf, Python, torch, Triton, Transformers, Accelerate, PEFT, datasets), each GPU and the kernel
 family a call with head dim 64/128 would run on it (``kernels/dispatch.py``), the ``SAGEBWD_KERNELS`` setting,
-and whether ``attn_implementation="sagebwd"`` is registered with Transformers (attention and mask functions:
+whether compiled kernels are re-launched directly (``kernels/launch.py``), and whether
+``attn_implementation="sagebwd"`` is registered with Transformers (attention and mask functions:
 without the mask function Transformers hands the backend no mask).
 """
 import importlib.metadata
@@ -55,6 +56,8 @@ def report() -> str:
     lines.append(f"CUDA runtime {torch.version.cuda}; SAGEBWD_KERNELS={os.environ.get('SAGEBWD_KERNELS', '(unset)')}; "
                  f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '(unset)')}")
     if torch.cuda.is_available():
+        from .kernels import launch
+        lines.append(f"kernel launches: {launch.status()}")
         for i in range(torch.cuda.device_count()):
             major, minor = torch.cuda.get_device_capability(i)
             lines.append(f"GPU {i}: {torch.cuda.get_device_name(i)} (sm_{major}{minor}): "

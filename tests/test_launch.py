@@ -129,3 +129,12 @@ def test_tma_descriptor_is_the_checked_constructors():
                 base[:63 * 65].view(63, 65)):               # row stride of 65 bytes
         with pytest.raises(ValueError, match="TMA cannot address"):
             forward_hopper.tma_descriptor(bad, bad.shape, bad.stride(), [64, 64])
+
+
+def test_status_says_whether_and_why_not(monkeypatch):
+    assert ("direct re-launch" in launch_mod.status()) == launch_mod.ENABLED
+    monkeypatch.setenv("SAGEBWD_FAST_LAUNCH", "0")
+    reason = launch_mod._off_reason()
+    assert reason is not None and ("SAGEBWD_FAST_LAUNCH=0" in reason or "not a release" in reason)
+    monkeypatch.setattr(launch_mod, "ENABLED", False)
+    assert "kernel[grid]" in launch_mod.status() and reason in launch_mod.status()

@@ -111,7 +111,9 @@ def launch(kernel, grid, *args, **kwargs):
         return kernel[grid](*args, **kwargs)
     if entry is None:
         compiled = kernel[grid](*args, **kwargs)
-        if compiled is not None and not hasattr(compiled, "result"):
+        # (a tensor passed by keyword would be keyed, and kept alive, by identity: such calls stay uncached)
+        if (compiled is not None and not hasattr(compiled, "result")
+                and not any(isinstance(v, torch.Tensor) for v in kwargs.values())):
             if len(_compiled) >= MAX_ENTRIES:
                 _compiled.clear()
             # constexprs and defaults after the positional arguments, in signature order: fixed by the key

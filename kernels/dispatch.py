@@ -4,8 +4,8 @@
 
 * ``auto`` (default): on an sm_90 GPU with a Triton whose Gluon API they are tested on (``GLUON_TESTED``;
   another release runs the portable kernels there, with one warning),
-  the Gluon forward for the calls it takes where it measured faster (at head dim 128 only from
-  ``GLUON_MIN_KEYS_D128`` keys, the longest sequence's, on; not soft-capped calls), padded or packed, and the
+  the Gluon forward for the calls it takes where it measured faster (at head dim 128, a causal or windowed call
+  only from ``GLUON_MIN_KEYS_D128`` keys, the longest sequence's, on; not soft-capped calls), padded or packed, and the
   Gluon backward for padded calls; the portable kernels everywhere else (the backward of packed batches too).
 * ``triton``: always the portable kernels (Ampere, Ada, Hopper, Blackwell, the interpreter).
 * ``gluon``: the Gluon kernels on an sm_90 GPU (H100, H200), also on an untested Triton release, for the calls
@@ -27,7 +27,9 @@ CHOICES = ("auto", "gluon", "triton")
 GLUON_TESTED = ("3.6",)            # Triton major.minor releases the Gluon kernels were run and checked on
 GLUON_HEAD_DIMS = (64, 128)
 # Measured on an H100 (docs/speed_notes.md, session 4), whole forward against the portable kernels: 1.02-1.24x
-# at D=128 from 4K keys, 1.01-1.08x at D=64 (1K-16K), but 0.93x at D=128 with 1K keys.
+# at D=128 from 4K keys, 1.01-1.08x at D=64 (1K-16K), but 0.93x at D=128 with 1K keys. Kernels alone (session
+# 14): at D=128 with 1K keys 1.15x without a mask but 0.97x causal (2K: 1.15x, 1.04x), so below
+# GLUON_MIN_KEYS_D128 only masked (causal or windowed) calls stay portable.
 GLUON_BY_DEFAULT = True
 GLUON_MIN_KEYS_D128 = 2048
 # The Gluon backward (dV, dK, dQ launches, kernels/backward_hopper.py) for padded batches.
@@ -116,8 +118,9 @@ def _warn_untested_triton(device: torch.device) -> None:
 
 def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bool = False,
               seqlen_k: int = 1 << 30, backward: bool = False, softcap: bool = False,
-              head_dim_v: Optional[int] = None) -> bool:
+              head_dim_v: Optional[int] = None, masked: bool = True) -> bool:
     """True when this call runs the Gluon (Hopper) kernels (``seqlen_k``: the longest key sequence;
+    ``masked``: a causal or windowed call;
     ``backward``: the choice for the backward pass, whose Gluon kernels take padded batches only;
     ``softcap``: soft-capped scores (both families compute them; ``auto`` keeps the forward of such calls on
     the portable kernels, see ``GLUON_SOFTCAP_FORWARD``); ``head_dim_v``: V's head dim,
@@ -131,7 +134,7 @@ def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bo
         if backward:
             faster = GLUON_BWD_BY_DEFAULT
         else:
-            faster = (GLUON_BY_DEFAULT and (head_dim != 128 or seqlen_k >= GLUON_MIN_KEYS_D128)
+            faster = (GLUON_BY_DEFAULT and (head_dim != 128 or seqlen_k >= GLUON_MIN_KEYS_D128 or not masked)
                       and (GLUON_SOFTCAP_FORWARD or not softcap))
         if not (takes_call and faster):
             return False

@@ -15,8 +15,8 @@ per-channel V scales applied at the end. Only the schedule differs, FlashAttenti
   tile's K scales in shared memory beside it, so the consumers never wait on a global load mid-tile.
 
 Status (docs/speed_notes.md, session 4, H100): kernel-only 1.16-1.26x the portable kernel at D=128 (4K-16K
-keys), 1.02-1.09x at D=64; the default on Hopper through ``dispatch.py`` (at D=128 from
-``GLUON_MIN_KEYS_D128`` keys). Packed batches: TMA needs a 16-byte aligned innermost tile coordinate, so
+keys), 1.02-1.09x at D=64; the default on Hopper through ``dispatch.py`` (at D=128 a causal or windowed
+call from ``GLUON_MIN_KEYS_D128`` keys). Packed batches: TMA needs a 16-byte aligned innermost tile coordinate, so
 this kernel reads V^T laid out by ``quantize.aligned_starts`` there; and programs past a short sequence's end
 run no tiles (tests/test_dispatch.py and the Transformers packing tests on an H100, session 5).
 

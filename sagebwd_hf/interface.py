@@ -184,7 +184,8 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
     # (an empty side has nothing to tile: a TMA descriptor cannot have a zero extent)
     gluon = q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
                                                                       lay_k.max_len, softcap=bool(softcap),
-                                                                      head_dim_v=v4.shape[3])
+                                                                      head_dim_v=v4.shape[3],
+                                                                      masked=tuple(window) != (-1, -1))
     # the Gluon kernel reads V^T by TMA, whose tiles must start 16-byte aligned: packed sequences are laid so
     v_starts = aligned_starts(lay_k) if gluon and varlen else None
     v8t, v_scale = quantize_v(v4, lay_k, v_starts, quant["v_scale"])

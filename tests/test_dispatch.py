@@ -49,9 +49,12 @@ def test_auto_and_forced_choices_on_hopper(monkeypatch):
     assert dispatch.use_gluon(dev, 128, False) and dispatch.use_gluon(dev, 64, False)
     assert not dispatch.use_gluon(dev, 96, False) and not dispatch.use_gluon(dev, 128, True)
     assert dispatch.use_gluon(dev, 128, False, varlen=True)        # the forward takes packed batches
-    # at head dim 128 the Gluon forward measured slower with 1K keys: auto keeps those calls portable
+    # at head dim 128 the Gluon forward measured slower with 1K keys when causal: auto keeps masked calls that
+    # short portable, and runs unmasked ones (1.15x there) on Gluon
     assert not dispatch.use_gluon(dev, 128, False, seqlen_k=dispatch.GLUON_MIN_KEYS_D128 - 1)
     assert dispatch.use_gluon(dev, 128, False, seqlen_k=dispatch.GLUON_MIN_KEYS_D128)
+    assert dispatch.use_gluon(dev, 128, False, seqlen_k=1024, masked=False)
+    assert not dispatch.use_gluon(dev, 128, False, seqlen_k=1024, masked=True)
     assert dispatch.use_gluon(dev, 64, False, seqlen_k=1024)
     # the backward: padded batches at head dims 64 and 128, any length; packed batches stay portable
     assert dispatch.use_gluon(dev, 128, False, seqlen_k=1024, backward=True) == dispatch.GLUON_BWD_BY_DEFAULT

@@ -360,15 +360,18 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _attn_backward_with(bwd):
+def backward_with(bwd, num_inputs):
+    """An op's backward over ``bwd`` (its registered backward op, or that op's function in eager calls): the
+    saved q, k, v, out, lse, two more tensors and the sinks, the non-tensor inputs in ``ctx.args``; gradients
+    for q, k, v and the sinks (last of the op's ``num_inputs``)."""
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
-        dq, dk, dv, dsinks = bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args, sinks)
-        return (dq, dk, dv) + (None,) * 11 + (dsinks if sinks is not None else None,)
+        *saved, sinks = ctx.saved_tensors
+        dq, dk, dv, dsinks = bwd(dout, *saved, *ctx.args, sinks)
+        return (dq, dk, dv) + (None,) * (num_inputs - 4) + (dsinks if sinks is not None else None,)
     return backward
 
 
-_attn_fwd_op.register_autograd(_attn_backward_with(_attn_bwd_op), setup_context=_setup_context)
+_attn_fwd_op.register_autograd(backward_with(_attn_bwd_op, 15), setup_context=_setup_context)
 
 
 def eager_autograd(name, forward, setup_context, backward):
@@ -378,11 +381,11 @@ def eager_autograd(name, forward, setup_context, backward):
         output = forward(*inputs)
         setup_context(ctx, inputs, output)
         return output
-    return type(name, (torch.autograd.Function,), dict(forward=staticmethod(fwd),
-                                                        backward=staticmethod(backward))).apply
+    methods = dict(forward=staticmethod(fwd), backward=staticmethod(backward))
+    return type(name, (torch.autograd.Function,), methods).apply
 
 
-_attn_eager = eager_autograd("SageBwdAttention", _attn_fwd, _setup_context, _attn_backward_with(_attn_bwd))
+_attn_eager = eager_autograd("SageBwdAttention", _attn_fwd, _setup_context, backward_with(_attn_bwd, 15))
 
 
 def _attn(*inputs):

@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .interface import OP_TAGS, _backend, _backward, _check_options, _forward, eager_autograd
+from .interface import OP_TAGS, _backend, _backward, _check_options, _forward, backward_with, eager_autograd
 
 # Values derived from a mask or sequence-id tensor that every layer of one forward gets again: one host
 # read per forward instead of one per layer (and per backward). A few tensors per name: models whose layers
@@ -189,17 +189,9 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _segmented_backward_with(bwd):
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, mask, ids, sinks = ctx.saved_tensors
-        dq, dk, dv, dsinks = bwd(dout, q, k, v, out, lse, mask, ids, *ctx.args, sinks)
-        return (dq, dk, dv) + (None,) * 10 + (dsinks if sinks is not None else None,)
-    return backward
-
-
-_segmented_fwd.register_autograd(_segmented_backward_with(_segmented_bwd), setup_context=_setup_context)
+_segmented_fwd.register_autograd(backward_with(_segmented_bwd, 14), setup_context=_setup_context)
 _segmented_eager = eager_autograd("SageBwdSegmentedAttention", _segmented_fwd_impl, _setup_context,
-                                  _segmented_backward_with(_segmented_bwd_impl))
+                                  backward_with(_segmented_bwd_impl, 14))
 
 
 def segmented_attention(q, k, v, mask=None, ids=None, *, causal, softmax_scale, window_size=(-1, -1),

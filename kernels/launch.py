@@ -1,8 +1,8 @@
 """Launching a Triton (or Gluon) kernel again without Triton's per-call Python.
 
 ``kernel[grid](*args, **kwargs)`` binds every argument, specializes each (dtype, 16-byte alignment, ints equal
-to 1 or divisible by 16), builds a cache key and looks the compiled kernel up before it launches: 60-180 µs
-of host time a launch with our 30-50 arguments, and one attention call makes 6 launches forward and 9 back.
+to 1 or divisible by 16), builds a cache key and looks the compiled kernel up before it launches: ~170 µs
+of host time a launch under cProfile with our 30-50 arguments, and one attention call makes 6 launches forward and 9 back.
 For a short sequence or a small batch that host time, not the GPU, bounds a training step (H100, the 60m
 preset at 8 x 1024 tokens: 4.7 ms of host time per attention forward + backward for 0.4 ms of GPU work,
 ``benchmarks/per_call.py --shapes proof``; docs/speed_notes.md, session 14).

@@ -307,7 +307,7 @@ def _per_sequence(fn, q, k, v, cu_q, cu_k, extra_q=()):
 # The outputs' layout follows the inputs' strides (_new_like): compiled graphs must hand the op the strides
 # it was traced with (the default for custom ops in recent torch; the tag makes it explicit).
 # Eager calls skip torch.library's dispatch and run the same functions through a plain autograd.Function
-# (eager_autograd): the op's autograd wrapper cost ~80 us of host time a forward and as much a backward.
+# (autograd_op): the op's autograd wrapper cost ~80 us of host time a forward and as much a backward.
 OP_TAGS = (torch.Tag.needs_exact_strides,) if hasattr(torch.Tag, "needs_exact_strides") else ()
 
 
@@ -360,7 +360,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def backward_with(bwd, num_inputs):
+def _backward_with(bwd, num_inputs):
     """An op's backward over ``bwd`` (its registered backward op, or that op's function in eager calls): the
     saved q, k, v, out, lse, two more tensors and the sinks, the non-tensor inputs in ``ctx.args``; gradients
     for q, k, v and the sinks (last of the op's ``num_inputs``)."""
@@ -371,26 +371,25 @@ def backward_with(bwd, num_inputs):
     return backward
 
 
-_attn_fwd_op.register_autograd(backward_with(_attn_bwd_op, 15), setup_context=_setup_context)
+def autograd_op(name, fwd_op, fwd, bwd_op, bwd, setup_context, num_inputs):
+    """Attach autograd to the custom op ``fwd_op`` (its backward through ``bwd_op``) and return what callers
+    call: ``fwd_op`` where torch.compile traces, else an autograd.Function named ``name`` over the ops' own
+    Python functions ``fwd`` and ``bwd``, with the same ``setup_context`` (no torch.library dispatch)."""
+    fwd_op.register_autograd(_backward_with(bwd_op, num_inputs), setup_context=setup_context)
 
-
-def eager_autograd(name, forward, setup_context, backward):
-    """``forward`` as an autograd.Function with a custom op's ``setup_context`` and ``backward``: what an eager
-    call of the op runs (the same functions, without torch.library's dispatch)."""
-    def fwd(ctx, *inputs):
-        output = forward(*inputs)
+    def forward(ctx, *inputs):
+        output = fwd(*inputs)
         setup_context(ctx, inputs, output)
         return output
-    methods = dict(forward=staticmethod(fwd), backward=staticmethod(backward))
-    return type(name, (torch.autograd.Function,), methods).apply
+    methods = dict(forward=staticmethod(forward), backward=staticmethod(_backward_with(bwd, num_inputs)))
+    eager = type(name, (torch.autograd.Function,), methods).apply
+
+    def call(*inputs):
+        return fwd_op(*inputs) if torch.compiler.is_compiling() else eager(*inputs)
+    return call
 
 
-_attn_eager = eager_autograd("SageBwdAttention", _attn_fwd, _setup_context, backward_with(_attn_bwd, 15))
-
-
-def _attn(*inputs):
-    """The op: registered (torch.compile traces it) or, in eager code, the same functions called directly."""
-    return _attn_fwd_op(*inputs) if torch.compiler.is_compiling() else _attn_eager(*inputs)
+_attn = autograd_op("SageBwdAttention", _attn_fwd_op, _attn_fwd, _attn_bwd_op, _attn_bwd, _setup_context, 15)
 
 
 # ---------------------------------------------------------------------------------------------------

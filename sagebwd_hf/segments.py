@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .interface import OP_TAGS, _backend, _backward, _check_options, _forward, backward_with, eager_autograd
+from .interface import OP_TAGS, _backend, _backward, _check_options, _forward, autograd_op
 
 # Values derived from a mask or sequence-id tensor that every layer of one forward gets again: one host
 # read per forward instead of one per layer (and per backward). A few tensors per name: models whose layers
@@ -189,9 +189,8 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-_segmented_fwd.register_autograd(backward_with(_segmented_bwd, 14), setup_context=_setup_context)
-_segmented_eager = eager_autograd("SageBwdSegmentedAttention", _segmented_fwd_impl, _setup_context,
-                                  backward_with(_segmented_bwd_impl, 14))
+_segmented = autograd_op("SageBwdSegmentedAttention", _segmented_fwd, _segmented_fwd_impl, _segmented_bwd,
+                         _segmented_bwd_impl, _setup_context, 14)
 
 
 def segmented_attention(q, k, v, mask=None, ids=None, *, causal, softmax_scale, window_size=(-1, -1),
@@ -202,6 +201,5 @@ def segmented_attention(q, k, v, mask=None, ids=None, *, causal, softmax_scale, 
     if (mask is None) == (ids is None):
         raise ValueError("segmented_attention needs exactly one of mask and ids")
     window, scale = _check_options(window_size, softmax_scale, q.shape[-1], causal)   # causal: right = 0
-    op = _segmented_fwd if torch.compiler.is_compiling() else _segmented_eager
-    return op(q, k, v, mask, ids, bool(causal), scale, *window, bool(k_smoothing), bool(q_smoothing),
-              _backend(q, None), float(softcap), sinks)[0]
+    return _segmented(q, k, v, mask, ids, bool(causal), scale, *window, bool(k_smoothing), bool(q_smoothing),
+                      _backend(q, None), float(softcap), sinks)[0]

@@ -83,7 +83,9 @@ def main():
 
     variants = {"gluon": {}, "gluon_pingpong": dict(pingpong=True), "gluon_no_pingpong": dict(pingpong=False),
                 # exp2 of 1/4 or 1/2 of the columns on the FMA units (FlashAttention 4's split)
-                "gluon_poly4": dict(exp_poly=4), "gluon_poly2": dict(exp_poly=2)}
+                "gluon_poly4": dict(exp_poly=4), "gluon_poly2": dict(exp_poly=2),
+                # three consumer warpgroups (192 query rows a program, 160 registers each; spills at D=128)
+                "gluon_3c": dict(consumers=3)}
     variants = {k: v for k, v in variants.items() if args.variants is None or k in args.variants}
     print_versions()
 

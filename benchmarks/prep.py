@@ -1,6 +1,6 @@
 """The preparation passes alone (kernels/quantize.py), with the bandwidth each reaches: the statistics
-(K mean, V channel max), the quantization of Q, K (natural and token-major), V (token-major) and dO (with
-delta), against a plain copy of the same bytes. Two times per pass: one call as the op makes it (CUDA events
+(K mean, V channel max), the quantization of Q, K (natural and token-major; per token and per 128-token block),
+V (token-major) and dO (with delta), against a plain copy of the same bytes. Two times per pass: one call as the op makes it (CUDA events
 around it: the Python launch cost shows when the GPU has nothing else queued) and the GPU time alone (the
 same launches replayed from a CUDA graph), which is what they cost inside a busy training step.
 
@@ -42,11 +42,16 @@ def main():
                 ("Q", lambda: quantize(x, lay), 1.5 * xb),
                 ("K - mean, +T", lambda: quantize(x, lay, sub=mean, sub_cu=cu, sub_block=1 << 30, transposed=True),
                  2 * xb),
+                # K's rule at head dims 64 and 128: one scale per 128 tokens (fixed 128-token x 8-warp programs)
+                ("K block", lambda: quantize(x, lay, sub=mean, sub_cu=cu, sub_block=1 << 30, block_scale=True),
+                 1.5 * xb),
+                ("K block, +T", lambda: quantize(x, lay, sub=mean, sub_cu=cu, sub_block=1 << 30, transposed=True,
+                                                 block_scale=True), 2 * xb),
                 ("V T only", lambda: quantize(x, lay, channel_scale=vmax, natural=False, transposed=True), 1.5 * xb),
                 ("dO T + delta", lambda: quantize(x, lay, natural=False, transposed=True, out_for_delta=o), 2.5 * xb),
             ]
             for name, fn, nbytes in passes:
-                for tile in (tiles if name not in ("copy", "K mean", "V max") else [None]):
+                for tile in (tiles if name not in ("copy", "K mean", "V max", "K block", "K block, +T") else [None]):
                     if tile is not None:
                         quantize_module.QUANTIZE_TILE = tile
                     ms = median_ms(fn)

@@ -5,12 +5,13 @@ Same numerics as the portable kernels (``backward.py``) at their GPU tiles: the 
 128-query tiles (P^T's and dS^T's per-key scales), the dQ launch walks 128-key tiles (dS's per-query scales):
 
 * dV (``_attn_bwd_dkdv_hopper_kernel``, ``DO_DK`` off): ``S^T = K8 Q8^T`` in INT8 dequantized with the
-  per-token K and Q scales, ``P^T = exp2(S^T - lse)``, ``dV += P^T dO`` in INT8 (dO's per-token scale folded
+  K scales (one per 128 keys, ``quantize.K_SCALE_BLOCK``, read per key here) and the per-token Q scales, ``P^T = exp2(S^T - lse)``, ``dV += P^T dO`` in INT8 (dO's per-token scale folded
   into P^T, P^T quantized per key over each query tile).
 * dK (same kernel, ``DO_DK`` on): S^T and P^T again, ``dP^T = V dO^T`` in bf16/fp16,
   ``dS^T = P^T (dP^T - delta)``, ``dK += dS^T Q`` in INT8 (Q's per-token scale folded into dS^T).
 * dQ (``_attn_bwd_dq_hopper_kernel``): ``S = Q8 K8^T``, ``dP = dO V^T``, ``dS = P (dP - delta)``,
-  ``dQ += dS K`` in INT8 (K's per-token scale folded into dS, quantized per query over each key tile).
+  ``dQ += dS K`` in INT8 (dS quantized per query over each 128-key tile; that tile's one K scale joins the
+  row's dequantization scale, so it costs nothing per score).
 
 The schedule is the Gluon forward's (``forward_hopper.py``): one program per 128 keys (dV, dK) or 128 queries
 (dQ) of one (sequence, head); a loader warp brings the program's own tile once and streams the other side's
@@ -44,10 +45,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from .launch import launch
 from .layout import cdiv, tma_addressable, token_rows
-from .quantize import LOG2E
+from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
-from .forward_hopper import (_band_mask, _ceil_to, _floor_to, _key_tiles, _round_to_int8,
-                             _stage_k_scales, _tanh_scores, _tma_desc, tma_descriptor)
+from .forward_hopper import (_band_mask, _ceil_to, _floor_to, _key_tiles, _round_to_int8, _tanh_scores, _tma_desc,
+                             tma_descriptor)
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
@@ -165,10 +166,11 @@ def _accumulate_product(acc, x8, x_scale, b_smem, o_zero):
 
 
 @gluon.jit
-def _quantized_product(acc, x, x_max, b_smem, empty_bar, o_zero, p_layout: gl.constexpr, o_layout: gl.constexpr):
-    """``acc += x @ B`` with ``x`` quantized per row, then ``B``'s ring stage released (``empty_bar``)."""
+def _quantized_product(acc, x, x_max, factor, b_smem, empty_bar, o_zero, p_layout: gl.constexpr,
+                       o_layout: gl.constexpr):
+    """``acc += factor * (x @ B)`` with ``x`` quantized per row, then ``B``'s ring stage released (``empty_bar``)."""
     x8, x_scale = _quantize_rows(x, x_max, p_layout, o_layout)
-    acc = _accumulate_product(acc, x8, x_scale, b_smem, o_zero)
+    acc = _accumulate_product(acc, x8, x_scale * factor, b_smem, o_zero)
     mbarrier.arrive(empty_bar, count=1)
     return acc
 
@@ -361,14 +363,10 @@ def _attn_bwd_dkdv_hopper_kernel(
 # ---------------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, ks_smem,
-               q_bar, ready, empty, q_row, do_row, do_col, k_row, v_row, v_col, kt_row, lo, hi, KS, ks_off,
-               seqlen_k):
-    """One warp: Q8 and dO (both halves) once; then per key tile of ``[lo, hi)``: K8 (for S), V (for dP),
-    K8^T (dQ's B operand, token-contiguous as 8-bit wgmma wants it), and the tile's K scales and their
-    int32-to-float offsets in shared memory."""
-    ks_layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
-    offs = gl.arange(0, BLOCK_N, layout=ks_layout)
+def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem,
+               q_bar, ready, empty, q_row, do_row, do_col, k_row, v_row, v_col, kt_row, lo, hi):
+    """One warp: Q8 and dO (both halves) once; then per key tile of ``[lo, hi)``: K8 (for S), V (for dP) and
+    K8^T (dQ's B operand, token-contiguous as 8-bit wgmma wants it)."""
     mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
     for i in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [q_row + i * HALF_N, 0], q_bar, q_smem.index(i))
@@ -382,18 +380,16 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem
         tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
         tma.async_copy_global_to_shared(v_desc, [v_row + start_n, v_col], ready.index(s), v_smem.index(s))
         tma.async_copy_global_to_shared(kt_desc, [kt_row, start_n], ready.index(s), kt_smem.index(s))
-        _stage_k_scales(ks_smem, s, KS, ks_off, start_n + offs, seqlen_k)
-        mbarrier.arrive(ready.index(s), count=1)     # the second of ready's two arrivals
         i += 1
 
 
 @gluon.jit
-def _dq_tiles(acc, row_ds, it, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta, rows, k_smem, v_smem, kt_smem,
-              ks_smem, ready, empty, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
+def _dq_tiles(acc, row_ds, it, ks, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta, rows, k_smem, v_smem,
+              kt_smem, KS, ks_off, ready, empty, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
               MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
               s_layout: gl.constexpr, dp_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key tiles ``[lo, hi)`` for one warpgroup's 64 queries: ``dQ += dS K`` (backward._dq_tile's numerics);
-    with ``SOFTCAP`` also ``row_ds += rowsum(dS)``."""
+    with ``SOFTCAP`` also ``row_ds += rowsum(dS)``. ``ks``: this tile's K scale, read a tile ahead."""
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([HALF_N, BLOCK_N], gl.int32, s_layout)
     dp_zero = gl.zeros([HALF_N, BLOCK_N], gl.float32, dp_layout)
@@ -405,37 +401,37 @@ def _dq_tiles(acc, row_ds, it, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, d
         s_tok = warpgroup_mma(q8, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # dP = dO V^T in the input dtype (quantizing it would feed error into dS), beside S
         dp_tok = warpgroup_mma(do16, v_smem.index(s).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
+        ks_next = gl.load(KS + ks_off + start_n + BLOCK_N, mask=start_n + BLOCK_N < seqlen_k, other=0.0)
         s_int, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
-        k_scale = ks_smem.index(2 * s).load(gl.SliceLayout(0, s_layout))
-        # the tile's K scales and offsets read only now, after both products: 64 registers a thread (its
-        # columns) that were live across the wait. At D=128 that removed the loop's spills (30-38 stores and
-        # loads a tile) and made this kernel 1.2-1.4x faster on an H100 (docs/speed_notes.md, session 10)
-        k_bias = ks_smem.index(2 * s + 1).load(gl.SliceLayout(0, s_layout))
-        t = gl.fma((s_int + 0x4B400000).to(gl.float32, bitcast=True), k_scale[None, :], k_bias[None, :])
+        # x = 1.5 * 2^23 + S_int read as a float (quantize.int32_times); the tile's one K scale joins each row's
+        # constants (per-key scales cost an FMA a score and 64 registers, which spilled at D=128)
+        t = (s_int + 0x4B400000).to(gl.float32, bitcast=True)
         if SOFTCAP:   # capped scores as in the forward; tanh kept for the cap's derivative in dS
-            th = _tanh_scores(gl.fma(t, cap_a[:, None], cap_b[:, None]))
+            t_mul = cap_a * ks
+            th = _tanh_scores(gl.fma(t, t_mul[:, None], (cap_b - t_mul * 12582912.0)[:, None]))
             p = gl.exp2(gl.fma(th, softcap2, -lse[:, None]))
-        else:
-            p = gl.exp2(gl.fma(t, q_scale[:, None], -lse[:, None]))     # lse is +inf past the end: 0
+        else:   # lse is +inf past the end: 0
+            row_mul = q_scale * ks
+            p = gl.exp2(gl.fma(t, row_mul[:, None], (row_mul * -12582912.0 - lse)[:, None]))
         if MASKED:
             valid = _band_mask(rows[:, None], (start_n + offs_n)[None, :], seqlen_q, seqlen_k, diag, window_left,
                                window_right, MASK_LEFT, MASK_RIGHT)
             p = gl.where(valid, p, 0.0)
-        # dS with K's per-token scale folded in, then one scale per query over the tile (signed)
+        # dS, one scale per query over the tile (signed), times the tile's K scale
         x = p * (gl.convert_layout(dp, s_layout) - delta[:, None])
         if SOFTCAP:   # dS with respect to the uncapped score; its row sums for the op's K-smoothing term
             x = x * (1.0 - th * th)
             row_ds += gl.sum(gl.where((start_n + offs_n < seqlen_k)[None, :], x, 0.0), 1)
-        x = x * k_scale[None, :]
         x_max = gl.max(gl.abs(x), 1)
-        acc = _quantized_product(acc, x, x_max, kt_smem.index(s), empty.index(s), o_zero, p_layout, o_layout)
+        acc = _quantized_product(acc, x, x_max, ks, kt_smem.index(s), empty.index(s), o_zero, p_layout, o_layout)
         it += 1
-    return acc, row_ds, it
+        ks = ks_next
+    return acc, row_ds, it, ks
 
 
 @gluon.jit
-def _dq_consumer(q8, do16, first, k_smem, v_smem, kt_smem, ks_smem, q_bar, ready, empty, QS, LSE, DELTA, SHIFT,
-                 ROW_DS, DQ, vec_off, dq_off, s_dqt, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo,
+def _dq_consumer(q8, do16, first, k_smem, v_smem, kt_smem, q_bar, ready, empty, QS, LSE, DELTA, SHIFT,
+                 ROW_DS, KS, DQ, vec_off, ks_off, dq_off, s_dqt, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo,
                  full_hi, hi, out_scale, softcap2, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr,
                  MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
     """One warpgroup: queries ``[first, first + 64)`` against every key tile; writes their dQ rows."""
@@ -462,16 +458,17 @@ def _dq_consumer(q8, do16, first, k_smem, v_smem, kt_smem, ks_smem, q_bar, ready
     acc = gl.zeros([HALF_N, HEAD_DIM], gl.float32, o_layout)
     mbarrier.wait(q_bar, 0)
     it = lo * 0
-    acc, row_ds, it = _dq_tiles(acc, row_ds, it, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta, rows,
-                                k_smem, v_smem, kt_smem, ks_smem, ready, empty, lo, full_lo, seqlen_q, seqlen_k,
+    ks = gl.load(KS + ks_off + lo, mask=lo < hi, other=0.0)
+    acc, row_ds, it, ks = _dq_tiles(acc, row_ds, it, ks, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta,
+                                    rows, k_smem, v_smem, kt_smem, KS, ks_off, ready, empty, lo, full_lo, seqlen_q, seqlen_k,
                                 window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, s_layout,
                                 dp_layout, o_layout, p_layout)
-    acc, row_ds, it = _dq_tiles(acc, row_ds, it, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta, rows,
-                                k_smem, v_smem, kt_smem, ks_smem, ready, empty, full_lo, full_hi, seqlen_q, seqlen_k,
+    acc, row_ds, it, ks = _dq_tiles(acc, row_ds, it, ks, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta,
+                                    rows, k_smem, v_smem, kt_smem, KS, ks_off, ready, empty, full_lo, full_hi, seqlen_q, seqlen_k,
                                 window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, s_layout,
                                 dp_layout, o_layout, p_layout)
-    acc, row_ds, it = _dq_tiles(acc, row_ds, it, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta, rows,
-                                k_smem, v_smem, kt_smem, ks_smem, ready, empty, full_hi, hi, seqlen_q, seqlen_k,
+    acc, row_ds, it, ks = _dq_tiles(acc, row_ds, it, ks, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta,
+                                    rows, k_smem, v_smem, kt_smem, KS, ks_off, ready, empty, full_hi, hi, seqlen_q, seqlen_k,
                                 window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, s_layout,
                                 dp_layout, o_layout, p_layout)
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -515,31 +512,28 @@ def _attn_bwd_dq_hopper_kernel(
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     kt_smem = gl.allocate_shared_memory(kt_desc.dtype, [STAGES] + kt_desc.block_type.shape, kt_desc.layout)
-    ks_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_N],
-                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=2)      # the TMA bytes and the K scales
+        mbarrier.init(ready.index(i), count=1)      # the TMA bytes
         mbarrier.init(empty.index(i), count=2)      # both consumers release a buffer
 
     vec_off = b.to(gl.int64) * s_qsb + h * s_qsh
     ks_off = b.to(gl.int64) * s_ksb + hk * s_ksh
     dq_off = b.to(gl.int64) * s_dqb + h.to(gl.int64) * s_dqh
     gl.warp_specialize([
-        (_dq_consumer, (q_smem.index(0), do_smem.index(0), start_m, k_smem, v_smem, kt_smem, ks_smem, q_bar,
-                        ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, DQ, vec_off, dq_off, s_dqt, seqlen_q, seqlen_k,
+        (_dq_consumer, (q_smem.index(0), do_smem.index(0), start_m, k_smem, v_smem, kt_smem, q_bar,
+                        ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, KS, DQ, vec_off, ks_off, dq_off, s_dqt, seqlen_q, seqlen_k,
                         window_left, window_right, lo, full_lo, full_hi, hi, out_scale, softcap2, HEAD_DIM,
                         MASK_LEFT, MASK_RIGHT, SOFTCAP)),
-        (_dq_consumer, (q_smem.index(1), do_smem.index(1), start_m + HALF_N, k_smem, v_smem, kt_smem, ks_smem,
-                        q_bar, ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, DQ, vec_off, dq_off, s_dqt, seqlen_q,
+        (_dq_consumer, (q_smem.index(1), do_smem.index(1), start_m + HALF_N, k_smem, v_smem, kt_smem,
+                        q_bar, ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, KS, DQ, vec_off, ks_off, dq_off, s_dqt, seqlen_q,
                         seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, out_scale, softcap2,
                         HEAD_DIM, MASK_LEFT, MASK_RIGHT, SOFTCAP)),
-        (_dq_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, ks_smem,
-                      q_bar, ready, empty, q_row, do_row, do_col, k_row, v_row, v_col, kt_row, lo, hi, KS, ks_off,
-                      seqlen_k)),
+        (_dq_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem,
+                      q_bar, ready, empty, q_row, do_row, do_col, k_row, v_row, v_col, kt_row, lo, hi)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -617,6 +611,7 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
     takes them (``quant`` from ``quantize_qk(..., transposed=True)``, whose ``k8t`` is dQ's B operand;
     ``softcap``, ``shift``, ``row_ds`` as there)."""
     assert head_dim in (64, 128) and dq4.stride(3) == 1
+    assert head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == BLOCK_N.value, "one K scale a key tile"
     assert quant["q_mean"] is None, "no Q-smoothing on this path"
     q8, k8, k8t, q_scale, k_scale = quant["q8"], quant["k8"], quant["k8t"], quant["q_scale"], quant["k_scale"]
     bsz, hq, n_q, d = q8.shape

@@ -39,6 +39,12 @@ GLUON_BWD_BY_DEFAULT = True
 # 0.83-0.93x causal (three MUFU ops a score: tanh's exp2 and reciprocal, then P's exp2): auto leaves that
 # forward portable.
 GLUON_SOFTCAP_FORWARD = False
+# Three consumer warpgroups in the Gluon forward (192 query rows a program, FlashAttention 3's head-dim-64
+# tile) once K's scale is one per key tile (spill-free at 160 registers). Kernels alone on an H100 (session 15,
+# B*N = 32K, H*D = 2048), against two consumers: 1.13x at 4K and 16K keys without a mask, 1.02x at 1K; causal
+# 0.55x (1K), 0.68x (4K), 0.95x (16K): 192-row programs cross the diagonal on more tiles. So unmasked, from
+# this many query rows (the longest sequence's), and not at D=128 (it spills there) or soft-capped.
+GLUON_THREE_CONSUMERS_MIN_QUERIES = 2048
 
 _counts = collections.Counter()    # "fwd_gluon", "fwd_triton", ... -> launches
 _warned = set()
@@ -114,6 +120,12 @@ def _warn_untested_triton(device: torch.device) -> None:
     warnings.warn(f"sagebwd: {untested_triton()}, so this sm_90 GPU runs the portable Triton kernels, which are "
                   f"slower (README, Speed). {ENV_VAR}=gluon runs the Gluon kernels anyway; {ENV_VAR}=triton "
                   f"keeps the portable ones without this warning.", stacklevel=4)
+
+
+def gluon_forward_consumers(head_dim: int, masked: bool, softcap: bool, max_len_q: int) -> int:
+    """Consumer warpgroups of a Gluon forward launch (``forward_hopper_args``'s ``consumers``)."""
+    three = head_dim == 64 and not masked and not softcap and max_len_q >= GLUON_THREE_CONSUMERS_MIN_QUERIES
+    return 3 if three else 2
 
 
 def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bool = False,

@@ -1,8 +1,9 @@
 """SageBwd forward on Hopper (sm_90), in Gluon: warp-specialized, TMA-fed, async INT8 wgmma.
 
 The same numerics as ``forward.py`` (the portable ``tl.dot`` kernel, and ``sagebwd_hf.naive``): per-token Q
-and K scales, P quantized per row of every BLOCK_N-key tile with that tile's row maximum mapped to 127,
-per-channel V scales applied at the end. Only the schedule differs, FlashAttention 3's:
+scales, one K scale per 128 keys (``quantize.K_SCALE_BLOCK``, this kernel's key tile: one number a tile, folded
+into each row's constant), P quantized per row of every BLOCK_N-key tile with that tile's row maximum mapped to
+127, per-channel V scales applied at the end. Only the schedule differs, FlashAttention 3's:
 
 * one program per 128 query rows of one (sequence, head), in three partitions: a loader warp that brings Q
   once and the K / V^T int8 tiles through a ring of ``STAGES`` shared-memory buffers by TMA (an mbarrier
@@ -11,8 +12,8 @@ per-channel V scales applied at the end. Only the schedule differs, FlashAttenti
   wgmma; while one warpgroup does its softmax the other's products can use the tensor cores.
 * ``P`` goes to ``P V`` from registers (wgmma's A operand); V^T tiles are token-contiguous, as 8-bit wgmma
   wants its B operand K-major.
-* the two consumers take turns to issue ``S = Q K^T`` (``PINGPONG``, on at D=128), and the loader puts each
-  tile's K scales in shared memory beside it, so the consumers never wait on a global load mid-tile.
+* the two consumers take turns to issue ``S = Q K^T`` (``PINGPONG``, on at D=128); each reads the next tile's
+  K scale one tile ahead, so it never waits on a global load mid-tile.
 
 Status (docs/speed_notes.md, session 4, H100): kernel-only 1.16-1.26x the portable kernel at D=128 (4K-16K
 keys), 1.02-1.09x at D=64; the default on Hopper through ``dispatch.py`` (at D=128 a causal or windowed
@@ -35,11 +36,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .launch import launch
 from .layout import cdiv
-from .quantize import LOG2E
+from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
 
 HALF_M = gl.constexpr(64)     # query rows per consumer warpgroup (one wgmma M)
-BLOCK_M = gl.constexpr(128)   # query rows per program: two consumers
-BLOCK_N = gl.constexpr(128)   # keys per tile: part of the numerics (P's per-row scale is per tile), as forward.py
+BLOCK_M = gl.constexpr(128)   # query rows per program: two consumers (three: 192, the ``consumers`` option)
+BLOCK_N = gl.constexpr(128)   # keys per tile: part of the numerics (P's per-row scale is per tile), as forward.py;
+                              # quantize.K_SCALE_BLOCK too (one K scale a tile)
 STAGES = gl.constexpr(2)      # K / V^T buffers in flight
 LOG2_127 = gl.constexpr(6.988684686772166)
 
@@ -150,25 +152,12 @@ def _band_mask(r2, c2, seqlen_q, seqlen_k, diag, window_left, window_right,
 
 
 @gluon.jit
-def _stage_k_scales(ks_smem, s, KS, ks_off, cols, seqlen_k):
-    """A tile's K scales and ``-12582912 * scale`` (the int32-to-float offset, folded) into ring stage ``s``:
-    loaded by the loader warp, so the consumers never wait on a global load mid-tile."""
-    k_scale = gl.load(KS + ks_off + cols, mask=cols < seqlen_k, other=0.0)
-    ks_smem.index(2 * s).store(k_scale)
-    ks_smem.index(2 * s + 1).store(k_scale * -12582912.0)
-
-
-@gluon.jit
-def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, ready, empty,
-            q_row, k_row, v_row, v0, lo, hi, KS, ks_off, seqlen_k):
-    """One warp: Q's two halves once, then every K / V^T tile of ``[lo, hi)`` into the ring, with the tile's
-    K scales and ``-12582912 * scale`` (the consumers' int32-to-float offset, folded) beside it in shared memory:
-    loaded here, off the consumers' path (read from global memory after each S, their latency stalled them)."""
-    ks_layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
-    offs = gl.arange(0, BLOCK_N, layout=ks_layout)
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, 0], q_bar, q_smem.index(1))
+def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, k_row, v_row, v0, lo, hi):
+    """One warp: every consumer's Q rows once, then every K / V^T tile of ``[lo, hi)`` into the ring."""
+    CONSUMERS: gl.constexpr = q_smem.shape[0]
+    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+    for c in gl.static_range(CONSUMERS):
+        tma.async_copy_global_to_shared(q_desc, [q_row + c * HALF_M, 0], q_bar, q_smem.index(c))
     nbytes: gl.constexpr = k_desc.block_type.nbytes + vt_desc.block_type.nbytes
     i = 0
     for start_n in range(lo, hi, BLOCK_N):
@@ -178,18 +167,17 @@ def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, rea
         mbarrier.expect(ready.index(s), nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
         tma.async_copy_global_to_shared(vt_desc, [v_row, v0 + start_n], ready.index(s), v_smem.index(s))
-        _stage_k_scales(ks_smem, s, KS, ks_off, start_n + offs, seqlen_k)
-        mbarrier.arrive(ready.index(s), count=1)     # the second of ready's two arrivals
         i += 1
 
 
 @gluon.jit
-def _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, turn_me, turn_other, ks_smem,
+def _consume(acc, m_i, l_i, it, ks, q, k_smem, v_smem, ready, empty, turn_me, turn_other, KS, ks_off,
              rows, q_scale, cap_a, cap_b, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
              MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
              PINGPONG: gl.constexpr, FIRST: gl.constexpr, EXP_POLY: gl.constexpr, SOFTCAP: gl.constexpr,
              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key tiles ``[lo, hi)`` for one warpgroup's 64 rows, each S = Q K^T waited for before its softmax.
+    ``ks``: this tile's K scale, read a tile ahead (global-load latency stalled the loop when read after S).
 
     PINGPONG: the two warpgroups take turns to issue S (``turn_me`` / ``turn_other``), FlashAttention 3's
     scheduler barrier, so one's softmax tends to run under the other's products. (Issuing the next tile's S
@@ -208,22 +196,29 @@ def _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, turn_me, turn_o
         if PINGPONG:
             mbarrier.arrive(turn_other, count=1)
         cols = start_n + offs_n
-        k_scale = ks_smem.index(2 * s).load(gl.SliceLayout(0, s_layout))
-        k_bias = ks_smem.index(2 * s + 1).load(gl.SliceLayout(0, s_layout))
+        ks_next = gl.load(KS + ks_off + start_n + BLOCK_N, mask=start_n + BLOCK_N < seqlen_k, other=0.0)
+        # The scores as x = 1.5 * 2^23 + S_int read as a float (quantize.int32_times), scaled per row: the K
+        # scale is one number a tile, so it joins the row's Q scale (a per-key scale cost one FMA a score).
         s_int = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-        t = gl.fma((s_int + 0x4B400000).to(gl.float32, bitcast=True), k_scale[None, :], k_bias[None, :])
-        if SOFTCAP:   # tanh((s + shift) / cap): q_scale is the cap then (forward._fwd_tile)
-            t = _tanh_scores(gl.fma(t, cap_a[:, None], cap_b[:, None]))
+        t = (s_int + 0x4B400000).to(gl.float32, bitcast=True)
+        if SOFTCAP:   # tanh((s + shift) / cap), s = ks * (x - 1.5 * 2^23): q_scale is the cap then (forward._fwd_tile)
+            t_mul = cap_a * ks
+            t = _tanh_scores(gl.fma(t, t_mul[:, None], (cap_b - t_mul * 12582912.0)[:, None]))
+            row_mul = q_scale
+            row_add = q_scale * 0.0
+        else:   # floored: with an all-zero K tile (scale 0) a masked score would be -inf * 0
+            row_mul = gl.maximum(q_scale * ks, 1e-37)
+            row_add = row_mul * -12582912.0
         if MASKED:
             valid = _band_mask(rows[:, None], cols[None, :], seqlen_q, seqlen_k, diag, window_left, window_right,
                                MASK_LEFT, MASK_RIGHT)
             t = gl.where(valid, t, float("-inf"))
-        tile_max = gl.max(t, 1) * q_scale
+        tile_max = gl.fma(gl.max(t, 1), row_mul, row_add)
         m_new = gl.maximum(m_i, tile_max)
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_ref)
         e_ref = gl.where(tile_max == float("-inf"), 0.0, tile_max - LOG2_127)
-        e = _exp2_tile(gl.fma(t, q_scale[:, None], -e_ref[:, None]), EXP_POLY, s_layout)
+        e = _exp2_tile(gl.fma(t, row_mul[:, None], (row_add - e_ref)[:, None]), EXP_POLY, s_layout)
         p_scale = gl.exp2(tile_max - m_ref) * (1.0 / 127.0)
         p8 = gl.convert_layout(_round_to_int8(e), p_layout)
         pv_tok = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
@@ -237,12 +232,13 @@ def _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty, turn_me, turn_o
         it += 1
         acc = gl.fma((pv + 0x4B400000).to(gl.float32, bitcast=True), p_scale_o[:, None], acc)
         m_i = m_new
-    return acc, m_i, l_i, it
+        ks = ks_next
+    return acc, m_i, l_i, it, ks
 
 
 @gluon.jit
-def _consumer(q, first, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn_me, turn_other, QS, VS, O, LSE,
-              qs_off, vs_off, o_off, lse_off, s_ot,
+def _consumer(q, first, k_smem, v_smem, q_bar, ready, empty, turn_me, turn_other, QS, KS, VS, O, LSE,
+              qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
               seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
               SHIFT, softcap2, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
               PINGPONG: gl.constexpr, FIRST: gl.constexpr, SINK_MODE: gl.constexpr, EXP_POLY: gl.constexpr,
@@ -272,17 +268,18 @@ def _consumer(q, first, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn_me, t
 
     mbarrier.wait(q_bar, 0)
     it = lo * 0
+    ks = gl.load(KS + ks_off + lo, mask=lo < hi, other=0.0)
     # masked left edge, unmasked middle, masked right edge
-    acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty,
-                                 turn_me, turn_other, ks_smem, rows, q_scale, cap_a, cap_b, lo, full_lo,
+    acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, k_smem, v_smem, ready, empty,
+                                     turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, lo, full_lo,
                                  seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
                                  PINGPONG, FIRST, EXP_POLY, SOFTCAP, s_layout, o_layout, p_layout)
-    acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty,
-                                 turn_me, turn_other, ks_smem, rows, q_scale, cap_a, cap_b, full_lo, full_hi,
+    acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, k_smem, v_smem, ready, empty,
+                                     turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_lo, full_hi,
                                  seqlen_q, seqlen_k, window_left, window_right, False, MASK_LEFT, MASK_RIGHT,
                                  PINGPONG, FIRST, EXP_POLY, SOFTCAP, s_layout, o_layout, p_layout)
-    acc, m_i, l_i, it = _consume(acc, m_i, l_i, it, q, k_smem, v_smem, ready, empty,
-                                 turn_me, turn_other, ks_smem, rows, q_scale, cap_a, cap_b, full_hi, hi,
+    acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, k_smem, v_smem, ready, empty,
+                                     turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_hi, hi,
                                  seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
                                  PINGPONG, FIRST, EXP_POLY, SOFTCAP, s_layout, o_layout, p_layout)
 
@@ -315,7 +312,8 @@ def _attn_fwd_hopper_kernel(
     s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softcap2,
     IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, PINGPONG: gl.constexpr, SINK_MODE: gl.constexpr,
+    CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+    SINK_MODE: gl.constexpr,
     EXP_POLY: gl.constexpr, SOFTCAP: gl.constexpr,
 ):
     pid_m = gl.program_id(0)
@@ -339,9 +337,10 @@ def _attn_fwd_hopper_kernel(
         v0 = k0
         bq = b
         bk = b
-    start_m = pid_m * BLOCK_M
+    ROWS: gl.constexpr = CONSUMERS * HALF_M
+    start_m = pid_m * ROWS
     lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                          BLOCK_M, MASK_LEFT, MASK_RIGHT)
+                                          ROWS, MASK_LEFT, MASK_RIGHT)
     # A program past the end of its sequence (packed batches) runs no tiles, but it must still enter
     # warp_specialize (the worker warps wait for it there). All four bounds go to 0: with a window, such a
     # program's lo can pass its hi, and then the loader (lo..hi) and the consumers' loops disagreed: a hang.
@@ -355,12 +354,9 @@ def _attn_fwd_hopper_kernel(
     k_row = (bk * num_kv_heads + hk) * n_k + k0
     v_row = (bk * num_kv_heads + hk) * HEAD_DIM
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES] + vt_desc.block_type.shape, vt_desc.layout)
-    # per stage: the K scales (row 2s) and their offsets (row 2s + 1)
-    ks_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_N],
-                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -369,8 +365,8 @@ def _attn_fwd_hopper_kernel(
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=2)      # the TMA bytes and the K scales
-        mbarrier.init(empty.index(i), count=2)     # both consumers release a buffer
+        mbarrier.init(ready.index(i), count=1)      # the TMA bytes
+        mbarrier.init(empty.index(i), count=CONSUMERS)     # every consumer releases a buffer
 
     qs_off = bq.to(gl.int64) * s_qsb + h * s_qsh + q0
     ks_off = bk.to(gl.int64) * s_ksb + hk * s_ksh + k0
@@ -381,18 +377,38 @@ def _attn_fwd_hopper_kernel(
     if SINK_MODE > 0:
         sink = gl.load(SINKS + h).to(gl.float32)
     # (constexprs go into each tuple literally: a tuple built beforehand turns them into tensors)
-    gl.warp_specialize([
-        (_consumer, (q_smem.index(0), start_m, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn.index(0),
-                     turn.index(1), QS, VS, O, LSE, qs_off, vs_off, o_off, lse_off, s_ot,
-                     seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
-                     SHIFT, softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE, EXP_POLY, SOFTCAP)),
-        (_consumer, (q_smem.index(1), start_m + HALF_M, k_smem, v_smem, ks_smem, q_bar, ready, empty, turn.index(1),
-                     turn.index(0), QS, VS, O, LSE, qs_off, vs_off, o_off, lse_off, s_ot,
-                     seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
-                     SHIFT, softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE, EXP_POLY, SOFTCAP)),
-        (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, ready, empty,
-                   q_row, k_row, v_row, v0, lo, hi, KS, ks_off, seqlen_k)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (q_smem.index(0), start_m, k_smem, v_smem, q_bar, ready, empty, turn.index(0),
+                         turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
+                         seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
+                         SHIFT, softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE, EXP_POLY, SOFTCAP)),
+            (_consumer, (q_smem.index(1), start_m + HALF_M, k_smem, v_smem, q_bar, ready, empty, turn.index(1),
+                         turn.index(0), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
+                         seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
+                         SHIFT, softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE, EXP_POLY, SOFTCAP)),
+            (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
+                       q_row, k_row, v_row, v0, lo, hi)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    else:   # three: 192 rows a program, no turns (FlashAttention 3's head-dim-64 tile)
+        gl.static_assert(CONSUMERS == 3 and not PINGPONG, "2 consumer warpgroups, or 3 without ping-pong")
+        gl.warp_specialize([
+            (_consumer, (q_smem.index(0), start_m, k_smem, v_smem, q_bar, ready, empty, turn.index(0),
+                         turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
+                         seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
+                         SHIFT, softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, False, 1, SINK_MODE, EXP_POLY, SOFTCAP)),
+            (_consumer, (q_smem.index(1), start_m + HALF_M, k_smem, v_smem, q_bar, ready, empty, turn.index(1),
+                         turn.index(0), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
+                         seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
+                         SHIFT, softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE, EXP_POLY, SOFTCAP)),
+            (_consumer, (q_smem.index(2), start_m + 2 * HALF_M, k_smem, v_smem, q_bar, ready, empty,
+                         turn.index(0), turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off, lse_off,
+                         s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
+                         SINK_SHIFT, SHIFT, softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE,
+                         EXP_POLY, SOFTCAP)),
+            (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
+                       q_row, k_row, v_row, v0, lo, hi)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 
 @functools.lru_cache(maxsize=None)
@@ -423,8 +439,8 @@ def _tma_desc(x2d, block_shape, dtype=gl.int8):
 
 
 def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
-                        window, v_starts=None, consumer_regs=240, loader_regs=24, pingpong=None, sinks=None,
-                        sink_shift=None, exp_poly=0, softcap=0.0, shift=None):
+                        window, v_starts=None, consumers=2, consumer_regs=None, loader_regs=24, pingpong=None,
+                        sinks=None, sink_shift=None, exp_poly=0, softcap=0.0, shift=None):
     """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift``,
     ``softcap``, ``shift`` as there). ``pingpong`` defaults to on at head dim 128 (faster there on an H100) and
     off at 64 (slower there).
@@ -434,10 +450,15 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     assert sink_shift is None or (sinks is not None and sink_shift.stride() == lse.stride())
     assert not softcap or (shift is not None and shift.stride() == lse.stride())
     assert not (softcap and sink_shift is not None), "capped scores are already the caller's"
+    if consumers not in (2, 3):
+        raise ValueError(f"consumers must be 2 or 3, got {consumers!r}")
     if pingpong is None:
-        pingpong = head_dim == 128
+        pingpong = head_dim == 128 and consumers == 2
+    if consumer_regs is None:   # what one SM's 64K registers give each consumer warpgroup beside the loader
+        consumer_regs = {2: 240, 3: 160}[consumers]
     q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]
     assert quant["q_mean"] is None and head_dim in (64, 128) and out4.stride(3) == 1
+    assert head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == BLOCK_N.value, "one K scale a key tile"
     bsz, hq, n_q, d = q8.shape
     hk, n_k = k8.shape[1], k8.shape[2]
     q_desc = _tma_desc(q8.view(-1, d), [HALF_M.value, d])
@@ -447,7 +468,7 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     cu_k = layout_k.cu_seqlens if layout_k.is_varlen else q_scale
     if layout_k.is_varlen and v_starts is None:
         raise ValueError("packed batches need v8t laid out with quantize.aligned_starts, passed as v_starts")
-    grid = (cdiv(layout_q.max_len, BLOCK_M.value), layout_q.num_seqs * num_heads)
+    grid = (cdiv(layout_q.max_len, consumers * HALF_M.value), layout_q.num_seqs * num_heads)
     return grid, (
         q_desc, k_desc, vt_desc, q_scale, k_scale, v_scale, out4, lse, cu_q, cu_k,
         v_starts if v_starts is not None else cu_k, sinks if sinks is not None else lse,
@@ -456,7 +477,7 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
         v_scale.stride(0), v_scale.stride(1), *out4.stride()[:3], lse.stride(0), lse.stride(1),
         n_q, n_k, num_heads, hk, group, window[0], window[1], float(softcap) * LOG2E,
     ), dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
-            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, PINGPONG=pingpong,
+            CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, PINGPONG=pingpong,
             SINK_MODE=0 if sinks is None else 2 if sink_shift is not None else 1, EXP_POLY=exp_poly,
             SOFTCAP=bool(softcap), num_warps=4)
 

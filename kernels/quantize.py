@@ -2,10 +2,14 @@
 
 Scales (all fp32, symmetric, ``x ~ scale * x8``):
 
-* Q, K, dO: one scale per token (``max|x| / 127`` over the head dim). A per-token scale sits outside the
+* Q, dO: one scale per token (``max|x| / 127`` over the head dim). A per-token scale sits outside the
   head-dim reduction of ``Q K^T``; for products that reduce over tokens (``dS K``, ``dS^T Q``, ``P^T dO``)
   the attention kernels fold it into the other operand (dS or P) before quantizing that one, so the INT8
   bytes are the same in both layouts.
+* K: at head dims 64 and 128, one scale per run of ``K_SCALE_BLOCK`` tokens from each sequence's start (the
+  max over the run), stored per token like the others, so every kernel may read it per token; the Hopper
+  kernels, whose key tile is that run, read one number a tile (``naive.K_SCALE_BLOCK`` says why). Other head
+  dims: per token.
 * V: one scale per channel per sequence; it leaves the ``P V`` reduction and is applied once at the end.
 
 Products that reduce over tokens need their INT8 operand token-contiguous (Hopper's 8-bit wgmma is K-major
@@ -30,6 +34,8 @@ TOKEN_ALIGN = 16        # transposed copies pad the token axis so every row star
 Q_SMOOTH_BLOCK = 128    # tokens per Q-smoothing mean; every kernel's query tile divides it
 STATS_CHUNK = 512       # tokens per program for a whole sequence's mean or max (padded batches)
 STATS_ROWS = 32         # tokens per load in the statistics kernel (its accumulator holds that many rows)
+K_SCALE_BLOCK = 128     # tokens per K scale at the head dims below (naive.k_scale_block)
+K_BLOCK_HEAD_DIMS = (64, 128)
 _ROUND_MAGIC = 12582912.0   # 1.5 * 2^23
 
 
@@ -138,7 +144,7 @@ def _quantize_kernel(
     IS_VARLEN: tl.constexpr, HAS_SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, WITH_DELTA: tl.constexpr,
     WITH_SCALED: tl.constexpr,
     WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr, WITH_DOT: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
@@ -166,6 +172,8 @@ def _quantize_kernel(
         y = x * tl.where(c_scale > 1e-32, 1.0 / c_scale, 0.0)[None, :]
     else:
         amax = tl.max(tl.abs(x), 1)
+        if BLOCK_SCALE:   # one scale for the program's BLOCK_T tokens (rows past the end hold zeros)
+            amax = tl.zeros_like(amax) + tl.max(amax, 0)
         # A row whose largest magnitude is tiny (a denormal) quantizes to zeros: 127 / amax would overflow to
         # inf and 0 * inf is NaN. 1e-30 is far below any value that moves a bf16 result.
         y = x * tl.where(amax > 1e-30, 127.0 / amax, 0.0)[:, None]
@@ -313,13 +321,14 @@ def aligned_starts(layout: SeqLayout) -> torch.Tensor:
 
 def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
              channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
-             scaled=None):
+             scaled=None, block_scale=False):
     """One pass over ``x4`` ``[B, H, N, D]`` -> dict with ``x8`` (natural ``[B, H, N, D]``), ``x8t``
     (``[B, H, D, N_pad]``), ``scale`` (per token ``[B, H, N]``, unless ``channel_scale`` given) and
     ``delta`` (``rowsum(x * out_for_delta)``) as asked. ``t_starts`` (packed batches): each sequence's first
     column in ``x8t`` (``aligned_starts``) instead of its first token. ``dot = (vectors [Hv, S, D], group,
     factor)``: also ``row_dot`` ``[B, H, N]``, each token of head h dotted with its sequence's vector of head
-    h // group (before ``sub``), times factor. ``scaled`` (a float): also ``scaled``, the scales times it."""
+    h // group (before ``sub``), times factor. ``scaled`` (a float): also ``scaled``, the scales times it.
+    ``block_scale``: one scale per ``K_SCALE_BLOCK`` tokens of each sequence (K's rule), still stored per token."""
     bsz, h, n, d = x4.shape
     dev = x4.device
     x8 = torch.empty(bsz, h, n, d, dtype=torch.int8, device=dev) if natural else None
@@ -336,7 +345,8 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
     assert scaled is None or scale is not None
     assert dot is None or scale is not None    # row_dot shares scale's strides
     any_out = next(t for t in (x8, x8t) if t is not None)
-    block_t, num_warps = QUANTIZE_TILE
+    block_t, num_warps = (K_SCALE_BLOCK, 8) if block_scale else QUANTIZE_TILE
+    assert not (block_scale and channel_scale is not None)
     grid = (cdiv(max(layout.max_len, 1), block_t), layout.num_seqs * h)
     launch(
         _quantize_kernel, grid,
@@ -355,7 +365,8 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
         float(scaled) if scaled is not None else 1.0,
         IS_VARLEN=layout.is_varlen, HAS_SUB=sub is not None, PER_CHANNEL=channel_scale is not None,
         WITH_DELTA=delta is not None, WITH_SCALED=scaled is not None, WRITE_NATURAL=natural, WRITE_T=transposed,
-        HAS_T_CU=t_starts is not None, WITH_DOT=dot is not None, BLOCK_T=block_t, BLOCK_D=_block_d(d),
+        HAS_T_CU=t_starts is not None, WITH_DOT=dot is not None, BLOCK_SCALE=block_scale, BLOCK_T=block_t,
+        BLOCK_D=_block_d(d),
         num_warps=num_warps,
     )
     return dict(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot, scaled=scaled_out)
@@ -377,7 +388,8 @@ def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale:
         k_sub, k_cu, v_scale = _stats(k4, layout_k, False, second=v_stats)
     elif v4 is not None:
         v_scale = _stats(v4, layout_k, True, factor=1.0 / 127.0)[0]
-    k = quantize(k4, layout_k, sub=k_sub, sub_cu=k_cu, sub_block=1 << 30, transposed=transposed)
+    k = quantize(k4, layout_k, sub=k_sub, sub_cu=k_cu, sub_block=1 << 30, transposed=transposed,
+                 block_scale=k4.shape[-1] in K_BLOCK_HEAD_DIMS)
     q_mean = q_cu = None
     if q_smoothing:   # S = (q - q_mean) K^T + q_mean K^T; the second term is added back in fp32
         q_mean, q_cu = token_stats(q4, layout_q, abs_max=False, block_tokens=Q_SMOOTH_BLOCK)

@@ -197,7 +197,9 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
     cap_args = dict(softcap=softcap, shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
     if gluon:
         from .kernels.forward_hopper import launch_forward_hopper   # imports Gluon: only where it runs
-        launch_forward_hopper(*args, v_starts=v_starts, **cap_args, **sink_args)
+        consumers = dispatch.gluon_forward_consumers(q4.shape[3], tuple(window) != (-1, -1), bool(softcap),
+                                                     lay_q.max_len)
+        launch_forward_hopper(*args, v_starts=v_starts, consumers=consumers, **cap_args, **sink_args)
         dispatch.count("fwd_gluon")
     else:
         launch_forward(*args, cfg["fwd"], **cap_args, **sink_args)

@@ -21,6 +21,21 @@ import torch
 
 LOG2E = 1.4426950408889634
 Q_SMOOTH_BLOCK = 128
+# At head dims 64 and 128 K's scale is one per run of K_SCALE_BLOCK tokens from each sequence's start
+# (SageAttention's per-block rule), elsewhere one per token. Those are the Hopper kernels' head dims, whose key
+# tile is that run: a tile's K scale is one number that joins each query row's constant instead of a multiply
+# per score, and frees the registers a per-key vector held (forward kernel 1.03-1.12x, dQ 1.09-1.12x on an
+# H100). Accuracy (benchmarks/accuracy.py inputs, fp64 reference, D=128): O, dQ, dK, dV cosine within 3e-5 of
+# per-token scales. A token's max over few channels varies more: at head dim 16 (the tiny Gemma 4 of
+# tests/test_model_coverage.py) per-block scales grew the logits error by 30%, and the portable kernels that
+# run other head dims gain nothing from them (docs/speed_notes.md, session 15).
+K_SCALE_BLOCK = 128
+K_BLOCK_HEAD_DIMS = (64, 128)
+
+
+def k_scale_block(head_dim: int) -> int:
+    """Tokens per K scale at this head dim (1: per token)."""
+    return K_SCALE_BLOCK if head_dim in K_BLOCK_HEAD_DIMS else 1
 
 
 def band_mask(n_q: int, n_k: int, window_size, device) -> torch.Tensor:
@@ -89,7 +104,18 @@ def quantize_per_token(x: torch.Tensor):
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > TINY_MAX, 127.0 / amax, torch.zeros_like(amax))
-    return torch.round(xf * inv), amax.squeeze(-1) / 127.0
+    return torch.round(xf * inv), amax.squeeze(-1) * (1.0 / 127.0)   # the kernels multiply too
+
+
+def quantize_per_block(x: torch.Tensor, block: int):
+    """Symmetric INT8 of ``[B, H, N, D]`` with one scale per run of ``block`` tokens (the last run shorter),
+    returned per token ``[B, H, N]`` like ``quantize_per_token``'s: every kernel reads it that way."""
+    xf = x.float()
+    n = xf.shape[2]
+    amax = _tiles(xf.abs().amax(-1), 2, block).amax(-1, keepdim=True)           # [B, H, T, 1]
+    amax = amax.expand(*amax.shape[:-1], block).flatten(2)[..., :n]             # [B, H, N]
+    inv = torch.where(amax > TINY_MAX, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(xf * inv[..., None]), amax * (1.0 / 127.0)
 
 
 def _row_quantize(x: torch.Tensor, dim: int, signed: bool):
@@ -126,7 +152,7 @@ def _scores(q, k, softmax_scale, window_size, k_smoothing, q_smoothing, softcap=
         k_mean = kf.mean(2, keepdim=True)
         kf = kf - k_mean
         k_mean = _repeat_kv(k_mean, q.shape[1])
-    k8, k_scale = quantize_per_token(kf)
+    k8, k_scale = quantize_per_block(kf, k_scale_block(k.shape[-1]))
     qf = q.float()
     if q_smoothing:
         q_mean = _q_block_means(qf)

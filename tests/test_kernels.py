@@ -304,6 +304,39 @@ def test_forward_takes_k_and_v_statistics_in_one_pass(device):
         assert torch.equal(quant["q_scale"], quant["q_scale_raw"] * (0.3 * LOG2E))
 
 
+@pytest.mark.parametrize("device", kernel_devices())
+def test_k_scale_is_one_per_block_of_each_sequence(device):
+    """At head dims 64 and 128 K's scale is the max over each run of K_SCALE_BLOCK tokens counted from its own
+    sequence's start (the Hopper kernels read one a key tile), stored per token; other head dims keep one per
+    token. The quantization pass gives the reference's bytes and scales for padded batches and for packed ones
+    whose sequences start off the block grid."""
+    from sagebwd_hf.kernels.layout import SeqLayout
+    from sagebwd_hf.kernels import quantize as kq
+    from sagebwd_hf import naive
+    assert (kq.K_SCALE_BLOCK, kq.K_BLOCK_HEAD_DIMS) == (naive.K_SCALE_BLOCK, naive.K_BLOCK_HEAD_DIMS)
+    block = kq.K_SCALE_BLOCK
+    n = 2 * block + 45
+    for d in (64, 32):
+        per_block = d in kq.K_BLOCK_HEAD_DIMS
+        q = torch.randn(1, 2, n, d, device=device, dtype=torch.float16)
+        k = torch.randn(1, 2, n, d, device=device, dtype=torch.float16) * torch.rand(1, 2, n, 1, device=device) * 4
+        for starts in ((0, n), (0, 77, n), (0, block + 3, n)):
+            cu = torch.tensor(starts, dtype=torch.int32, device=device)
+            # one sequence: the padded layout; more: a packed batch
+            lay = (SeqLayout(1, n, None) if len(starts) == 2 else
+                   SeqLayout(len(starts) - 1, max(b - a for a, b in zip(starts, starts[1:])), cu))
+            quant = kq.quantize_qk(q, k, lay, lay, 0.125, False, False)
+            for a, b in zip(starts, starts[1:]):
+                k8, k_scale = naive.quantize_per_block(k[:, :, a:b], naive.k_scale_block(d))
+                # (the division by the scale may round one code the other way in the interpreter's numpy)
+                torch.testing.assert_close(quant["k_scale"][:, :, a:b], k_scale, rtol=2e-7, atol=0)
+                codes = (quant["k8"][:, :, a:b].float() - k8).abs()
+                assert codes.max() <= 1 and codes.mean() < 1e-3, (d, starts, codes.max(), codes.mean())
+                first = quant["k_scale"][:, :, a:b:block].repeat_interleave(block, 2)[:, :, :b - a]
+                assert torch.equal(quant["k_scale"][:, :, a:b], first) == per_block, (d, starts)
+        assert torch.equal(naive.quantize_per_block(k, 1)[1], naive.quantize_per_token(k)[1])
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU only: real sizes, bf16, the shapes the interpreter is too slow for
 # ------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ Q_SMOOTH_BLOCK = 128
 # At head dims 64 and 128 K's scale is one per run of K_SCALE_BLOCK tokens from each sequence's start
 # (SageAttention's per-block rule), elsewhere one per token. Those are the Hopper kernels' head dims, whose key
 # tile is that run: a tile's K scale is one number that joins each query row's constant instead of a multiply
-# per score, and frees the registers a per-key vector held (forward kernel 1.03-1.12x, dQ 1.09-1.12x on an
+# per score, and frees the registers a per-key vector held (forward kernel 1.02-1.12x, dQ 1.05-1.12x on an
 # H100). Accuracy (benchmarks/accuracy.py inputs, fp64 reference, D=128): O, dQ, dK, dV cosine within 3e-5 of
 # per-token scales. A token's max over few channels varies more: at head dim 16 (the tiny Gemma 4 of
 # tests/test_model_coverage.py) per-block scales grew the logits error by 30%, and the portable kernels that

@@ -5,8 +5,9 @@ Same numerics as the portable kernels (``backward.py``) at their GPU tiles: the 
 128-query tiles (P^T's and dS^T's per-key scales), the dQ launch walks 128-key tiles (dS's per-query scales):
 
 * dV (``_attn_bwd_dkdv_hopper_kernel``, ``DO_DK`` off): ``S^T = K8 Q8^T`` in INT8 dequantized with the
-  K scales (one per 128 keys, ``quantize.K_SCALE_BLOCK``, read per key here) and the per-token Q scales, ``P^T = exp2(S^T - lse)``, ``dV += P^T dO`` in INT8 (dO's per-token scale folded
-  into P^T, P^T quantized per key over each query tile).
+  K scales (one per 128 keys, ``quantize.K_SCALE_BLOCK``, read per key here) and the per-token Q scales,
+  ``P^T = exp2(S^T - lse)``, ``dV += P^T dO`` in INT8 (dO's per-token scale folded into P^T, P^T quantized
+  per key over each query tile).
 * dK (same kernel, ``DO_DK`` on): S^T and P^T again, ``dP^T = V dO^T`` in bf16/fp16,
   ``dS^T = P^T (dP^T - delta)``, ``dK += dS^T Q`` in INT8 (Q's per-token scale folded into dS^T).
 * dQ (``_attn_bwd_dq_hopper_kernel``): ``S = Q8 K8^T``, ``dP = dO V^T``, ``dS = P (dP - delta)``,
@@ -431,8 +432,8 @@ def _dq_tiles(acc, row_ds, it, ks, q8, do16, q_scale, cap_a, cap_b, softcap2, ls
 
 @gluon.jit
 def _dq_consumer(q8, do16, first, k_smem, v_smem, kt_smem, q_bar, ready, empty, QS, LSE, DELTA, SHIFT,
-                 ROW_DS, KS, DQ, vec_off, ks_off, dq_off, s_dqt, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo,
-                 full_hi, hi, out_scale, softcap2, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr,
+                 ROW_DS, KS, DQ, vec_off, ks_off, dq_off, s_dqt, seqlen_q, seqlen_k, window_left, window_right,
+                 lo, full_lo, full_hi, hi, out_scale, softcap2, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr,
                  MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
     """One warpgroup: queries ``[first, first + 64)`` against every key tile; writes their dQ rows."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -460,17 +461,17 @@ def _dq_consumer(q8, do16, first, k_smem, v_smem, kt_smem, q_bar, ready, empty, 
     it = lo * 0
     ks = gl.load(KS + ks_off + lo, mask=lo < hi, other=0.0)
     acc, row_ds, it, ks = _dq_tiles(acc, row_ds, it, ks, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta,
-                                    rows, k_smem, v_smem, kt_smem, KS, ks_off, ready, empty, lo, full_lo, seqlen_q, seqlen_k,
-                                window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, s_layout,
-                                dp_layout, o_layout, p_layout)
+                                    rows, k_smem, v_smem, kt_smem, KS, ks_off, ready, empty, lo, full_lo, seqlen_q,
+                                    seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                                    s_layout, dp_layout, o_layout, p_layout)
     acc, row_ds, it, ks = _dq_tiles(acc, row_ds, it, ks, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta,
-                                    rows, k_smem, v_smem, kt_smem, KS, ks_off, ready, empty, full_lo, full_hi, seqlen_q, seqlen_k,
-                                window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, s_layout,
-                                dp_layout, o_layout, p_layout)
+                                    rows, k_smem, v_smem, kt_smem, KS, ks_off, ready, empty, full_lo, full_hi, seqlen_q,
+                                    seqlen_k, window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                                    s_layout, dp_layout, o_layout, p_layout)
     acc, row_ds, it, ks = _dq_tiles(acc, row_ds, it, ks, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta,
-                                    rows, k_smem, v_smem, kt_smem, KS, ks_off, ready, empty, full_hi, hi, seqlen_q, seqlen_k,
-                                window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, s_layout,
-                                dp_layout, o_layout, p_layout)
+                                    rows, k_smem, v_smem, kt_smem, KS, ks_off, ready, empty, full_hi, hi, seqlen_q,
+                                    seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                                    s_layout, dp_layout, o_layout, p_layout)
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
     ptrs = DQ + dq_off + rows_o.to(gl.int64)[:, None] * s_dqt + offs_d[None, :]
@@ -525,12 +526,12 @@ def _attn_bwd_dq_hopper_kernel(
     dq_off = b.to(gl.int64) * s_dqb + h.to(gl.int64) * s_dqh
     gl.warp_specialize([
         (_dq_consumer, (q_smem.index(0), do_smem.index(0), start_m, k_smem, v_smem, kt_smem, q_bar,
-                        ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, KS, DQ, vec_off, ks_off, dq_off, s_dqt, seqlen_q, seqlen_k,
-                        window_left, window_right, lo, full_lo, full_hi, hi, out_scale, softcap2, HEAD_DIM,
-                        MASK_LEFT, MASK_RIGHT, SOFTCAP)),
+                        ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, KS, DQ, vec_off, ks_off, dq_off, s_dqt,
+                        seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, out_scale,
+                        softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, SOFTCAP)),
         (_dq_consumer, (q_smem.index(1), do_smem.index(1), start_m + HALF_N, k_smem, v_smem, kt_smem,
-                        q_bar, ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, KS, DQ, vec_off, ks_off, dq_off, s_dqt, seqlen_q,
-                        seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, out_scale, softcap2,
+                        q_bar, ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, KS, DQ, vec_off, ks_off, dq_off, s_dqt,
+                        seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, out_scale, softcap2,
                         HEAD_DIM, MASK_LEFT, MASK_RIGHT, SOFTCAP)),
         (_dq_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem,
                       q_bar, ready, empty, q_row, do_row, do_col, k_row, v_row, v_col, kt_row, lo, hi)),

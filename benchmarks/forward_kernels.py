@@ -2,7 +2,8 @@
 (with launch variants), plus the quantization pass before them. Needs an sm_90 GPU for the Gluon rows.
 
 Kernel-only TFLOP/s-equivalent (4*B*H*N^2*D, halved when causal), median of CUDA-event timings; every variant's
-output is checked against the portable kernel's (relative L2) before it is timed. ``--varlen only`` runs a packed
+output is checked against the portable kernel's (relative L2) and the first variant's (largest difference: the
+schedule variants compute the same numbers) before it is timed. ``--varlen only`` runs a packed
 batch with uneven and empty sequences through each Gluon variant.
 
     python benchmarks/forward_kernels.py [--seqlens 4096] [--head-dims 128 64]
@@ -84,7 +85,7 @@ def main():
     variants = {"gluon": {}, "gluon_pingpong": dict(pingpong=True), "gluon_no_pingpong": dict(pingpong=False),
                 # exp2 of 1/4 or 1/2 of the columns on the FMA units (FlashAttention 4's split)
                 "gluon_poly4": dict(exp_poly=4), "gluon_poly2": dict(exp_poly=2),
-                # three consumer warpgroups (192 query rows a program, 160 registers each; spills at D=128)
+                # three consumer warpgroups (192 query rows a program, 160 registers each)
                 "gluon_3c": dict(consumers=3)}
     variants = {k: v for k, v in variants.items() if args.variants is None or k in args.variants}
     print_versions()
@@ -94,7 +95,8 @@ def main():
     if args.varlen == "only":
         return
 
-    print(f"{'shape':<22} {'quant ms':>8} | {'kernel':<16} {'ms':>7} {'TFLOP/s':>8} {'x port':>6} {'relL2':>8}")
+    print(f"{'shape':<22} {'quant ms':>8} | {'kernel':<21} {'ms':>7} {'TFLOP/s':>8} {'x port':>6} {'relL2':>8} "
+          f"{'x first':>7} {'maxdiff':>8}")
     for d in args.head_dims:
         for n in args.seqlens:
             for causal in (False, True):
@@ -111,7 +113,8 @@ def main():
                 port = lambda: launch_forward(quant, v8t, v_scale, ref, lse, lay, lay, h, 1, d, window, cfg)  # noqa
                 port_ms = median_ms(port)
                 shape = f"d{d}_n{n // 1024}k_{'causal' if causal else 'full'}"
-                print(f"{shape:<22} {quant_ms:8.3f} | {'portable':<16} {port_ms:7.3f} {flops / port_ms * 1e-9:8.0f}")
+                print(f"{shape:<22} {quant_ms:8.3f} | {'portable':<21} {port_ms:7.3f} {flops / port_ms * 1e-9:8.0f}")
+                first = first_ms = None
                 for name, kw in variants.items():
                     out = torch.full_like(q, float("nan"))
                     run = lambda: fh.launch_forward_hopper(quant, v8t, v_scale, out, lse, lay, lay, h, 1, d,  # noqa
@@ -119,8 +122,11 @@ def main():
                     run()
                     rel = error_stats(out, ref)[1]
                     ms = median_ms(run)
-                    print(f"{'':<22} {'':>8} | {name:<16} {ms:7.3f} {flops / ms * 1e-9:8.0f} {port_ms / ms:6.2f} "
-                          f"{rel:8.1e}", flush=True)
+                    if first is None:
+                        first, first_ms = out.clone(), ms
+                    diff = (out.float() - first.float()).abs().max().item()
+                    print(f"{'':<22} {'':>8} | {name:<21} {ms:7.3f} {flops / ms * 1e-9:8.0f} {port_ms / ms:6.2f} "
+                          f"{rel:8.1e} {first_ms / ms:7.3f} {diff:8.1e}", flush=True)
 
 
 if __name__ == "__main__":

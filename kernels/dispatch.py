@@ -40,10 +40,11 @@ GLUON_BWD_BY_DEFAULT = True
 # forward portable.
 GLUON_SOFTCAP_FORWARD = False
 # Three consumer warpgroups in the Gluon forward (192 query rows a program, FlashAttention 3's head-dim-64
-# tile) once K's scale is one per key tile (spill-free at 160 registers). Kernels alone on an H100 (session 15,
-# B*N = 32K, H*D = 2048), against two consumers: 1.13x at 4K and 16K keys without a mask, 1.02x at 1K; causal
-# 0.55x (1K), 0.68x (4K), 0.95x (16K): 192-row programs cross the diagonal on more tiles. So unmasked, from
-# this many query rows (the longest sequence's), and not at D=128 (it spills there) or soft-capped.
+# tile) once K's scale is one per key tile. Kernels alone on an H100 (B*N = 32K, H*D = 2048), against two
+# consumers: at D=64 (spill-free at 160 registers, session 15) 1.13x at 4K and 16K keys without a mask, 1.02x at
+# 1K; at D=128 (a few spilled registers a tile, session 16, two runs) 1.07-1.08x at 4K, 1.09-1.11x at 16K, 1.01x
+# at 1K; causal 0.55-0.95x at D=64, 0.63-0.85x at D=128: 192-row programs cross the diagonal on more tiles.
+# So unmasked, from this many query rows (the longest sequence's), and not soft-capped.
 GLUON_THREE_CONSUMERS_MIN_QUERIES = 2048
 
 _counts = collections.Counter()    # "fwd_gluon", "fwd_triton", ... -> launches
@@ -124,7 +125,7 @@ def _warn_untested_triton(device: torch.device) -> None:
 
 def gluon_forward_consumers(head_dim: int, masked: bool, softcap: bool, max_len_q: int) -> int:
     """Consumer warpgroups of a Gluon forward launch (``forward_hopper_args``'s ``consumers``)."""
-    three = head_dim == 64 and not masked and not softcap and max_len_q >= GLUON_THREE_CONSUMERS_MIN_QUERIES
+    three = head_dim in (64, 128) and not masked and not softcap and max_len_q >= GLUON_THREE_CONSUMERS_MIN_QUERIES
     return 3 if three else 2
 
 

@@ -14,8 +14,9 @@ into each row's constant), P quantized per row of every BLOCK_N-key tile with th
   wants its B operand K-major.
 * the two consumers take turns to issue ``S = Q K^T`` (``PINGPONG``, on at D=128); each reads the next tile's
   K scale one tile ahead, so it never waits on a global load mid-tile.
-* ``consumers=3``: three consumer warpgroups (192 query rows a program, no turns), FlashAttention 3's tile for
-  head dim 64, where they fit in 160 registers (``dispatch.gluon_forward_consumers`` says when: unmasked calls).
+* ``consumers=3``: three consumer warpgroups (192 query rows a program, no turns, 160 registers each),
+  FlashAttention 3's tile for head dim 64: spill-free there, a few spilled registers a tile at 128, faster at
+  both without a mask (``dispatch.gluon_forward_consumers`` says when).
 
 Status (docs/speed_notes.md, session 4, H100): kernel-only 1.16-1.26x the portable kernel at D=128 (4K-16K
 keys), 1.02-1.09x at D=64; the default on Hopper through ``dispatch.py`` (at D=128 a causal or windowed

@@ -95,7 +95,7 @@ def test_auto_and_forced_choices_on_hopper(monkeypatch):
 
 
 def test_three_consumer_warpgroups_only_where_measured_faster():
-    """The Gluon forward runs three consumer warpgroups at head dim 64 without a mask or a cap from
+    """The Gluon forward runs three consumer warpgroups at head dims 64 and 128 without a mask or a cap from
     GLUON_THREE_CONSUMERS_MIN_QUERIES query rows; everything else keeps two."""
     consumers = dispatch.gluon_forward_consumers
     long_enough = dispatch.GLUON_THREE_CONSUMERS_MIN_QUERIES
@@ -103,7 +103,9 @@ def test_three_consumer_warpgroups_only_where_measured_faster():
     assert consumers(64, False, False, long_enough - 1) == 2
     assert consumers(64, True, False, 8 * long_enough) == 2       # causal or windowed
     assert consumers(64, False, True, 8 * long_enough) == 2       # soft-capped
-    assert consumers(128, False, False, 8 * long_enough) == 2     # spills at 160 registers
+    assert consumers(128, False, False, long_enough) == 3
+    assert consumers(128, False, False, long_enough - 1) == 2
+    assert consumers(128, True, False, 8 * long_enough) == 2
 
 
 def test_stats_say_which_kernels_ran():
@@ -134,7 +136,7 @@ GLUON_CASES = [
     (1, 2, 2, 700, 200, 128, True, (-1, -1)),       # q longer than k: the first rows see no key
     (1, 4, 2, 1100, 1100, 64, True, (200, 0)),      # sliding window
     (1, 2, 2, 600, 800, 128, False, (130, 77)),     # two-sided window
-    (3, 2, 2, 2048, 2048, 128, False, (-1, -1)),
+    (3, 2, 2, 2048, 2048, 128, False, (-1, -1)),   # three consumer warpgroups at D=128
     (2, 4, 2, 2100, 2100, 64, False, (-1, -1)),     # three consumer warpgroups (192-row programs), GQA
 ]
 

@@ -43,7 +43,7 @@ GLUON_SOFTCAP_FORWARD = False
 # tile) once K's scale is one per key tile. Kernels alone on an H100 (B*N = 32K, H*D = 2048), against two
 # consumers: at D=64 (spill-free at 160 registers, session 15) 1.13x at 4K and 16K keys without a mask, 1.02x at
 # 1K; at D=128 (a few spilled registers a tile, session 16, two runs) 1.07-1.08x at 4K, 1.09-1.11x at 16K, 1.01x
-# at 1K; causal 0.55-0.95x at D=64, 0.63-0.85x at D=128: 192-row programs cross the diagonal on more tiles.
+# at 1K; causal 0.55-0.95x at D=64, 0.56-0.88x at D=128: 192-row programs cross the diagonal on more tiles.
 # So unmasked, from this many query rows (the longest sequence's), and not soft-capped.
 GLUON_THREE_CONSUMERS_MIN_QUERIES = 2048
 

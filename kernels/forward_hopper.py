@@ -183,9 +183,10 @@ def _consume(acc, m_i, l_i, it, ks, q, k_smem, v_smem, ready, empty, turn_me, tu
     ``ks``: this tile's K scale, read a tile ahead (global-load latency stalled the loop when read after S).
 
     PINGPONG: the two warpgroups take turns to issue S (``turn_me`` / ``turn_other``), FlashAttention 3's
-    scheduler barrier, so one's softmax tends to run under the other's products. (Issuing the next tile's S
-    before this tile's accumulator update as well, FlashAttention 3's in-warpgroup overlap, measured no faster
-    on an H100 and needed a stack frame at D=128.)"""
+    scheduler barrier, so one's softmax tends to run under the other's products. (FlashAttention 3's
+    in-warpgroup overlap, the next tile's S issued before this tile's softmax or once its P V is issued,
+    measured 0.49-0.94x on an H100, session 16: unrolled by two so each in-flight S keeps its registers, the
+    loop each warpgroup runs doubles and the instruction cache misses; docs/speed_notes.md.)"""
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.int32, s_layout)
     o_zero = gl.zeros(acc.shape, gl.int32, o_layout)

@@ -136,7 +136,7 @@ GLUON_CASES = [
     (1, 2, 2, 700, 200, 128, True, (-1, -1)),       # q longer than k: the first rows see no key
     (1, 4, 2, 1100, 1100, 64, True, (200, 0)),      # sliding window
     (1, 2, 2, 600, 800, 128, False, (130, 77)),     # two-sided window
-    (3, 2, 2, 2048, 2048, 128, False, (-1, -1)),   # three consumer warpgroups at D=128
+    (3, 2, 2, 2048, 2048, 128, False, (-1, -1)),    # three consumer warpgroups at D=128
     (2, 4, 2, 2100, 2100, 64, False, (-1, -1)),     # three consumer warpgroups (192-row programs), GQA
 ]
 

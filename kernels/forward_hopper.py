@@ -380,7 +380,9 @@ def _attn_fwd_hopper_kernel(
     sink = (h * 0).to(gl.float32)
     if SINK_MODE > 0:
         sink = gl.load(SINKS + h).to(gl.float32)
-    # (constexprs go into each tuple literally: a tuple built beforehand turns them into tensors)
+    # (constexprs go into each tuple literally: a tuple built beforehand turns them into tensors; and the partition
+    # list must be written in the call: one built beforehand and extended for a third consumer does not compile
+    # on Triton 3.6, "cannot convert JITFunction to tensor", hence one call per consumer count)
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (q_smem.index(0), start_m, k_smem, v_smem, q_bar, ready, empty, turn.index(0),

@@ -2,7 +2,9 @@
 sageattention 1.0.6's forward, on the same inputs in the same run. Needs a CUDA GPU.
 
 TFLOP/s-equivalent: 4*B*H*N^2*D for the forward, 2.5x that for the backward, 3.5x for forward+backward,
-halved when causal (H = query heads). Shapes keep B*N = 32K tokens and H*D = 2048. Our time is the whole
+halved when causal (H = query heads); with V's own head dim Dv (MLA, --mla) the forward's two products count
+2*B*H*N^2*(D + Dv) and the backward's five 2*B*H*N^2*(3D + 2Dv). Shapes keep B*N = 32K tokens and H*D = 2048
+(MLA: 16 heads of Q/K 192 and V 128, DeepSeek V2/V3's). Our time is the whole
 op per call (quantization, smoothing, transposes and kernels), forward with inputs that require grad.
 
 Timing: CUDA events around each call, median of --reps or more (as many as fit in --budget-ms per mode,
@@ -16,6 +18,8 @@ else cuDNN): a broken kernel shows up as a low cosine instead of a fast time.
     python benchmarks/speed.py --quick              # D {128,64} x N {1K,4K} x causal/not
     python benchmarks/speed.py --shapes 'd128_n4k_*' 'gqa*' --csv speed.csv
     python benchmarks/speed.py --list-shapes        # shape names (for --shapes), no GPU needed
+    python benchmarks/speed.py --quick --mla        # + MLA's head dims (192/128) at the same N, causal or not;
+                                                    #   flash gets V zero-padded to 192 (it needs one head dim)
 
 sageattention: `pip install --no-deps sageattention==1.0.6` (pure Python + Triton; device_run.sh installs a
 carried wheel from .whl/). Its sageattn() subtracts the key mean from k in place: it gets its own copy.
@@ -35,6 +39,8 @@ QUICK_SEQLENS = [1024, 4096]
 # The first is Llama-3-like (D=128, 4 queries per KV head); the second is Llama-3.2-1B's attention
 # (32 query heads, 8 KV heads, D=64) at 8K, the e2e benchmark's main point.
 GQA_SHAPES = [(128, 16, 4, 4096, True), (64, 32, 8, 8192, True)]
+# --mla: DeepSeek V2/V3's attention heads (issue 15): Q/K head dim 192, V's 128, 16 heads
+MLA_HEADS, MLA_HEAD_DIMS = 16, (192, 128)
 METHODS = ["sagebwd", "sagebwd_portable", "sagebwd_sinks", "sagebwd_softcap", "sagebwd_softcap_portable", "cudnn",
            "flash", "sageattn"]
 # The model-zoo options on the same shapes (issue 15): sinks (one logit per head, gpt-oss) and a soft cap of 50
@@ -61,17 +67,34 @@ class Shape:
     batch: int
     heads: int
     kv_heads: int
+    head_dim_v: int = 0     # V's head dim when it differs from Q's and K's (MLA)
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim_v or self.head_dim
 
     @property
     def name(self) -> str:
         n = f"{self.seqlen // 1024}k" if self.seqlen % 1024 == 0 else str(self.seqlen)
         gqa = f"gqa{self.heads}x{self.kv_heads}_" if self.kv_heads != self.heads else ""
-        return f"{gqa}d{self.head_dim}_n{n}_{'causal' if self.causal else 'full'}"
+        v = f"v{self.dv}" if self.dv != self.head_dim else ""
+        return f"{gqa}d{self.head_dim}{v}_n{n}_{'causal' if self.causal else 'full'}"
+
+    def _products(self, qk: int, pv: int) -> float:
+        """FLOPs of ``qk`` products over Q/K's head dim and ``pv`` over V's, each 2*B*H*N^2*dim (causal: half)."""
+        scale = 2.0 * self.batch * self.heads * self.seqlen ** 2 * (0.5 if self.causal else 1.0)
+        return scale * (qk * self.head_dim + pv * self.dv)
 
     @property
     def flops(self) -> float:
-        """Forward FLOP-equivalent."""
-        return 4.0 * self.batch * self.heads * self.seqlen ** 2 * self.head_dim * (0.5 if self.causal else 1.0)
+        """Forward FLOP-equivalent: S = Q K^T and O = P V."""
+        return self._products(1, 1)
+
+    @property
+    def bwd_flops(self) -> float:
+        """Backward: S = Q K^T again, dP = dO V^T, dV = P^T dO, dK = dS^T Q, dQ = dS K (2.5x the forward when
+        the head dims agree)."""
+        return self._products(3, 2)
 
 
 def build_shapes(args) -> list:
@@ -89,6 +112,11 @@ def build_shapes(args) -> list:
         for d, h, hk, n, causal in GQA_SHAPES:
             if causal in causals:
                 shapes.append(Shape(d, n, causal, max(1, args.tokens // n), h, hk))
+    if args.mla:
+        for n in seqlens:
+            for causal in causals:
+                shapes.append(Shape(MLA_HEAD_DIMS[0], n, causal, max(1, args.tokens // n), MLA_HEADS, MLA_HEADS,
+                                    MLA_HEAD_DIMS[1]))
     if args.shapes:
         def keep(name):
             return any(fnmatch.fnmatch(name, p.lower()) or (not any(c in p for c in "*?[") and p.lower() in name)
@@ -134,6 +162,12 @@ def make_method(name, shape, torch, F, ctx):
         return sa, ""
     backend = ctx["backends"][name]
     sdpa_kernel = ctx["sdpa_kernel"]
+    if shape.dv != shape.head_dim:
+        def padded(q, k, v):    # one head dim for all three (FlashAttention 2): V zero-padded, O sliced
+            v = F.pad(v, (0, shape.head_dim - shape.dv))
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)[..., :shape.dv]
+        return (native_mla(backend, sdpa_kernel, F, causal), padded) if name == "cudnn" else (padded, "")
 
     def native(q, k, v):
         with sdpa_kernel([backend]):
@@ -146,6 +180,13 @@ def make_method(name, shape, torch, F, ctx):
     if group == 1:
         return native, ""
     return native, repeated
+
+
+def native_mla(backend, sdpa_kernel, F, causal):
+    def native(q, k, v):
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return native
 
 
 def time_ms(torch, call, reps, warmup, pre=None):
@@ -277,6 +318,29 @@ def print_summary(rows_list, shapes, meta):
               f"{fmt(g('flash', 'peak_gib'), '.2f', 5)} | {fmt(sb.get('out_cos'), '.4f', 6)}")
     print_targets(rows, shapes)
     print_features(rows, shapes)
+    print_mla(rows, shapes)
+
+
+def print_mla(rows, shapes):
+    """MLA's head dims against the plain D=128 shape of the same N and mask (issue 15: within 5% of its
+    throughput per FLOP), each method against its own plain run."""
+    pairs = [(s, next((p for p in shapes if p.head_dim == 128 and p.dv == 128 and p.heads == p.kv_heads
+                       and (p.seqlen, p.causal) == (s.seqlen, s.causal)), None))
+             for s in shapes if s.dv != s.head_dim]
+    if not pairs:
+        return
+    print("MLA (TFLOP/s per FLOP against the plain D=128 shape of the same N; fwd / bwd / f+b):")
+    for s, plain in pairs:
+        for m in ("sagebwd", "sagebwd_portable", "cudnn", "flash"):
+            r = rows.get((s.name, m))
+            b = rows.get((plain.name, m)) if plain else None
+            if not r:
+                continue
+            per_flop = [(r.get(k) or float("nan")) / b[k] if b and b.get(k) else float("nan")
+                        for k in ("fwd_tflops", "bwd_tflops", "fwd_bwd_tflops")]
+            print(f"  {s.name:<24} {m:<17} TFLOP/s {fmt(r.get('fwd_tflops'))} {fmt(r.get('bwd_tflops'))} "
+                  f"{fmt(r.get('fwd_bwd_tflops'))} | x plain {' '.join(fmt(x, '.2f') for x in per_flop)} | "
+                  f"f+b x cuDNN {fmt(ratio(rows, s.name, m, 'cudnn', 'fwd_bwd_ms'), '.2f')}")
 
 
 def print_features(rows, shapes):
@@ -344,6 +408,7 @@ def main():
     p.add_argument("--width", type=int, default=2048, help="H * D (query heads)")
     p.add_argument("--gqa", type=int, default=1, help="query heads per KV head for the grid shapes")
     p.add_argument("--no-gqa-shapes", action="store_true", help="leave out the two extra GQA shapes")
+    p.add_argument("--mla", action="store_true", help="add MLA's head dims (Q/K 192, V 128, 16 heads) at each N")
     p.add_argument("--methods", "--backends", nargs="+", default=DEFAULT_METHODS,
                    help=f"of {METHODS + ['efficient']} (sageattn is skipped when not installed)")
     p.add_argument("--reps", type=int, default=10, help="fewest timed reps per mode")
@@ -354,8 +419,8 @@ def main():
     args = p.parse_args()
     shapes = build_shapes(args)
     if args.list_shapes:
-        print("\n".join(f"{s.name:<26} B={s.batch} H={s.heads} Hkv={s.kv_heads} N={s.seqlen} D={s.head_dim}"
-                        for s in shapes))
+        print("\n".join(f"{s.name:<26} B={s.batch} H={s.heads} Hkv={s.kv_heads} N={s.seqlen} D={s.head_dim} "
+                        f"Dv={s.dv}" for s in shapes))
         return
     if not shapes:
         sys.exit("no shape matches --shapes")
@@ -403,7 +468,7 @@ def main():
         gen = torch.Generator(device="cuda").manual_seed(0)
         mk = lambda *sz: torch.randn(*sz, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
         b, h, hk, n, d = s.batch, s.heads, s.kv_heads, s.seqlen, s.head_dim
-        q, k, v, do = mk(b, h, n, d), mk(b, hk, n, d), mk(b, hk, n, d), mk(b, h, n, d)
+        q, k, v, do = mk(b, h, n, d), mk(b, hk, n, d), mk(b, hk, n, s.dv), mk(b, h, n, s.dv)
         for x in (q, k, v):
             x.requires_grad_()
         results = {}
@@ -430,10 +495,12 @@ def main():
         for name, res in results.items():
             out = res.pop("out")
             row = dict(meta, shape=s.name, method=name, batch=b, heads=h, kv_heads=hk, seqlen=n, head_dim=d,
-                       causal=s.causal, reps=res["reps"], fwd_ms=res["fwd_ms"], bwd_ms=res.get("bwd_ms"),
-                       fwd_bwd_ms=res.get("fwd_bwd_ms"), fwd_tflops=s.flops / res["fwd_ms"] * 1e-9,
-                       bwd_tflops=2.5 * s.flops / res["bwd_ms"] * 1e-9 if res.get("bwd_ms") else None,
-                       fwd_bwd_tflops=3.5 * s.flops / res["fwd_bwd_ms"] * 1e-9 if res.get("fwd_bwd_ms") else None,
+                       head_dim_v=s.dv, causal=s.causal, reps=res["reps"], fwd_ms=res["fwd_ms"],
+                       bwd_ms=res.get("bwd_ms"), fwd_bwd_ms=res.get("fwd_bwd_ms"),
+                       fwd_tflops=s.flops / res["fwd_ms"] * 1e-9,
+                       bwd_tflops=s.bwd_flops / res["bwd_ms"] * 1e-9 if res.get("bwd_ms") else None,
+                       fwd_bwd_tflops=((s.flops + s.bwd_flops) / res["fwd_bwd_ms"] * 1e-9
+                                       if res.get("fwd_bwd_ms") else None),
                        peak_gib=res["peak_gib"], out_cos=cosine(out, ref) if ref is not None else None,
                        note=res["note"] + ("" if name in TRAIN_METHODS else "forward only"))
             for r in REFS:

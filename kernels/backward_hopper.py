@@ -48,12 +48,12 @@ from .launch import launch
 from .layout import cdiv, tma_addressable, token_rows
 from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
-from .forward_hopper import (_band_mask, _ceil_to, _floor_to, _key_tiles, _round_to_int8, _tanh_scores, _tma_desc,
-                             tma_descriptor)
+from .forward_hopper import (HEAD_DIMS, _band_mask, _ceil_to, _floor_to, _key_tiles, _round_to_int8, _tanh_scores,
+                             _tma_desc, qk_blocks, tma_descriptor)
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
-BLOCK_M = gl.constexpr(128)   # queries per dQ program (two consumers); the dQ numerics follow BLOCK_N only
+BLOCK_M = gl.constexpr(128)   # queries per dQ program (two consumers); its key tile (the numerics): dq_key_tile
 STAGES = gl.constexpr(2)
 # per-query vectors the loader stages beside each query tile: one row each of vec_smem per stage
 VQS, VLSE, VDOS, VDELTA, VQSR, VSHIFT, NVEC = (gl.constexpr(i) for i in range(7))
@@ -63,8 +63,17 @@ def dkdv_query_tile(head_dim: int, fused: bool) -> int:
     """Queries per tile of the key-tile kernel: P^T's and dS^T's per-key scales span this many queries, so it
     is part of the numerics (interface.tile_configs gives the portable kernels and the reference the same).
     At D=128, dK and dV in one program with 128-query tiles would need S^T, dP^T (64 registers each) beside
-    two 64-register accumulators: 64-query tiles halve the first two (FlashAttention 3's tile)."""
-    return 64 if fused and head_dim > 64 else 128
+    two 64-register accumulators: 64-query tiles halve the first two (FlashAttention 3's tile). At MLA's Q/K
+    head dim 192 dK's accumulator alone takes 96 registers: 64-query tiles for both launches (the portable
+    kernels' MLA tile too)."""
+    return 64 if (fused and head_dim > 64) or head_dim > 128 else 128
+
+
+def dq_key_tile(head_dim: int) -> int:
+    """Keys per tile of the dQ kernel: dS's per-query scales span this many keys (part of the numerics, as
+    dkdv_query_tile). At MLA's 192 the dQ accumulator takes 96 registers: 64-key tiles halve S and dP beside
+    it (the portable kernels' MLA tile too)."""
+    return 64 if head_dim > 128 else 128
 
 
 @gluon.jit
@@ -91,27 +100,33 @@ def _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @gluon.jit
-def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem,
-            vec_smem, k_bar, ready, empty, QS, LSE, DOS, DELTA, QSR, SHIFT, inv_cap, k_row, v_row, v_col, q_head0,
-            do_row0, do_col0, do_rh, do_ch, vec_head0, s_vech, n_q, group, seqlen_q, lo, hi, DO_DK: gl.constexpr,
-            DO_DV: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr):
+def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, q_smem, qt_smem, do_smem,
+            dot_smem, k_smem, v_smem, q2_smem, qt2_smem, k2_smem, vec_smem, k_bar, ready, empty, QS, LSE, DOS, DELTA,
+            QSR, SHIFT, inv_cap, k_row, v_row, v_col, q_head0, do_row0, do_col0, do_rh, do_ch, vec_head0, s_vech,
+            n_q, group, seqlen_q, lo, hi, DO_DK: gl.constexpr, DO_DV: gl.constexpr, FOLD: gl.constexpr,
+            SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr, HEAD_DIM: gl.constexpr,
+            HEAD_DIM_V: gl.constexpr):
     """One warp: K (and V for dK) once; then per query head of the group and query tile in ``[lo, hi)``: Q8
     (for S^T), dO8^T (dV's operand), dO (dK's dP^T) and Q8^T (dK's operand), with the per-query vectors
     (q_scale, lse (+inf past the end), and dO's scale, delta, the raw Q scale as the products need them; with
-    ``SOFTCAP`` q_scale and the row shift over the cap)."""
-    kv_bytes: gl.constexpr = k_desc.block_type.nbytes + (v_desc.block_type.nbytes if DO_DK else 0)
+    ``SOFTCAP`` q_scale and the row shift over the cap). ``QK_SPLIT``: Q's and K's channels past the first
+    block (``D1``) as tiles of their own (Q8, K8 and Q8^T alike; forward_hopper.qk_blocks)."""
+    D1: gl.constexpr = q_desc.block_type.shape[1]
+    k_bytes: gl.constexpr = k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if QK_SPLIT else 0)
+    kv_bytes: gl.constexpr = k_bytes + (v_desc.block_type.nbytes if DO_DK else 0)
     mbarrier.expect(k_bar, 2 * kv_bytes)
-    tma.async_copy_global_to_shared(k_desc, [k_row, 0], k_bar, k_smem.index(0))
-    tma.async_copy_global_to_shared(k_desc, [k_row + HALF_N, 0], k_bar, k_smem.index(1))
-    if DO_DK:
-        tma.async_copy_global_to_shared(v_desc, [v_row, v_col], k_bar, v_smem.index(0))
-        tma.async_copy_global_to_shared(v_desc, [v_row + HALF_N, v_col], k_bar, v_smem.index(1))
-    nbytes: gl.constexpr = (q_desc.block_type.nbytes
-                            + (dot_desc.block_type.nbytes if DO_DV else 0)
-                            + (do_desc.block_type.nbytes + qt_desc.block_type.nbytes if DO_DK else 0))
+    for c in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [k_row + c * HALF_N, 0], k_bar, k_smem.index(c))
+        if QK_SPLIT:
+            tma.async_copy_global_to_shared(k2_desc, [k_row + c * HALF_N, D1], k_bar, k2_smem.index(c))
+        if DO_DK:
+            tma.async_copy_global_to_shared(v_desc, [v_row + c * HALF_N, v_col], k_bar, v_smem.index(c))
+    q_bytes: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if QK_SPLIT else 0)
+    qt_bytes: gl.constexpr = qt_desc.block_type.nbytes + (qt2_desc.block_type.nbytes if QK_SPLIT else 0)
+    nbytes: gl.constexpr = (q_bytes + (dot_desc.block_type.nbytes if DO_DV else 0)
+                            + (do_desc.block_type.nbytes + qt_bytes if DO_DK else 0))
     vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_Q // 32], [32], [1], [0])
     offs = gl.arange(0, BLOCK_Q, layout=vec_layout)
-    head_dim: gl.constexpr = q_desc.block_type.shape[1]
     i = 0
     for g in range(group):
         for start_m in range(lo, hi, BLOCK_Q):
@@ -119,14 +134,20 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_smem, qt_smem,
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
             q_row = (q_head0 + g) * n_q + start_m
-            t_row = (q_head0 + g) * head_dim
+            t_row = (q_head0 + g) * HEAD_DIM        # Q8^T's rows: [B*H*D, Nq_pad]; dO8^T's: [B*H*Dv, Nq_pad]
             tma.async_copy_global_to_shared(q_desc, [q_row, 0], ready.index(s), q_smem.index(s))
+            if QK_SPLIT:
+                tma.async_copy_global_to_shared(q2_desc, [q_row, D1], ready.index(s), q2_smem.index(s))
             if DO_DV:
-                tma.async_copy_global_to_shared(dot_desc, [t_row, start_m], ready.index(s), dot_smem.index(s))
+                tma.async_copy_global_to_shared(dot_desc, [(q_head0 + g) * HEAD_DIM_V, start_m], ready.index(s),
+                                                dot_smem.index(s))
             if DO_DK:
                 tma.async_copy_global_to_shared(do_desc, [do_row0 + g * do_rh + start_m, do_col0 + g * do_ch],
                                                 ready.index(s), do_smem.index(s))
                 tma.async_copy_global_to_shared(qt_desc, [t_row, start_m], ready.index(s), qt_smem.index(s))
+                if QK_SPLIT:
+                    tma.async_copy_global_to_shared(qt2_desc, [t_row + D1, start_m], ready.index(s),
+                                                    qt2_smem.index(s))
             rows = start_m + offs
             ok = rows < seqlen_q
             base = vec_head0 + g * s_vech + rows
@@ -158,42 +179,51 @@ def _quantize_rows(x, x_max, p_layout: gl.constexpr, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _accumulate_product(acc, x8, x_scale, b_smem, o_zero):
+def _accumulate_product(acc, x8, x_scale, b_smem):
     """``acc += x_scale * (x8 @ B)``, ``B`` an int8 tile in shared memory; the int32 product is dequantized by
-    the forward's add trick (quantize.int32_times)."""
-    prod = warpgroup_mma(x8, b_smem.permute((1, 0)), o_zero, use_acc=False)
+    the forward's add trick (quantize.int32_times). ``x8`` and ``x_scale`` are moved to ``acc``'s layouts (a
+    relabelling: A's registers and the rows do not depend on the product's width)."""
+    o_layout: gl.constexpr = acc.type.layout
+    x8 = gl.convert_layout(x8, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4), assert_trivial=True)
+    x_scale = gl.convert_layout(x_scale, gl.SliceLayout(1, o_layout), assert_trivial=True)
+    prod = warpgroup_mma(x8, b_smem.permute((1, 0)), gl.zeros(acc.shape, gl.int32, o_layout), use_acc=False)
     return gl.fma((prod + 0x4B400000).to(gl.float32, bitcast=True), x_scale[:, None],
                   acc + (x_scale * -12582912.0)[:, None])
 
 
 @gluon.jit
-def _quantized_product(acc, x, x_max, factor, b_smem, empty_bar, o_zero, p_layout: gl.constexpr,
-                       o_layout: gl.constexpr):
-    """``acc += factor * (x @ B)`` with ``x`` quantized per row, then ``B``'s ring stage released (``empty_bar``)."""
+def _quantized_product(acc, acc2, x, x_max, factor, b_smem, b2_smem, empty_bar, SPLIT: gl.constexpr,
+                       p_layout: gl.constexpr, o_layout: gl.constexpr):
+    """``acc += factor * (x @ B)`` with ``x`` quantized per row, then ``B``'s ring stage released (``empty_bar``).
+    ``SPLIT``: B's columns past the first block in ``b2_smem``, their product in ``acc2``."""
     x8, x_scale = _quantize_rows(x, x_max, p_layout, o_layout)
-    acc = _accumulate_product(acc, x8, x_scale * factor, b_smem, o_zero)
+    acc = _accumulate_product(acc, x8, x_scale * factor, b_smem)
+    if SPLIT:
+        acc2 = _accumulate_product(acc2, x8, x_scale * factor, b2_smem)
     mbarrier.arrive(empty_bar, count=1)
-    return acc
+    return acc, acc2
 
 
 @gluon.jit
-def _key_tiles_bwd(dv_acc, dk_acc, it, k8, v16, k_scale, k_bias, q_smem, qt_smem, do_smem, dot_smem, vec_smem,
-                   ready, empty, keys, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
-                   softcap2, MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem,
+                   do_smem, dot_smem, vec_smem, ready, empty, keys, lo, hi, seqlen_q, seqlen_k, window_left,
+                   window_right, softcap2, MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                    DO_DK: gl.constexpr, DO_DV: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr,
-                   BLOCK_Q: gl.constexpr, s_layout: gl.constexpr,
+                   BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr, s_layout: gl.constexpr,
                    dp_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """Query tiles ``[lo, hi)`` of one head for one warpgroup's 64 keys: dV += P^T dO and/or dK += dS^T Q."""
+    """Query tiles ``[lo, hi)`` of one head for one warpgroup's 64 keys: dV += P^T dO and/or dK += dS^T Q
+    (``QK_SPLIT``: Q's channels past the first block into ``dk2_acc``)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     offs_m = gl.arange(0, BLOCK_Q, layout=col_layout)
     s_zero = gl.zeros([HALF_N, BLOCK_Q], gl.int32, s_layout)
     dp_zero = gl.zeros([HALF_N, BLOCK_Q], gl.float32, dp_layout)
-    o_zero = gl.zeros(dv_acc.shape, gl.int32, o_layout)
     diag = seqlen_k - seqlen_q
     for start_m in range(lo, hi, BLOCK_Q):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         st_tok = warpgroup_mma(k8, q_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if QK_SPLIT:    # the channels past the first block, into the same int32 scores
+            st_tok = warpgroup_mma(k8b, q2_smem.index(s).permute((1, 0)), st_tok, is_async=True)
         if DO_DK:   # dP^T = V dO^T in the input dtype (quantizing it would feed error into dS), beside S^T
             dpt_tok = warpgroup_mma(v16, do_smem.index(s).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
             st_int = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))   # P^T's math under dP^T's product
@@ -230,69 +260,86 @@ def _key_tiles_bwd(dv_acc, dk_acc, it, k8, v16, k_scale, k_bias, q_smem, qt_smem
                 xk = xk * (1.0 - tht * tht)
             ds8, ds_scale = _quantize_rows(xk, gl.max(gl.abs(xk), 1), p_layout, o_layout)
         if DO_DV:
-            dv_acc = _accumulate_product(dv_acc, pv8, pv_scale, dot_smem.index(s), o_zero)
+            dv_acc = _accumulate_product(dv_acc, pv8, pv_scale, dot_smem.index(s))
         if DO_DK:
-            dk_acc = _accumulate_product(dk_acc, ds8, ds_scale, qt_smem.index(s), o_zero)
+            dk_acc = _accumulate_product(dk_acc, ds8, ds_scale, qt_smem.index(s))
+            if QK_SPLIT:
+                dk2_acc = _accumulate_product(dk2_acc, ds8, ds_scale, qt2_smem.index(s))
         mbarrier.arrive(empty.index(s), count=1)
         it += 1
-    return dv_acc, dk_acc, it
+    return dv_acc, dk_acc, dk2_acc, it
 
 
 @gluon.jit
-def _store_rows(acc, rows, seqlen, OUT, out_off, s_ot, out_scale, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+def _store_rows(acc, rows, seqlen, OUT, out_off, s_ot, out_scale, COL0: gl.constexpr):
+    """Rows of ``acc`` (scaled) into columns ``[COL0, COL0 + width)`` of ``OUT``'s rows ``rows``."""
+    o_layout: gl.constexpr = acc.type.layout
+    offs_d = COL0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_layout))
     rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
     ptrs = OUT + out_off + rows_o.to(gl.int64)[:, None] * s_ot + offs_d[None, :]
     gl.store(ptrs, (acc * out_scale).to(OUT.dtype.element_ty), mask=(rows_o < seqlen)[:, None])
 
 
 @gluon.jit
-def _bwd_consumer(k8, v16, first, q_smem, qt_smem, do_smem, dot_smem, vec_smem, k_bar, ready, empty, KS, DV, DK,
-                  ks_off, dv_off, s_dvt, dk_off, s_dkt, seqlen_q, seqlen_k, window_left, window_right, group, lo,
-                  full_lo, full_hi, hi, softmax_scale, softcap2, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr,
-                  MASK_RIGHT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr, FOLD: gl.constexpr,
-                  SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr):
-    """One warpgroup: keys ``[first, first + 64)`` (their int8 K in ``k8``, V in ``v16``) against every query
-    tile of every query head of the group; writes their dV and/or dK rows."""
+def _bwd_consumer(k8, k8b, v16, first, q_smem, q2_smem, qt_smem, qt2_smem, do_smem, dot_smem, vec_smem, k_bar, ready,
+                  empty, KS, DV, DK, ks_off, dv_off, s_dvt, dk_off, s_dkt, seqlen_q, seqlen_k, window_left,
+                  window_right, group, lo, full_lo, full_hi, hi, softmax_scale, softcap2, D1: gl.constexpr,
+                  D2: gl.constexpr, HEAD_DIM_V: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                  DO_DK: gl.constexpr, DO_DV: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr,
+                  BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr):
+    """One warpgroup: keys ``[first, first + 64)`` (their int8 K in ``k8``, and ``k8b`` past the first ``D1``
+    channels with ``QK_SPLIT``; V in ``v16``) against every query tile of every query head of the group;
+    writes their dV and/or dK rows."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_Q, 32])
     dp_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_Q, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 32])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM_V, 32])
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, D1, 32])
+    dk2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D2, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=4)
     keys = first + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     k_scale = gl.load(KS + ks_off + keys, mask=keys < seqlen_k, other=0.0)
     k_bias = k_scale * -12582912.0
-    dv_acc = gl.zeros([HALF_N, HEAD_DIM], gl.float32, o_layout)
-    dk_acc = gl.zeros([HALF_N, HEAD_DIM], gl.float32, o_layout)
+    dv_acc = gl.zeros([HALF_N, HEAD_DIM_V], gl.float32, dv_layout)
+    dk_acc = gl.zeros([HALF_N, D1], gl.float32, dk_layout)
+    dk2_acc = gl.zeros([HALF_N, D2], gl.float32, dk2_layout)
     mbarrier.wait(k_bar, 0)
     it = lo * 0
     for g in range(group):
-        dv_acc, dk_acc, it = _key_tiles_bwd(
-            dv_acc, dk_acc, it, k8, v16, k_scale, k_bias, q_smem, qt_smem, do_smem, dot_smem, vec_smem, ready,
-            empty, keys, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right, softcap2, True, MASK_LEFT,
-            MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, s_layout, dp_layout, o_layout, p_layout)
-        dv_acc, dk_acc, it = _key_tiles_bwd(
-            dv_acc, dk_acc, it, k8, v16, k_scale, k_bias, q_smem, qt_smem, do_smem, dot_smem, vec_smem, ready,
-            empty, keys, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right, softcap2, False, MASK_LEFT,
-            MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, s_layout, dp_layout, o_layout, p_layout)
-        dv_acc, dk_acc, it = _key_tiles_bwd(
-            dv_acc, dk_acc, it, k8, v16, k_scale, k_bias, q_smem, qt_smem, do_smem, dot_smem, vec_smem, ready,
-            empty, keys, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right, softcap2, True, MASK_LEFT,
-            MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, s_layout, dp_layout, o_layout, p_layout)
+        dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
+            dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem, do_smem,
+            dot_smem, vec_smem, ready, empty, keys, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right,
+            softcap2, True, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT, s_layout,
+            dp_layout, dk_layout, p_layout)
+        dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
+            dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem, do_smem,
+            dot_smem, vec_smem, ready, empty, keys, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right,
+            softcap2, False, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT, s_layout,
+            dp_layout, dk_layout, p_layout)
+        dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
+            dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem, do_smem,
+            dot_smem, vec_smem, ready, empty, keys, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right,
+            softcap2, True, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT, s_layout,
+            dp_layout, dk_layout, p_layout)
     if DO_DV:
-        _store_rows(dv_acc, keys, seqlen_k, DV, dv_off, s_dvt, 1.0, HEAD_DIM, o_layout)
+        _store_rows(dv_acc, keys, seqlen_k, DV, dv_off, s_dvt, 1.0, 0)
     if DO_DK:
-        _store_rows(dk_acc, keys, seqlen_k, DK, dk_off, s_dkt, softmax_scale, HEAD_DIM, o_layout)
+        _store_rows(dk_acc, keys, seqlen_k, DK, dk_off, s_dkt, softmax_scale, 0)
+        if QK_SPLIT:
+            _store_rows(dk2_acc, keys, seqlen_k, DK, dk_off, s_dkt, softmax_scale, D1)
 
 
 @gluon.jit
 def _attn_bwd_dkdv_hopper_kernel(
-    q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, QS, LSE, DOS, DELTA, QSR, SHIFT, KS, DV, DK,
-    s_qsb, s_qsh, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch,
-    n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softmax_scale, softcap2,
-    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr, DO_DK: gl.constexpr,
+    q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, QS, LSE, DOS, DELTA, QSR, SHIFT,
+    KS, DV, DK, s_qsb, s_qsh, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, do_rb, do_rh, do_ch, v_rb,
+    v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softmax_scale, softcap2,
+    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+    QK_SPLIT: gl.constexpr, DO_DK: gl.constexpr,
     DO_DV: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FOLD: gl.constexpr,
     SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr,
 ):
@@ -305,8 +352,8 @@ def _attn_bwd_dkdv_hopper_kernel(
     start_n = pid_n * BLOCK_N
     lo, full_lo, full_hi, hi = _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                             MASK_LEFT, MASK_RIGHT, BLOCK_Q)
-    # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], dO8^T and Q8^T [B*H*D, Nq_pad], K8
-    # [B*Hk*Nk, D]; dO and V in the caller's memory (token_rows: row b*rb + h*rh + n, column h*ch)
+    # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], Q8^T [B*H*D, Nq_pad], dO8^T [B*H*Dv, Nq_pad],
+    # K8 [B*Hk*Nk, D]; dO and V in the caller's memory (token_rows: row b*rb + h*rh + n, column h*ch)
     q_head0 = b * num_heads + hk * group
     k_row = (b * num_kv_heads + hk) * n_k + start_n
     do_row0 = b * do_rb + (hk * group) * do_rh
@@ -328,6 +375,20 @@ def _attn_bwd_dkdv_hopper_kernel(
         do_smem = q_smem
         qt_smem = q_smem
         v_smem = k_smem
+    if QK_SPLIT:
+        q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [STAGES] + q2_desc.block_type.shape, q2_desc.layout)
+        k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [2] + k2_desc.block_type.shape, k2_desc.layout)
+        if DO_DK:
+            qt2_smem = gl.allocate_shared_memory(qt2_desc.dtype, [STAGES] + qt2_desc.block_type.shape,
+                                                 qt2_desc.layout)
+        else:
+            qt2_smem = q2_smem
+    else:
+        q2_smem = q_smem
+        k2_smem = k_smem
+        qt2_smem = q_smem
+    D1: gl.constexpr = q_desc.block_type.shape[1]
+    D2: gl.constexpr = q2_desc.block_type.shape[1] if QK_SPLIT else D1    # (unused without the split)
     vec_smem = gl.allocate_shared_memory(gl.float32, [NVEC * STAGES, BLOCK_Q],
                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -344,18 +405,21 @@ def _attn_bwd_dkdv_hopper_kernel(
     dk_off = b.to(gl.int64) * s_dkb + hk.to(gl.int64) * s_dkh
     # (each argument written out: a tuple built with + would turn the constexprs into runtime values)
     gl.warp_specialize([
-        (_bwd_consumer, (k_smem.index(0), v_smem.index(0), start_n, q_smem, qt_smem, do_smem, dot_smem, vec_smem,
-                         k_bar, ready, empty, KS, DV, DK, ks_off, dv_off, s_dvt, dk_off, s_dkt, seqlen_q, seqlen_k,
-                         window_left, window_right, group, lo, full_lo, full_hi, hi, softmax_scale, softcap2,
-                         HEAD_DIM, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q)),
-        (_bwd_consumer, (k_smem.index(1), v_smem.index(1), start_n + HALF_N, q_smem, qt_smem, do_smem, dot_smem,
-                         vec_smem, k_bar, ready, empty, KS, DV, DK, ks_off, dv_off, s_dvt, dk_off, s_dkt, seqlen_q,
-                         seqlen_k, window_left, window_right, group, lo, full_lo, full_hi, hi, softmax_scale,
-                         softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q)),
-        (_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem,
-                   v_smem, vec_smem, k_bar, ready, empty, QS, LSE, DOS, DELTA, QSR, SHIFT, 1.0 / softcap2, k_row,
-                   v_row, v_col, q_head0, do_row0, do_col0, do_rh, do_ch, vec_head0, s_qsh, n_q, group, seqlen_q,
-                   lo, hi, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q)),
+        (_bwd_consumer, (k_smem.index(0), k2_smem.index(0), v_smem.index(0), start_n, q_smem, q2_smem, qt_smem,
+                         qt2_smem, do_smem, dot_smem, vec_smem, k_bar, ready, empty, KS, DV, DK, ks_off, dv_off, s_dvt,
+                         dk_off, s_dkt, seqlen_q, seqlen_k, window_left, window_right, group, lo, full_lo, full_hi,
+                         hi, softmax_scale, softcap2, D1, D2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD,
+                         SOFTCAP, BLOCK_Q, QK_SPLIT)),
+        (_bwd_consumer, (k_smem.index(1), k2_smem.index(1), v_smem.index(1), start_n + HALF_N, q_smem, q2_smem,
+                         qt_smem, qt2_smem, do_smem, dot_smem, vec_smem, k_bar, ready, empty, KS, DV, DK, ks_off,
+                         dv_off, s_dvt, dk_off, s_dkt, seqlen_q, seqlen_k, window_left, window_right, group, lo,
+                         full_lo, full_hi, hi, softmax_scale, softcap2, D1, D2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT,
+                         DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT)),
+        (_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, q_smem, qt_smem,
+                   do_smem, dot_smem, k_smem, v_smem, q2_smem, qt2_smem, k2_smem, vec_smem, k_bar, ready, empty, QS,
+                   LSE, DOS, DELTA, QSR, SHIFT, 1.0 / softcap2, k_row, v_row, v_col, q_head0, do_row0, do_col0,
+                   do_rh, do_ch, vec_head0, s_qsh, n_q, group, seqlen_q, lo, hi, DO_DK, DO_DV, FOLD, SOFTCAP,
+                   BLOCK_Q, QK_SPLIT, HEAD_DIM, HEAD_DIM_V)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -364,45 +428,62 @@ def _attn_bwd_dkdv_hopper_kernel(
 # ---------------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem,
-               q_bar, ready, empty, q_row, do_row, do_col, k_row, v_row, v_col, kt_row, lo, hi):
+def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, q_smem, do_smem, k_smem, v_smem,
+               kt_smem, q2_smem, k2_smem, kt2_smem, q_bar, ready, empty, q_row, do_row, do_col, k_row, v_row, v_col,
+               kt_row, lo, hi, QK_SPLIT: gl.constexpr):
     """One warp: Q8 and dO (both halves) once; then per key tile of ``[lo, hi)``: K8 (for S), V (for dP) and
-    K8^T (dQ's B operand, token-contiguous as 8-bit wgmma wants it)."""
-    mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
+    K8^T (dQ's B operand, token-contiguous as 8-bit wgmma wants it); ``QK_SPLIT``: Q8's, K8's and K8^T's
+    channels past the first block as tiles of their own."""
+    BLOCK_K: gl.constexpr = k_desc.block_type.shape[0]
+    D1: gl.constexpr = q_desc.block_type.shape[1]
+    q_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                             + (q2_desc.block_type.nbytes if QK_SPLIT else 0))
+    mbarrier.expect(q_bar, 2 * q_bytes)
     for i in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [q_row + i * HALF_N, 0], q_bar, q_smem.index(i))
+        if QK_SPLIT:
+            tma.async_copy_global_to_shared(q2_desc, [q_row + i * HALF_N, D1], q_bar, q2_smem.index(i))
         tma.async_copy_global_to_shared(do_desc, [do_row + i * HALF_N, do_col], q_bar, do_smem.index(i))
-    nbytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes
+    nbytes: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes
+                            + (k2_desc.block_type.nbytes + kt2_desc.block_type.nbytes if QK_SPLIT else 0))
     i = 0
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in range(lo, hi, BLOCK_K):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
         tma.async_copy_global_to_shared(v_desc, [v_row + start_n, v_col], ready.index(s), v_smem.index(s))
         tma.async_copy_global_to_shared(kt_desc, [kt_row, start_n], ready.index(s), kt_smem.index(s))
+        if QK_SPLIT:
+            tma.async_copy_global_to_shared(k2_desc, [k_row + start_n, D1], ready.index(s), k2_smem.index(s))
+            tma.async_copy_global_to_shared(kt2_desc, [kt_row + D1, start_n], ready.index(s), kt2_smem.index(s))
         i += 1
 
 
 @gluon.jit
-def _dq_tiles(acc, row_ds, it, ks, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta, rows, k_smem, v_smem,
-              kt_smem, KS, ks_off, ready, empty, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
-              MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              s_layout: gl.constexpr, dp_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """Key tiles ``[lo, hi)`` for one warpgroup's 64 queries: ``dQ += dS K`` (backward._dq_tile's numerics);
-    with ``SOFTCAP`` also ``row_ds += rowsum(dS)``. ``ks``: this tile's K scale, read a tile ahead."""
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    s_zero = gl.zeros([HALF_N, BLOCK_N], gl.int32, s_layout)
-    dp_zero = gl.zeros([HALF_N, BLOCK_N], gl.float32, dp_layout)
-    o_zero = gl.zeros(acc.shape, gl.int32, o_layout)
+def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, softcap2, lse, delta, rows, k_smem,
+              k2_smem, v_smem, kt_smem, kt2_smem, KS, ks_off, ready, empty, lo, hi, seqlen_q, seqlen_k, window_left,
+              window_right, MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+              SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr, s_layout: gl.constexpr, dp_layout: gl.constexpr,
+              o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Key tiles ``[lo, hi)`` for one warpgroup's 64 queries: ``dQ += dS K`` (backward._dq_tile's numerics;
+    ``QK_SPLIT``: K's channels past the first block into ``acc2``); with ``SOFTCAP`` also ``row_ds +=
+    rowsum(dS)``. ``ks``: this tile's K scale, read a tile ahead (one per K_SCALE_BLOCK keys: a 64-key tile
+    reads its block's)."""
+    BLOCK_K: gl.constexpr = k_smem.shape[1]
+    offs_n = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([HALF_N, BLOCK_K], gl.int32, s_layout)
+    dp_zero = gl.zeros([HALF_N, BLOCK_K], gl.float32, dp_layout)
     diag = seqlen_k - seqlen_q
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in range(lo, hi, BLOCK_K):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         s_tok = warpgroup_mma(q8, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if QK_SPLIT:    # the channels past the first block, into the same int32 scores
+            s_tok = warpgroup_mma(q8b, k2_smem.index(s).permute((1, 0)), s_tok, is_async=True)
         # dP = dO V^T in the input dtype (quantizing it would feed error into dS), beside S
         dp_tok = warpgroup_mma(do16, v_smem.index(s).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
-        ks_next = gl.load(KS + ks_off + start_n + BLOCK_N, mask=start_n + BLOCK_N < seqlen_k, other=0.0)
+        ks_next = gl.load(KS + ks_off + start_n + BLOCK_K, mask=start_n + BLOCK_K < seqlen_k, other=0.0)
         s_int, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
         # x = 1.5 * 2^23 + S_int read as a float (quantize.int32_times); the tile's one K scale joins each row's
         # constants (per-key scales cost an FMA a score and 64 registers, which spilled at D=128)
@@ -424,24 +505,28 @@ def _dq_tiles(acc, row_ds, it, ks, q8, do16, q_scale, cap_a, cap_b, softcap2, ls
             x = x * (1.0 - th * th)
             row_ds += gl.sum(gl.where((start_n + offs_n < seqlen_k)[None, :], x, 0.0), 1)
         x_max = gl.max(gl.abs(x), 1)
-        acc = _quantized_product(acc, x, x_max, ks, kt_smem.index(s), empty.index(s), o_zero, p_layout, o_layout)
+        acc, acc2 = _quantized_product(acc, acc2, x, x_max, ks, kt_smem.index(s), kt2_smem.index(s), empty.index(s),
+                                       QK_SPLIT, p_layout, o_layout)
         it += 1
         ks = ks_next
-    return acc, row_ds, it, ks
+    return acc, acc2, row_ds, it, ks
 
 
 @gluon.jit
-def _dq_consumer(q8, do16, first, k_smem, v_smem, kt_smem, q_bar, ready, empty, QS, LSE, DELTA, SHIFT,
-                 ROW_DS, KS, DQ, vec_off, ks_off, dq_off, s_dqt, seqlen_q, seqlen_k, window_left, window_right,
-                 lo, full_lo, full_hi, hi, out_scale, softcap2, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr,
-                 MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr):
+def _dq_consumer(q8, q8b, do16, first, k_smem, k2_smem, v_smem, kt_smem, kt2_smem, q_bar, ready, empty, QS, LSE,
+                 DELTA, SHIFT, ROW_DS, KS, DQ, vec_off, ks_off, dq_off, s_dqt, seqlen_q, seqlen_k, window_left,
+                 window_right, lo, full_lo, full_hi, hi, out_scale, softcap2, D1: gl.constexpr, D2: gl.constexpr,
+                 MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr):
     """One warpgroup: queries ``[first, first + 64)`` against every key tile; writes their dQ rows."""
+    BLOCK_K: gl.constexpr = k_smem.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 32])
+                                                       instr_shape=[16, BLOCK_K, 32])
     dp_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_N, 16])
+                                                        instr_shape=[16, BLOCK_K, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 32])
+                                                       instr_shape=[16, D1, 32])
+    o2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, D2, 32])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows = first + gl.arange(0, HALF_N, layout=row_layout)
@@ -456,36 +541,39 @@ def _dq_consumer(q8, do16, first, k_smem, v_smem, kt_smem, q_bar, ready, empty, 
         cap_a = q_scale * inv_cap
         cap_b = gl.load(SHIFT + vec_off + rows, mask=m_ok, other=0.0) * inv_cap
     row_ds = gl.zeros([HALF_N], gl.float32, row_layout)
-    acc = gl.zeros([HALF_N, HEAD_DIM], gl.float32, o_layout)
+    acc = gl.zeros([HALF_N, D1], gl.float32, o_layout)
+    acc2 = gl.zeros([HALF_N, D2], gl.float32, o2_layout)
     mbarrier.wait(q_bar, 0)
     it = lo * 0
     ks = gl.load(KS + ks_off + lo, mask=lo < hi, other=0.0)
-    acc, row_ds, it, ks = _dq_tiles(acc, row_ds, it, ks, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta,
-                                    rows, k_smem, v_smem, kt_smem, KS, ks_off, ready, empty, lo, full_lo, seqlen_q,
-                                    seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                    s_layout, dp_layout, o_layout, p_layout)
-    acc, row_ds, it, ks = _dq_tiles(acc, row_ds, it, ks, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta,
-                                    rows, k_smem, v_smem, kt_smem, KS, ks_off, ready, empty, full_lo, full_hi, seqlen_q,
-                                    seqlen_k, window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                    s_layout, dp_layout, o_layout, p_layout)
-    acc, row_ds, it, ks = _dq_tiles(acc, row_ds, it, ks, q8, do16, q_scale, cap_a, cap_b, softcap2, lse, delta,
-                                    rows, k_smem, v_smem, kt_smem, KS, ks_off, ready, empty, full_hi, hi, seqlen_q,
-                                    seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                    s_layout, dp_layout, o_layout, p_layout)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
-    ptrs = DQ + dq_off + rows_o.to(gl.int64)[:, None] * s_dqt + offs_d[None, :]
-    gl.store(ptrs, (acc * out_scale).to(DQ.dtype.element_ty), mask=(rows_o < seqlen_q)[:, None])
+    acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, softcap2,
+                                          lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem, KS, ks_off,
+                                          ready, empty, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right,
+                                          True, MASK_LEFT, MASK_RIGHT, SOFTCAP, QK_SPLIT, s_layout, dp_layout,
+                                          o_layout, p_layout)
+    acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, softcap2,
+                                          lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem, KS, ks_off,
+                                          ready, empty, full_lo, full_hi, seqlen_q, seqlen_k, window_left,
+                                          window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, QK_SPLIT, s_layout,
+                                          dp_layout, o_layout, p_layout)
+    acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, softcap2,
+                                          lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem, KS, ks_off,
+                                          ready, empty, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right,
+                                          True, MASK_LEFT, MASK_RIGHT, SOFTCAP, QK_SPLIT, s_layout, dp_layout,
+                                          o_layout, p_layout)
+    _store_rows(acc, rows, seqlen_q, DQ, dq_off, s_dqt, out_scale, 0)
+    if QK_SPLIT:
+        _store_rows(acc2, rows, seqlen_q, DQ, dq_off, s_dqt, out_scale, D1)
     if SOFTCAP:
         gl.store(ROW_DS + vec_off + rows, row_ds, mask=m_ok)
 
 
 @gluon.jit
 def _attn_bwd_dq_hopper_kernel(
-    q_desc, do_desc, k_desc, v_desc, kt_desc, QS, LSE, DELTA, SHIFT, ROW_DS, KS, DQ,
+    q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, QS, LSE, DELTA, SHIFT, ROW_DS, KS, DQ,
     s_qsb, s_qsh, s_ksb, s_ksh, s_dqb, s_dqh, s_dqt, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch,
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, out_scale, softcap2,
-    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
+    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr, QK_SPLIT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, SOFTCAP: gl.constexpr,
 ):
     pid_m = gl.program_id(0)
@@ -496,8 +584,9 @@ def _attn_bwd_dq_hopper_kernel(
     seqlen_q = n_q + b * 0
     seqlen_k = n_k + b * 0
     start_m = pid_m * BLOCK_M
+    BLOCK_K: gl.constexpr = k_desc.block_type.shape[0]
     lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                          BLOCK_M, MASK_LEFT, MASK_RIGHT)
+                                          BLOCK_M, MASK_LEFT, MASK_RIGHT, BLOCK_K)
     # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], K8 [B*Hk*Nk, D], K8^T [B*Hk*D, Nk_pad];
     # dO and V in the caller's memory (token_rows: row b*rb + h*rh + n, column h*ch)
     q_row = pid_bh * n_q + start_m
@@ -513,6 +602,16 @@ def _attn_bwd_dq_hopper_kernel(
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     kt_smem = gl.allocate_shared_memory(kt_desc.dtype, [STAGES] + kt_desc.block_type.shape, kt_desc.layout)
+    if QK_SPLIT:
+        q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [2] + q2_desc.block_type.shape, q2_desc.layout)
+        k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [STAGES] + k2_desc.block_type.shape, k2_desc.layout)
+        kt2_smem = gl.allocate_shared_memory(kt2_desc.dtype, [STAGES] + kt2_desc.block_type.shape, kt2_desc.layout)
+    else:   # unused: buffers that exist stand in
+        q2_smem = q_smem
+        k2_smem = k_smem
+        kt2_smem = kt_smem
+    D1: gl.constexpr = q_desc.block_type.shape[1]
+    D2: gl.constexpr = q2_desc.block_type.shape[1] if QK_SPLIT else D1    # (unused without the split)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -525,16 +624,17 @@ def _attn_bwd_dq_hopper_kernel(
     ks_off = b.to(gl.int64) * s_ksb + hk * s_ksh
     dq_off = b.to(gl.int64) * s_dqb + h.to(gl.int64) * s_dqh
     gl.warp_specialize([
-        (_dq_consumer, (q_smem.index(0), do_smem.index(0), start_m, k_smem, v_smem, kt_smem, q_bar,
-                        ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, KS, DQ, vec_off, ks_off, dq_off, s_dqt,
-                        seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, out_scale,
-                        softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, SOFTCAP)),
-        (_dq_consumer, (q_smem.index(1), do_smem.index(1), start_m + HALF_N, k_smem, v_smem, kt_smem,
-                        q_bar, ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, KS, DQ, vec_off, ks_off, dq_off, s_dqt,
-                        seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, out_scale, softcap2,
-                        HEAD_DIM, MASK_LEFT, MASK_RIGHT, SOFTCAP)),
-        (_dq_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem,
-                      q_bar, ready, empty, q_row, do_row, do_col, k_row, v_row, v_col, kt_row, lo, hi)),
+        (_dq_consumer, (q_smem.index(0), q2_smem.index(0), do_smem.index(0), start_m, k_smem, k2_smem, v_smem, kt_smem,
+                        kt2_smem, q_bar, ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, KS, DQ, vec_off, ks_off, dq_off,
+                        s_dqt, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, out_scale,
+                        softcap2, D1, D2, MASK_LEFT, MASK_RIGHT, SOFTCAP, QK_SPLIT)),
+        (_dq_consumer, (q_smem.index(1), q2_smem.index(1), do_smem.index(1), start_m + HALF_N, k_smem, k2_smem, v_smem,
+                        kt_smem, kt2_smem, q_bar, ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, KS, DQ, vec_off, ks_off,
+                        dq_off, s_dqt, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi,
+                        out_scale, softcap2, D1, D2, MASK_LEFT, MASK_RIGHT, SOFTCAP, QK_SPLIT)),
+        (_dq_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, q_smem, do_smem, k_smem,
+                      v_smem, kt_smem, q2_smem, k2_smem, kt2_smem, q_bar, ready, empty, q_row, do_row, do_col, k_row,
+                      v_row, v_col, kt_row, lo, hi, QK_SPLIT)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -558,7 +658,8 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     ``[B, H, N, D]`` tensors as ``backward.launch_backward`` takes them (``quant`` from
     ``quantize_qk(..., transposed=True)``; ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None
     where not written."""
-    assert part in ("dv", "dk", "dkdv") and head_dim in (64, 128)
+    head_dim_v = v4.shape[3]
+    assert part in ("dv", "dk", "dkdv") and (head_dim, head_dim_v) in HEAD_DIMS
     do_dv, do_dk = part in ("dv", "dkdv"), part in ("dk", "dkdv")
     if fold is None:    # measured (H100): dV alone 1.09-1.12x with it; dK 0.95-1.03x (more spills at D=128)
         fold = part == "dv"
@@ -573,27 +674,32 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     for t in (lse, do_scale, delta, q_scale_raw, shift):
         assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
     io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
-    q_desc = _tma_desc(_rows(q8), [block_q, d], gl.int8)
-    k_desc = _tma_desc(_rows(k8), [HALF_N.value, d], gl.int8)
-    dot_desc = _tma_desc(do8t.reshape(-1, do8t.shape[-1]), [d, block_q], gl.int8) if do_dv else q_desc
+    d1, d2 = qk_blocks(d)
+    q_desc = _tma_desc(_rows(q8), [block_q, d1], gl.int8)
+    k_desc = _tma_desc(_rows(k8), [HALF_N.value, d1], gl.int8)
+    q2_desc = _tma_desc(_rows(q8), [block_q, d2], gl.int8) if d2 else q_desc
+    k2_desc = _tma_desc(_rows(k8), [HALF_N.value, d2], gl.int8) if d2 else k_desc
+    dot_desc = _tma_desc(do8t.reshape(-1, do8t.shape[-1]), [head_dim_v, block_q], gl.int8) if do_dv else q_desc
     if do_dk:
         qt = quant["q8t"]
-        qt_desc = _tma_desc(qt.reshape(-1, qt.shape[-1]), [d, block_q], gl.int8)
-        do_desc, do_coords = _caller_desc(do4, [block_q, d], io_dtype)
-        v_desc, v_coords = _caller_desc(v4, [HALF_N.value, d], io_dtype)
+        qt_desc = _tma_desc(qt.reshape(-1, qt.shape[-1]), [d1, block_q], gl.int8)
+        qt2_desc = _tma_desc(qt.reshape(-1, qt.shape[-1]), [d2, block_q], gl.int8) if d2 else qt_desc
+        do_desc, do_coords = _caller_desc(do4, [block_q, head_dim_v], io_dtype)
+        v_desc, v_coords = _caller_desc(v4, [HALF_N.value, head_dim_v], io_dtype)
     else:
-        qt_desc, do_desc, v_desc = q_desc, q_desc, k_desc          # unused
+        qt_desc, qt2_desc, do_desc, v_desc = q_desc, q_desc, q_desc, k_desc          # unused
         do_coords = v_coords = (0, 0, 0)
     dv4 = dv4 if do_dv else dk4
     dk4 = dk4 if do_dk else dv4
     assert dv4.stride(3) == 1 and dk4.stride(3) == 1
     grid = (cdiv(n_k, BLOCK_N.value), bsz * hk)
     return grid, (
-        q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q_scale, lse, do_scale, delta, q_scale_raw, shift,
-        k_scale, dv4, dk4, q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
+        q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, q_scale, lse, do_scale,
+        delta, q_scale_raw, shift, k_scale, dv4, dk4, q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
         *dv4.stride()[:3], *dk4.stride()[:3], *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1],
         softmax_scale, float(softcap) * LOG2E if softcap else 1.0,
-    ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim, DO_DK=do_dk, DO_DV=do_dv,
+    ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+            QK_SPLIT=bool(d2), DO_DK=do_dk, DO_DV=do_dv,
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, SOFTCAP=bool(softcap),
             BLOCK_Q=block_q, num_warps=4)
 
@@ -611,8 +717,10 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
     """(grid, args, kwargs) of the dQ launch: padded ``[B, H, N, D]`` tensors as ``backward.launch_backward``
     takes them (``quant`` from ``quantize_qk(..., transposed=True)``, whose ``k8t`` is dQ's B operand;
     ``softcap``, ``shift``, ``row_ds`` as there)."""
-    assert head_dim in (64, 128) and dq4.stride(3) == 1
-    assert head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == BLOCK_N.value, "one K scale a key tile"
+    head_dim_v = v4.shape[3]
+    assert (head_dim, head_dim_v) in HEAD_DIMS and dq4.stride(3) == 1
+    block_k = dq_key_tile(head_dim)
+    assert head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK % block_k == 0, "one K scale a key tile"
     assert quant["q_mean"] is None, "no Q-smoothing on this path"
     q8, k8, k8t, q_scale, k_scale = quant["q8"], quant["k8"], quant["k8t"], quant["q_scale"], quant["k_scale"]
     bsz, hq, n_q, d = q8.shape
@@ -622,18 +730,23 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
     for t in (lse, delta, shift, row_ds):
         assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
     io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
-    q_desc = _tma_desc(_rows(q8), [HALF_N.value, d], gl.int8)
-    do_desc, do_coords = _caller_desc(do4, [HALF_N.value, d], io_dtype)
-    k_desc = _tma_desc(_rows(k8), [BLOCK_N.value, d], gl.int8)
-    v_desc, v_coords = _caller_desc(v4, [BLOCK_N.value, d], io_dtype)
-    kt_desc = _tma_desc(k8t.reshape(-1, k8t.shape[-1]), [d, BLOCK_N.value], gl.int8)
+    d1, d2 = qk_blocks(d)
+    q_desc = _tma_desc(_rows(q8), [HALF_N.value, d1], gl.int8)
+    do_desc, do_coords = _caller_desc(do4, [HALF_N.value, head_dim_v], io_dtype)
+    k_desc = _tma_desc(_rows(k8), [block_k, d1], gl.int8)
+    v_desc, v_coords = _caller_desc(v4, [block_k, head_dim_v], io_dtype)
+    kt_desc = _tma_desc(k8t.reshape(-1, k8t.shape[-1]), [d1, block_k], gl.int8)
+    q2_desc = _tma_desc(_rows(q8), [HALF_N.value, d2], gl.int8) if d2 else q_desc
+    k2_desc = _tma_desc(_rows(k8), [block_k, d2], gl.int8) if d2 else k_desc
+    kt2_desc = _tma_desc(k8t.reshape(-1, k8t.shape[-1]), [d2, block_k], gl.int8) if d2 else kt_desc
     grid = (cdiv(n_q, BLOCK_M.value), bsz * hq)
     return grid, (
-        q_desc, do_desc, k_desc, v_desc, kt_desc, q_scale, lse, delta, shift, row_ds, k_scale, dq4,
+        q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, q_scale, lse, delta, shift, row_ds,
+        k_scale, dq4,
         q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1), *dq4.stride()[:3],
         *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1], softmax_scale,
         float(softcap) * LOG2E if softcap else 1.0,
-    ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
+    ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim, QK_SPLIT=bool(d2),
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, SOFTCAP=bool(softcap), num_warps=4)
 
 

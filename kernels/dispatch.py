@@ -9,7 +9,7 @@
   Gluon backward for padded calls; the portable kernels everywhere else (the backward of packed batches too).
 * ``triton``: always the portable kernels (Ampere, Ada, Hopper, Blackwell, the interpreter).
 * ``gluon``: the Gluon kernels on an sm_90 GPU (H100, H200), also on an untested Triton release, for the calls
-  they take (head dim 64 or 128, no Q-smoothing; the forward padded or packed, the backward padded); any other
+  they take (head dims 64, 128, or MLA's 192 for Q/K with 128 for V; no Q-smoothing; the forward padded or packed, the backward padded); any other
   call runs the portable kernels, with one warning. On a GPU that is not sm_90, or without Gluon, it raises.
 
 ``kernel_counts()`` says which ran (``sagebwd_hf.attention_stats()["kernels"]`` too).
@@ -25,7 +25,9 @@ import triton
 ENV_VAR = "SAGEBWD_KERNELS"
 CHOICES = ("auto", "gluon", "triton")
 GLUON_TESTED = ("3.6",)            # Triton major.minor releases the Gluon kernels were run and checked on
-GLUON_HEAD_DIMS = (64, 128)
+# (Q/K head dim, V head dim) pairs the Gluon kernels take: MLA's 192/128 (DeepSeek V2/V3, session 17) beside
+# the square ones; forward_hopper.qk_blocks says how 192 is tiled
+GLUON_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
 # Measured on an H100 (docs/speed_notes.md, session 4), whole forward against the portable kernels: 1.02-1.24x
 # at D=128 from 4K keys, 1.01-1.08x at D=64 (1K-16K), but 0.93x at D=128 with 1K keys. Kernels alone (session
 # 14): at D=128 with 1K keys 1.15x without a mask but 0.97x causal (2K: 1.15x, 1.04x), so below
@@ -44,6 +46,7 @@ GLUON_SOFTCAP_FORWARD = False
 # consumers: at D=64 (spill-free at 160 registers, session 15) 1.13x at 4K and 16K keys without a mask, 1.02x at
 # 1K; at D=128 (a few spilled registers a tile, session 16, two runs) 1.07-1.08x at 4K, 1.09-1.11x at 16K, 1.01x
 # at 1K; causal 0.55-0.95x at D=64, 0.56-0.88x at D=128: 192-row programs cross the diagonal on more tiles.
+# MLA's 192/128 (session 17, one run, 4K keys): 1.04x without a mask, 0.63x causal (0.82x at 16K).
 # So unmasked, from this many query rows (the longest sequence's), and not soft-capped.
 GLUON_THREE_CONSUMERS_MIN_QUERIES = 2048
 
@@ -125,7 +128,7 @@ def _warn_untested_triton(device: torch.device) -> None:
 
 def gluon_forward_consumers(head_dim: int, masked: bool, softcap: bool, max_len_q: int) -> int:
     """Consumer warpgroups of a Gluon forward launch (``forward_hopper_args``'s ``consumers``)."""
-    three = head_dim in (64, 128) and not masked and not softcap and max_len_q >= GLUON_THREE_CONSUMERS_MIN_QUERIES
+    three = head_dim in (64, 128, 192) and not masked and not softcap and max_len_q >= GLUON_THREE_CONSUMERS_MIN_QUERIES
     return 3 if three else 2
 
 
@@ -136,13 +139,13 @@ def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bo
     ``masked``: a causal or windowed call;
     ``backward``: the choice for the backward pass, whose Gluon kernels take padded batches only;
     ``softcap``: soft-capped scores (both families compute them; ``auto`` keeps the forward of such calls on
-    the portable kernels, see ``GLUON_SOFTCAP_FORWARD``); ``head_dim_v``: V's head dim,
-    which the Gluon kernels need equal to Q's and K's)."""
+    the portable kernels, see ``GLUON_SOFTCAP_FORWARD``); ``head_dim_v``: V's head dim (None: Q's), the pair
+    one of ``GLUON_HEAD_DIMS``)."""
     choice = requested()
     if choice == "triton":
         return False
-    takes_call = (head_dim in GLUON_HEAD_DIMS and not q_smoothing and not (backward and varlen)
-                  and head_dim_v in (None, head_dim))
+    takes_call = ((head_dim, head_dim_v or head_dim) in GLUON_HEAD_DIMS and not q_smoothing
+                  and not (backward and varlen))
     if choice == "auto":
         if backward:
             faster = GLUON_BWD_BY_DEFAULT
@@ -164,7 +167,7 @@ def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bo
         if key not in _warned:
             _warned.add(key)
             what = "backward (packed batch)" if backward and varlen else "kernels"
-            warnings.warn(f"{ENV_VAR}=gluon: the Gluon forward takes head dims {GLUON_HEAD_DIMS} (V's the same) "
+            warnings.warn(f"{ENV_VAR}=gluon: the Gluon forward takes (Q/K, V) head dims {GLUON_HEAD_DIMS} "
                           f"without Q-smoothing, the Gluon backward padded batches of those; this "
                           f"call's {what} (head dim {head_dim}, V's {head_dim_v or head_dim}, q_smoothing="
                           f"{q_smoothing}, packed={varlen}, softcap={softcap}) runs the portable Triton kernels",

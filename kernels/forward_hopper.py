@@ -37,6 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .dispatch import GLUON_HEAD_DIMS as HEAD_DIMS   # (Q/K, V) head dim pairs: see qk_blocks for 192
 from .launch import launch
 from .layout import cdiv
 from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
@@ -121,21 +122,21 @@ def _ceil_to(x, BLOCK: gl.constexpr):
 
 @gluon.jit
 def _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
-               ROWS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
-    """forward._key_tiles for ``ROWS`` query rows (keys past the end always masked): ``[lo, full_lo)`` and
-    ``[full_hi, hi)`` need the mask, ``[full_lo, full_hi)`` does not."""
+               ROWS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, BLOCK: gl.constexpr):
+    """forward._key_tiles for ``ROWS`` query rows and ``BLOCK``-key tiles (keys past the end always masked):
+    ``[lo, full_lo)`` and ``[full_hi, hi)`` need the mask, ``[full_lo, full_hi)`` does not."""
     diag = seqlen_k - seqlen_q
     hi = seqlen_k
-    full_hi = _floor_to(seqlen_k, BLOCK_N)
+    full_hi = _floor_to(seqlen_k, BLOCK)
     lo = seqlen_k * 0           # a tensor either way: partitions take no Python ints
     full_lo = lo
     if MASK_RIGHT:
         hi = gl.minimum(hi, start_m + ROWS + diag + window_right)
-        full_hi = gl.minimum(full_hi, _floor_to(start_m + diag + window_right + 1, BLOCK_N))
+        full_hi = gl.minimum(full_hi, _floor_to(start_m + diag + window_right + 1, BLOCK))
     if MASK_LEFT:
-        lo = _floor_to(start_m + diag - window_left, BLOCK_N)
-        full_lo = _ceil_to(start_m + ROWS - 1 + diag - window_left, BLOCK_N)
-    hi = _ceil_to(hi, BLOCK_N)
+        lo = _floor_to(start_m + diag - window_left, BLOCK)
+        full_lo = _ceil_to(start_m + ROWS - 1 + diag - window_left, BLOCK)
+    hi = _ceil_to(hi, BLOCK)
     full_lo = gl.minimum(gl.maximum(full_lo, lo), hi)
     full_hi = gl.minimum(gl.maximum(full_hi, full_lo), hi)
     return lo, full_lo, full_hi, hi
@@ -155,13 +156,20 @@ def _band_mask(r2, c2, seqlen_q, seqlen_k, diag, window_left, window_right,
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, k_row, v_row, v0, lo, hi):
-    """One warp: every consumer's Q rows once, then every K / V^T tile of ``[lo, hi)`` into the ring."""
+def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_bar, ready,
+            empty, q_row, k_row, v_row, v0, lo, hi, QK_SPLIT: gl.constexpr):
+    """One warp: every consumer's Q rows once, then every K / V^T tile of ``[lo, hi)`` into the ring (with
+    ``QK_SPLIT``, Q's and K's channels past the first block as tiles of their own: see _scores)."""
     CONSUMERS: gl.constexpr = q_smem.shape[0]
-    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+    D1: gl.constexpr = q_desc.block_type.shape[1]
+    q_bytes: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if QK_SPLIT else 0)
+    mbarrier.expect(q_bar, CONSUMERS * q_bytes)
     for c in gl.static_range(CONSUMERS):
         tma.async_copy_global_to_shared(q_desc, [q_row + c * HALF_M, 0], q_bar, q_smem.index(c))
-    nbytes: gl.constexpr = k_desc.block_type.nbytes + vt_desc.block_type.nbytes
+        if QK_SPLIT:
+            tma.async_copy_global_to_shared(q2_desc, [q_row + c * HALF_M, D1], q_bar, q2_smem.index(c))
+    nbytes: gl.constexpr = (k_desc.block_type.nbytes + vt_desc.block_type.nbytes
+                            + (k2_desc.block_type.nbytes if QK_SPLIT else 0))
     i = 0
     for start_n in range(lo, hi, BLOCK_N):
         s = i % STAGES
@@ -169,16 +177,18 @@ def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
+        if QK_SPLIT:
+            tma.async_copy_global_to_shared(k2_desc, [k_row + start_n, D1], ready.index(s), k2_smem.index(s))
         tma.async_copy_global_to_shared(vt_desc, [v_row, v0 + start_n], ready.index(s), v_smem.index(s))
         i += 1
 
 
 @gluon.jit
-def _consume(acc, m_i, l_i, it, ks, q, k_smem, v_smem, ready, empty, turn_me, turn_other, KS, ks_off,
+def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty, turn_me, turn_other, KS, ks_off,
              rows, q_scale, cap_a, cap_b, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
              MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
              PINGPONG: gl.constexpr, FIRST: gl.constexpr, EXP_POLY: gl.constexpr, SOFTCAP: gl.constexpr,
-             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+             QK_SPLIT: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key tiles ``[lo, hi)`` for one warpgroup's 64 rows, each S = Q K^T waited for before its softmax.
     ``ks``: this tile's K scale, read a tile ahead (global-load latency stalled the loop when read after S).
 
@@ -197,6 +207,8 @@ def _consume(acc, m_i, l_i, it, ks, q, k_smem, v_smem, ready, empty, turn_me, tu
         if PINGPONG:
             mbarrier.wait(turn_me, (it & 1) ^ FIRST)
         s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if QK_SPLIT:    # the channels past the first power-of-two block, into the same int32 scores
+            s_tok = warpgroup_mma(q2, k2_smem.index(s).permute((1, 0)), s_tok, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn_other, count=1)
         cols = start_n + offs_n
@@ -241,17 +253,17 @@ def _consume(acc, m_i, l_i, it, ks, q, k_smem, v_smem, ready, empty, turn_me, tu
 
 
 @gluon.jit
-def _consumer(q, first, k_smem, v_smem, q_bar, ready, empty, turn_me, turn_other, QS, KS, VS, O, LSE,
+def _consumer(q, q2, first, k_smem, k2_smem, v_smem, q_bar, ready, empty, turn_me, turn_other, QS, KS, VS, O, LSE,
               qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
               seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
-              SHIFT, softcap2, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+              SHIFT, softcap2, HEAD_DIM_V: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
               PINGPONG: gl.constexpr, FIRST: gl.constexpr, SINK_MODE: gl.constexpr, EXP_POLY: gl.constexpr,
-              SOFTCAP: gl.constexpr):
+              SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr):
     """One warpgroup: query rows ``[first, first + 64)`` (their int8 Q in ``q``) against all key tiles."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 32])
+                                                       instr_shape=[16, HEAD_DIM_V, 32])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -268,24 +280,24 @@ def _consumer(q, first, k_smem, v_smem, q_bar, ready, empty, turn_me, turn_other
         q_scale = gl.full([HALF_M], 0.0, gl.float32, row_layout) + softcap2
     m_i = gl.full([HALF_M], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([HALF_M], gl.float32, row_layout)
-    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+    acc = gl.zeros([HALF_M, HEAD_DIM_V], gl.float32, o_layout)
 
     mbarrier.wait(q_bar, 0)
     it = lo * 0
     ks = gl.load(KS + ks_off + lo, mask=lo < hi, other=0.0)
     # masked left edge, unmasked middle, masked right edge
-    acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, k_smem, v_smem, ready, empty,
+    acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
                                      turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, lo, full_lo,
                                  seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
-                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, s_layout, o_layout, p_layout)
-    acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, k_smem, v_smem, ready, empty,
+                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT, s_layout, o_layout, p_layout)
+    acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
                                      turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_lo, full_hi,
                                  seqlen_q, seqlen_k, window_left, window_right, False, MASK_LEFT, MASK_RIGHT,
-                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, s_layout, o_layout, p_layout)
-    acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, k_smem, v_smem, ready, empty,
+                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT, s_layout, o_layout, p_layout)
+    acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
                                      turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_hi, hi,
                                  seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
-                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, s_layout, o_layout, p_layout)
+                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT, s_layout, o_layout, p_layout)
 
     has_keys = l_i > 0
     lse = gl.where(has_keys, m_i + gl.log2(l_i), float("inf"))   # +inf: the backward's exp2(s - lse) is 0
@@ -301,7 +313,7 @@ def _consumer(q, first, k_smem, v_smem, q_bar, ready, empty, turn_me, turn_other
         lse = gl.where(has_keys, new_lse, lse)
     gl.store(LSE + lse_off + rows, lse, mask=m_ok)
     inv_l = gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    offs_d = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
     v_scale = gl.load(VS + vs_off + offs_d)
     out = acc * inv_l[:, None] * v_scale[None, :]
     rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
@@ -312,11 +324,11 @@ def _consumer(q, first, k_smem, v_smem, q_bar, ready, empty, turn_me, turn_other
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(
-    q_desc, k_desc, vt_desc, QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS, SINK_SHIFT, SHIFT,
+    q_desc, k_desc, vt_desc, q2_desc, k2_desc, QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS, SINK_SHIFT, SHIFT,
     s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softcap2,
-    IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
-    CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+    IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+    QK_SPLIT: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     SINK_MODE: gl.constexpr,
     EXP_POLY: gl.constexpr, SOFTCAP: gl.constexpr,
 ):
@@ -344,7 +356,7 @@ def _attn_fwd_hopper_kernel(
     ROWS: gl.constexpr = CONSUMERS * HALF_M
     start_m = pid_m * ROWS
     lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                          ROWS, MASK_LEFT, MASK_RIGHT)
+                                          ROWS, MASK_LEFT, MASK_RIGHT, BLOCK_N)
     # A program past the end of its sequence (packed batches) runs no tiles, but it must still enter
     # warp_specialize (the worker warps wait for it there). All four bounds go to 0: with a window, such a
     # program's lo can pass its hi, and then the loader (lo..hi) and the consumers' loops disagreed: a hang.
@@ -356,11 +368,17 @@ def _attn_fwd_hopper_kernel(
     # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], K8 [B*Hk*Nk, D], V8T [B*Hk*D, Nk_pad]
     q_row = (bq * num_heads + h) * n_q + q0 + start_m
     k_row = (bk * num_kv_heads + hk) * n_k + k0
-    v_row = (bk * num_kv_heads + hk) * HEAD_DIM
+    v_row = (bk * num_kv_heads + hk) * HEAD_DIM_V
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES] + vt_desc.block_type.shape, vt_desc.layout)
+    if QK_SPLIT:
+        q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [CONSUMERS] + q2_desc.block_type.shape, q2_desc.layout)
+        k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [STAGES] + k2_desc.block_type.shape, k2_desc.layout)
+    else:   # unused: buffers that exist stand in
+        q2_smem = q_smem
+        k2_smem = k_smem
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -385,35 +403,39 @@ def _attn_fwd_hopper_kernel(
     # on Triton 3.6, "cannot convert JITFunction to tensor", hence one call per consumer count)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (q_smem.index(0), start_m, k_smem, v_smem, q_bar, ready, empty, turn.index(0),
+            (_consumer, (q_smem.index(0), q2_smem.index(0), start_m, k_smem, k2_smem, v_smem, q_bar, ready, empty, turn.index(0),
                          turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
                          seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
-                         SHIFT, softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE, EXP_POLY, SOFTCAP)),
-            (_consumer, (q_smem.index(1), start_m + HALF_M, k_smem, v_smem, q_bar, ready, empty, turn.index(1),
+                         SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE, EXP_POLY, SOFTCAP,
+                         QK_SPLIT)),
+            (_consumer, (q_smem.index(1), q2_smem.index(1), start_m + HALF_M, k_smem, k2_smem, v_smem, q_bar, ready, empty, turn.index(1),
                          turn.index(0), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
                          seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
-                         SHIFT, softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE, EXP_POLY, SOFTCAP)),
-            (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
-                       q_row, k_row, v_row, v0, lo, hi)),
+                         SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE, EXP_POLY, SOFTCAP,
+                         QK_SPLIT)),
+            (_loader, (q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_bar,
+                       ready, empty, q_row, k_row, v_row, v0, lo, hi, QK_SPLIT)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:   # three: 192 rows a program, no turns (FlashAttention 3's head-dim-64 tile)
         gl.static_assert(CONSUMERS == 3 and not PINGPONG, "2 consumer warpgroups, or 3 without ping-pong")
         gl.warp_specialize([
-            (_consumer, (q_smem.index(0), start_m, k_smem, v_smem, q_bar, ready, empty, turn.index(0),
+            (_consumer, (q_smem.index(0), q2_smem.index(0), start_m, k_smem, k2_smem, v_smem, q_bar, ready, empty, turn.index(0),
                          turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
                          seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
-                         SHIFT, softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, False, 1, SINK_MODE, EXP_POLY, SOFTCAP)),
-            (_consumer, (q_smem.index(1), start_m + HALF_M, k_smem, v_smem, q_bar, ready, empty, turn.index(1),
+                         SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 1, SINK_MODE, EXP_POLY, SOFTCAP,
+                         QK_SPLIT)),
+            (_consumer, (q_smem.index(1), q2_smem.index(1), start_m + HALF_M, k_smem, k2_smem, v_smem, q_bar, ready, empty, turn.index(1),
                          turn.index(0), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
                          seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
-                         SHIFT, softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE, EXP_POLY, SOFTCAP)),
-            (_consumer, (q_smem.index(2), start_m + 2 * HALF_M, k_smem, v_smem, q_bar, ready, empty,
+                         SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE, EXP_POLY, SOFTCAP,
+                         QK_SPLIT)),
+            (_consumer, (q_smem.index(2), q2_smem.index(2), start_m + 2 * HALF_M, k_smem, k2_smem, v_smem, q_bar, ready, empty,
                          turn.index(0), turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off, lse_off,
                          s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
-                         SINK_SHIFT, SHIFT, softcap2, HEAD_DIM, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE,
-                         EXP_POLY, SOFTCAP)),
-            (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
-                       q_row, k_row, v_row, v0, lo, hi)),
+                         SINK_SHIFT, SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE,
+                         EXP_POLY, SOFTCAP, QK_SPLIT)),
+            (_loader, (q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_bar,
+                       ready, empty, q_row, k_row, v_row, v0, lo, hi, QK_SPLIT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 
@@ -444,6 +466,14 @@ def _tma_desc(x2d, block_shape, dtype=gl.int8):
     return tma_descriptor(x2d, x2d.shape, x2d.stride(), block_shape, dtype)
 
 
+def qk_blocks(head_dim):
+    """Q's and K's channels as (first, second) power-of-two blocks (Gluon tiles have power-of-two shapes):
+    192 (MLA) -> (128, 64); 64 or 128 -> (that, 0)."""
+    first = min(head_dim, 128)
+    assert head_dim - first in (0, 64), head_dim
+    return first, head_dim - first
+
+
 def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
                         window, v_starts=None, consumers=2, consumer_regs=None, loader_regs=24, pingpong=None,
                         sinks=None, sink_shift=None, exp_poly=0, softcap=0.0, shift=None):
@@ -459,31 +489,36 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     if consumers not in (2, 3):
         raise ValueError(f"consumers must be 2 or 3, got {consumers!r}")
     if pingpong is None:
-        pingpong = head_dim == 128 and consumers == 2
+        pingpong = out4.shape[3] == 128 and consumers == 2
     if consumer_regs is None:   # what one SM's 64K registers give each consumer warpgroup beside the loader
         consumer_regs = {2: 240, 3: 160}[consumers]
     q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]
-    assert quant["q_mean"] is None and head_dim in (64, 128) and out4.stride(3) == 1
+    head_dim_v = out4.shape[3]
+    assert quant["q_mean"] is None and (head_dim, head_dim_v) in HEAD_DIMS and out4.stride(3) == 1
     assert head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == BLOCK_N.value, "one K scale a key tile"
     bsz, hq, n_q, d = q8.shape
     hk, n_k = k8.shape[1], k8.shape[2]
-    q_desc = _tma_desc(q8.view(-1, d), [HALF_M.value, d])
-    k_desc = _tma_desc(k8.view(-1, d), [BLOCK_N.value, d])
-    vt_desc = _tma_desc(v8t.view(-1, v8t.shape[-1]), [d, BLOCK_N.value])
+    d1, d2 = qk_blocks(d)
+    q_desc = _tma_desc(q8.view(-1, d), [HALF_M.value, d1])
+    k_desc = _tma_desc(k8.view(-1, d), [BLOCK_N.value, d1])
+    q2_desc = _tma_desc(q8.view(-1, d), [HALF_M.value, d2]) if d2 else q_desc
+    k2_desc = _tma_desc(k8.view(-1, d), [BLOCK_N.value, d2]) if d2 else k_desc
+    vt_desc = _tma_desc(v8t.view(-1, v8t.shape[-1]), [head_dim_v, BLOCK_N.value])
     cu_q = layout_q.cu_seqlens if layout_q.is_varlen else q_scale
     cu_k = layout_k.cu_seqlens if layout_k.is_varlen else q_scale
     if layout_k.is_varlen and v_starts is None:
         raise ValueError("packed batches need v8t laid out with quantize.aligned_starts, passed as v_starts")
     grid = (cdiv(layout_q.max_len, consumers * HALF_M.value), layout_q.num_seqs * num_heads)
     return grid, (
-        q_desc, k_desc, vt_desc, q_scale, k_scale, v_scale, out4, lse, cu_q, cu_k,
+        q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_scale, k_scale, v_scale, out4, lse, cu_q, cu_k,
         v_starts if v_starts is not None else cu_k, sinks if sinks is not None else lse,
         sink_shift if sink_shift is not None else lse, shift if softcap else lse,
         q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
         v_scale.stride(0), v_scale.stride(1), *out4.stride()[:3], lse.stride(0), lse.stride(1),
         n_q, n_k, num_heads, hk, group, window[0], window[1], float(softcap) * LOG2E,
-    ), dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
-            CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, PINGPONG=pingpong,
+    ), dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
+            HEAD_DIM_V=head_dim_v, QK_SPLIT=bool(d2), CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
+            LOADER_REGS=loader_regs, PINGPONG=pingpong,
             SINK_MODE=0 if sinks is None else 2 if sink_shift is not None else 1, EXP_POLY=exp_poly,
             SOFTCAP=bool(softcap), num_warps=4)
 

@@ -33,7 +33,8 @@ def _kernel_path(device) -> str:
     if forward or backward:
         parts = [name for name, on in (("forward", forward), ("backward", backward)) if on]
         return (f"Gluon Hopper kernels for the {' and '.join(parts)} (kernels/forward_hopper.py, "
-                f"backward_hopper.py) at head dims {dispatch.GLUON_HEAD_DIMS}; portable Triton kernels otherwise")
+                f"backward_hopper.py) at (Q/K, V) head dims "
+                f"{', '.join(f'{a}/{b}' for a, b in dispatch.GLUON_HEAD_DIMS)}; portable Triton kernels otherwise")
     reason = dispatch.gluon_unavailable(device)
     if reason is None:
         if untested:

@@ -65,9 +65,15 @@ def _tile_configs(head_dim, device, head_dim_v):
     if block_max > 128:
         # H100, q/k 192 and v 128 (MLA), B*N = 32K, H = 16, causal (session 9, one config at a time): forward
         # 2.88 -> 2.35 ms with 64-key tiles; fwd+bwd 24.2 -> 21.4 ms with the dQ kernel at 64x64, 8 warps (64x64
-        # with 4 warps faulted: an illegal address, not investigated), 20.9 -> 17.9 with dK/dV's 64-query tiles
-        return {"fwd": pack((64, 64, 4, 2)), "dq": pack((64, 64, 8, 1)), "dkdv": pack((64, 32, 4, 1)),
-                "split_dkdv": False}
+        # with 4 warps faulted: an illegal address, not investigated), 20.9 -> 17.9 with dK/dV's 64-query tiles.
+        # MLA's 192/128 also runs on the Gluon kernels (dispatch.GLUON_HEAD_DIMS), whose forward walks 128-key
+        # tiles (their dK/dV query tile and dQ key tile are 64, as here): the portable forward takes that tile
+        # too, so that both families and the reference share one rule. Kernel alone (H100, session 17, 4K-16K
+        # keys): 1.09-1.15x the 64x64 tile with one stage; two stages 1.22-1.28x but 112 KB of shared memory,
+        # past the 99 KB an Ada GPU gives a program.
+        mla = (head_dim, head_dim_v or head_dim) == (192, 128)
+        return {"fwd": pack((64, 128, 4, 1) if mla else (64, 64, 4, 2)), "dq": pack((64, 64, 8, 1)),
+                "dkdv": pack((64, 32, 4, 1)), "split_dkdv": False}
     # Fastest of sweeps on an H200 at N=4096 (benchmarks/breakdown.py --sweep / --split-sweep,
     # docs/speed_notes.md). Fused, the dK/dV kernel holds two [BLOCK_N, D] fp32 accumulators and spills
     # (178 at D=128); split into a dV and a dK launch it runs 1.36x faster at D=128 despite computing P twice.

@@ -30,7 +30,7 @@ Q_SMOOTH_BLOCK = 128
 # tests/test_model_coverage.py) per-block scales grew the logits error by 30%, and the portable kernels that
 # run other head dims gain nothing from them (docs/speed_notes.md, session 15).
 K_SCALE_BLOCK = 128
-K_BLOCK_HEAD_DIMS = (64, 128)
+K_BLOCK_HEAD_DIMS = (64, 128, 192)
 
 
 def k_scale_block(head_dim: int) -> int:

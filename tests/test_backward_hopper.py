@@ -14,34 +14,38 @@ from sagebwd_hf.testing import error_stats, make_qkv
 IS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not IS_SM90, reason="the Gluon kernels need an sm_90 GPU")]
 
-# (batch, heads, kv_heads, seqlen, head_dim, window)
+# (batch, heads, kv_heads, seqlen, head_dim, window[, V's head dim])
 CASES = [
     (2, 4, 4, 1024, 128, (-1, -1)),
     (1, 8, 2, 1000, 128, (-1, 0)),      # GQA, causal, N not a multiple of the tiles
     (2, 4, 1, 777, 64, (-1, 0)),        # MQA
     (1, 4, 2, 1100, 64, (100, 0)),      # sliding window
     (1, 2, 2, 600, 128, (130, 77)),     # two-sided window
+    (1, 4, 2, 700, 192, (-1, 0), 128),  # MLA: Q/K in two channel blocks, V's own head dim, 64-row tiles
 ]
 
 
 @pytest.mark.parametrize("part", ["dv", "dk", "dkdv", "dq"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}kv{c[2]}-n{c[3]}-d{c[4]}-w{c[5][0]}_{c[5][1]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}kv{c[2]}-n{c[3]}-d{c[4]}"
+                         f"{f'v{c[6]}' if len(c) > 6 else ''}-w{c[5][0]}_{c[5][1]}")
 def test_gluon_dkdv_matches_portable(case, part):
-    from sagebwd_hf.kernels.backward_hopper import dkdv_query_tile, launch_dkdv_hopper, launch_dq_hopper
+    from sagebwd_hf.kernels.backward_hopper import dkdv_query_tile, dq_key_tile, launch_dkdv_hopper, launch_dq_hopper
 
-    b, h, hk, n, d, window = case
-    q, k, v, do = make_qkv(b, h, hk, n, n, d, torch.bfloat16, "cuda")
+    b, h, hk, n, d, window = case[:6]
+    dv = case[6] if len(case) > 6 else d
+    q, k, v, do = make_qkv(b, h, hk, n, n, d, torch.bfloat16, "cuda", head_dim_v=dv)
     scale = d ** -0.5
     lay = SeqLayout(b, n, None)
-    cfg = tile_configs(d, q.device)
+    cfg = tile_configs(d, q.device, dv)
     quant = quantize_qk(q, k, lay, lay, scale, True, False, transposed=True)
     v8t, v_scale = quantize_v(v, lay)
-    out, lse = torch.empty_like(q), torch.empty(b, h, n, device="cuda")     # the kernels' base-2 lse
+    out, lse = torch.empty_like(do), torch.empty(b, h, n, device="cuda")     # the kernels' base-2 lse
     launch_forward(quant, v8t, v_scale, out, lse, lay, lay, h, h // hk, d, window, cfg["fwd"])
     do_q = quantize(do, lay, natural=False, transposed=True, out_for_delta=out)
     dkdv = cfg["dkdv"][0] if cfg["split_dkdv"] else cfg["dkdv"]
-    assert dkdv[0] == 128, "the Gluon kernels' query tile (P^T's and dS^T's scales) is the portable kernel's"
-    assert cfg["dq"][1] == 128, "the Gluon dQ kernel's key tile (dS's scales) is the portable kernel's"
+    assert dkdv[0] == dkdv_query_tile(d, fused=False), \
+        "the Gluon kernels' query tile (P^T's and dS^T's scales) is the portable kernel's"
+    assert cfg["dq"][1] == dq_key_tile(d), "the Gluon dQ kernel's key tile (dS's scales) is the portable kernel's"
     # the fused kernel's query tile may be smaller (D=128): the portable launches get the same one
     block_q = dkdv_query_tile(d, fused=part == "dkdv")
     dkdv_cfg = tuple((block_q,) + c[1:] for c in (cfg["dkdv"] if cfg["split_dkdv"] else (cfg["dkdv"],) * 2))

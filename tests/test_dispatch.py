@@ -50,6 +50,10 @@ def test_auto_and_forced_choices_on_hopper(monkeypatch):
     monkeypatch.setattr(dispatch, "GLUON_BY_DEFAULT", True)
     assert dispatch.use_gluon(dev, 128, False) and dispatch.use_gluon(dev, 64, False)
     assert not dispatch.use_gluon(dev, 96, False) and not dispatch.use_gluon(dev, 128, True)
+    # MLA: Q/K head dim 192 with V's 128 (DeepSeek V2/V3), both passes; not 192 for V too, nor 128 with V 64
+    assert dispatch.use_gluon(dev, 192, False, head_dim_v=128) and dispatch.use_gluon(dev, 192, False,
+                                                                                      head_dim_v=128, backward=True)
+    assert not dispatch.use_gluon(dev, 192, False) and not dispatch.use_gluon(dev, 128, False, head_dim_v=64)
     assert dispatch.use_gluon(dev, 128, False, varlen=True)        # the forward takes packed batches
     # at head dim 128 the Gluon forward measured slower with 1K keys when causal: auto keeps masked calls that
     # short portable, and runs unmasked ones (1.15x there) on Gluon
@@ -106,6 +110,9 @@ def test_three_consumer_warpgroups_only_where_measured_faster():
     assert consumers(128, False, False, long_enough) == 3
     assert consumers(128, False, False, long_enough - 1) == 2
     assert consumers(128, True, False, 8 * long_enough) == 2
+    assert consumers(192, False, False, long_enough) == 3           # MLA (V's head dim 128)
+    assert consumers(192, True, False, 8 * long_enough) == 2
+    assert consumers(96, False, False, 8 * long_enough) == 2        # not a Gluon head dim: as the default
 
 
 def test_stats_say_which_kernels_ran():
@@ -126,7 +133,7 @@ needs_sm90 = pytest.mark.skipif(not IS_SM90, reason="the Gluon kernels need an s
 # Same algorithm, same tiles: the kernels differ from the reference only by fp32 rounding order and the
 # hardware exp2, which flip a rare INT8 rounding of P (see test_kernels.ORACLE_REL_GPU).
 ORACLE_REL = 6e-3
-# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, window)
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, window[, V's head dim])
 GLUON_CASES = [
     (2, 4, 4, 300, 300, 128, False, (-1, -1)),      # N not a multiple of the 128-row / 128-key tiles
     (1, 8, 2, 1000, 1000, 128, True, (-1, -1)),     # GQA 4, causal
@@ -138,12 +145,22 @@ GLUON_CASES = [
     (1, 2, 2, 600, 800, 128, False, (130, 77)),     # two-sided window
     (3, 2, 2, 2048, 2048, 128, False, (-1, -1)),    # three consumer warpgroups at D=128
     (2, 4, 2, 2100, 2100, 64, False, (-1, -1)),     # three consumer warpgroups (192-row programs), GQA
+    # MLA (DeepSeek V2/V3): Q/K head dim 192 as two channel blocks (128 + 64), V's 128
+    (1, 4, 4, 700, 700, 192, True, (-1, -1), 128),
+    (2, 4, 2, 1000, 1200, 192, False, (-1, -1), 128),   # GQA, q shorter than k
+    (1, 2, 2, 600, 800, 192, False, (130, 77), 128),    # two-sided window
 ]
 
 
+def _unpack(case):
+    """(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, window, V's head dim)."""
+    return tuple(case[:8]) + ((case[8] if len(case) > 8 else case[5]),)
+
+
 def _case_id(case):
-    b, h, hk, nq, nk, d, causal, window = case
-    return f"b{b}h{h}kv{hk}-q{nq}k{nk}-d{d}-{'causal' if causal else 'full'}-w{window[0]}_{window[1]}"
+    b, h, hk, nq, nk, d, causal, window, dv = _unpack(case)
+    mla = f"v{dv}" if dv != d else ""
+    return f"b{b}h{h}kv{hk}-q{nq}k{nk}-d{d}{mla}-{'causal' if causal else 'full'}-w{window[0]}_{window[1]}"
 
 
 def _forward(monkeypatch, choice, fn, *args, **kwargs):
@@ -161,8 +178,8 @@ def _forward(monkeypatch, choice, fn, *args, **kwargs):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", GLUON_CASES, ids=_case_id)
 def test_gluon_forward_matches_reference(case, dtype, monkeypatch):
-    b, h, hk, nq, nk, d, causal, window = case
-    q, k, v, _ = make_qkv(b, h, hk, nq, nk, d, dtype, "cuda")
+    b, h, hk, nq, nk, d, causal, window, dv = _unpack(case)
+    q, k, v, _ = make_qkv(b, h, hk, nq, nk, d, dtype, "cuda", head_dim_v=dv)
     kw = dict(causal=causal, window_size=window, return_lse=True)
     out, lse = _forward(monkeypatch, "gluon", sagebwd_attn_func, q, k, v, **kw)
     assert torch.isfinite(out).all(), "NaN/inf in O: an element the Gluon kernel never wrote, or a bad row"
@@ -232,9 +249,10 @@ def _grads(monkeypatch, choice, q, k, v, do, **kw):
 @pytest.mark.parametrize("case", GLUON_CASES, ids=_case_id)
 def test_gluon_backward_matches_reference(case, monkeypatch):
     """dQ, dK, dV of the Gluon backward (kernels/backward_hopper.py) against the reference and the portable
-    kernels, over the padded grid (GQA summed over the group, Nq != Nk, rows that see no key, windows)."""
-    b, h, hk, nq, nk, d, causal, window = case
-    q, k, v, do = make_qkv(b, h, hk, nq, nk, d, torch.bfloat16, "cuda")
+    kernels, over the padded grid (GQA summed over the group, Nq != Nk, rows that see no key, windows, MLA's
+    head dims)."""
+    b, h, hk, nq, nk, d, causal, window, dv = _unpack(case)
+    q, k, v, do = make_qkv(b, h, hk, nq, nk, d, torch.bfloat16, "cuda", head_dim_v=dv)
     kw = dict(causal=causal, window_size=window)
     got = _grads(monkeypatch, "gluon", q, k, v, do, **kw)
     portable = _grads(monkeypatch, "triton", q, k, v, do, **kw)
@@ -252,13 +270,14 @@ def test_gluon_backward_matches_reference(case, monkeypatch):
 
 
 SOFTCAP_REF_REL = 2e-2
-# (batch, heads, kv heads, queries, keys, head dim, causal, window, cap): caps that bend the scores hard (5) and
-# gently (30), GQA, Nq != Nk with rows that see no key, a window
+# (batch, heads, kv heads, queries, keys, head dim, causal, window, cap[, V's head dim]): caps that bend the scores
+# hard (5) and gently (30), GQA, Nq != Nk with rows that see no key, a window, MLA
 SOFTCAP_CASES = [
     (2, 4, 2, 700, 700, 128, True, (-1, -1), 5.0),
     (1, 4, 1, 300, 520, 128, False, (130, 77), 30.0),
     (2, 4, 2, 900, 600, 64, True, (-1, -1), 30.0),
     (1, 2, 2, 1100, 1100, 64, True, (200, 0), 5.0),
+    (1, 4, 2, 600, 600, 192, True, (-1, -1), 30.0, 128),
 ]
 
 
@@ -288,13 +307,14 @@ def _offset_rounding_lse(q, k):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=lambda c: _case_id(c[:8]) + f"-cap{c[8]:g}")
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=lambda c: _case_id(c[:8] + c[9:]) + f"-cap{c[8]:g}")
 def test_gluon_softcap_matches_reference(case, monkeypatch):
     """Soft-capped scores (Gemma 2) on the Gluon forward and backward against the reference and the portable
     kernels: K with channel outliers, so K-smoothing's row shift, which the cap must undo, is large; dQ checks
     the op's K-smoothing term, which needs the dQ kernel's rowsum(dS) once capped."""
-    b, h, hk, nq, nk, d, causal, window, cap = case
-    q, k, v, do = make_qkv(b, h, hk, nq, nk, d, torch.bfloat16, "cuda", k_outliers=6.0)
+    b, h, hk, nq, nk, d, causal, window, cap = case[:9]
+    dv = case[9] if len(case) > 9 else d
+    q, k, v, do = make_qkv(b, h, hk, nq, nk, d, torch.bfloat16, "cuda", k_outliers=6.0, head_dim_v=dv)
     q = (q * 2.0).detach()   # scores large enough for a cap of 5 to bend them
     kw = dict(causal=causal, window_size=window, softcap=cap)
     out, lse = _forward(monkeypatch, "gluon", sagebwd_attn_func, q, k, v, return_lse=True, **kw)
@@ -315,7 +335,7 @@ def test_gluon_softcap_matches_reference(case, monkeypatch):
     torch.testing.assert_close(lse[seen], lse_portable[seen], rtol=0, atol=1e-3)
     one_code = _one_code_lse(q, k)
     err = (lse - lse_ref)[seen].abs()
-    print(f"{_case_id(case[:8])} cap {cap:g} LSE: gluon vs reference max {err.max():.3e}, one INT8 code {one_code:.3e}")
+    print(f"{_case_id(case[:8] + case[9:])} cap {cap:g} LSE: gluon vs reference max {err.max():.3e}, one INT8 code {one_code:.3e}")
     assert err.max() <= 1e-2 + one_code, (f"LSE against the reference: max {err.max():.3e} at flat row "
                                           f"{int(err.argmax())}, 99.9th percentile {err.quantile(0.999):.3e}, "
                                           f"one INT8 code {one_code:.3e}")
@@ -323,7 +343,7 @@ def test_gluon_softcap_matches_reference(case, monkeypatch):
         assert torch.isfinite(got[name]).all(), f"{name}: an element the Gluon kernels never wrote"
         cos, rel = error_stats(got[name], ref[name])
         rel_port = error_stats(got[name], portable[name])[1]
-        print(f"{_case_id(case[:8])} cap {cap:g} {name}: gluon vs reference cos {cos:.6f} rel {rel:.2e}; "
+        print(f"{_case_id(case[:8] + case[9:])} cap {cap:g} {name}: gluon vs reference cos {cos:.6f} rel {rel:.2e}; "
               f"vs portable {rel_port:.2e}")
         # the reference quantizes in PyTorch (its K mean can flip an INT8 code), and a cap of 5 on doubled
         # scores amplifies that: test_sinks_softcap.py's bound against it; the portable kernels read the same
@@ -334,9 +354,9 @@ def test_gluon_softcap_matches_reference(case, monkeypatch):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("head_dims", [(128, 128), (64, 64), (192, 128)], ids=["d128", "d64", "d192v128"])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 0)], ids=["full", "causal", "window"])
-def test_gluon_forward_on_packed_batches(head_dim, window, monkeypatch):
+def test_gluon_forward_on_packed_batches(head_dims, window, monkeypatch):
     # at D=64 without a mask: three consumer warpgroups (from any length here)
     monkeypatch.setattr(dispatch, "GLUON_THREE_CONSUMERS_MIN_QUERIES", 1)
     """Uneven and empty sequences in one packed batch on the Gluon forward. Two faults lived here: TMA needs each tile's innermost
@@ -348,8 +368,8 @@ def test_gluon_forward_on_packed_batches(head_dim, window, monkeypatch):
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     total, longest = int(cu[-1]), max(lengths)
     gen = torch.Generator(device="cuda").manual_seed(1)
-    q, k, v = (torch.randn(total, n, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-               for n in (h, hk, hk))
+    q, k, v = (torch.randn(total, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for n, d in ((h, head_dims[0]), (hk, head_dims[0]), (hk, head_dims[1])))
     kw = dict(causal=window[1] == 0, window_size=window, return_lse=True)
     args = (q, k, v, cu, cu, longest, longest)
     out, lse = _forward(monkeypatch, "gluon", sagebwd_attn_varlen_func, *args, **kw)

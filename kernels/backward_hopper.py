@@ -37,7 +37,9 @@ ping-pong turns between the two consumers measured 0.87-1.02x here (not kept).
 dS (dS^T) times the cap's derivative ``1 - tanh^2``, and the dQ launch writes rowsum(dS) (``ROW_DS``) for the
 op's K-smoothing term, as backward.py.
 
-Padded batches, head dims 64 and 128, no Q-smoothing (``dispatch.use_gluon(..., backward=True)``).
+Padded batches, head dims 64 and 128, and MLA's 192 for Q/K with 128 for V (Q's and K's channels as two
+blocks, forward_hopper.qk_blocks: two wgmmas for each product over them, two accumulators for dK and dQ), no
+Q-smoothing (``dispatch.use_gluon(..., backward=True)``).
 """
 import torch
 from triton.experimental import gluon
@@ -695,7 +697,8 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     grid = (cdiv(n_k, BLOCK_N.value), bsz * hk)
     return grid, (
         q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, q_scale, lse, do_scale,
-        delta, q_scale_raw, shift, k_scale, dv4, dk4, q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
+        delta, q_scale_raw, shift, k_scale, dv4, dk4, q_scale.stride(0), q_scale.stride(1), k_scale.stride(0),
+        k_scale.stride(1),
         *dv4.stride()[:3], *dk4.stride()[:3], *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1],
         softmax_scale, float(softcap) * LOG2E if softcap else 1.0,
     ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,

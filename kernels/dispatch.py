@@ -9,8 +9,9 @@
   Gluon backward for padded calls; the portable kernels everywhere else (the backward of packed batches too).
 * ``triton``: always the portable kernels (Ampere, Ada, Hopper, Blackwell, the interpreter).
 * ``gluon``: the Gluon kernels on an sm_90 GPU (H100, H200), also on an untested Triton release, for the calls
-  they take (head dims 64, 128, or MLA's 192 for Q/K with 128 for V; no Q-smoothing; the forward padded or packed, the backward padded); any other
-  call runs the portable kernels, with one warning. On a GPU that is not sm_90, or without Gluon, it raises.
+  they take (head dims 64, 128, or MLA's 192 for Q/K with 128 for V; no Q-smoothing; the forward padded or
+  packed, the backward padded); any other call runs the portable kernels, with one warning. On a GPU that is
+  not sm_90, or without Gluon, it raises.
 
 ``kernel_counts()`` says which ran (``sagebwd_hf.attention_stats()["kernels"]`` too).
 """

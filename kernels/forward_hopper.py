@@ -27,8 +27,9 @@ run no tiles (tests/test_dispatch.py and the Transformers packing tests on an H1
 ``SOFTCAP``: the scores capped as in forward.py (the K-smoothing shift added back, then ``cap * tanh(s / cap)``
 with one ``rcp.approx``), a compile-time option of the same kernel.
 
-Head dims 64 and 128, no Q-smoothing. Gluon's API moves between Triton releases; this file is tested on the
-versions listed in ``dispatch.GLUON_TESTED``.
+Head dims 64 and 128, and MLA's 192 for Q/K with 128 for V (``QK_SPLIT``: Q's and K's channels as two
+power-of-two blocks, ``qk_blocks``); no Q-smoothing. Gluon's API moves between Triton releases; this file is
+tested on the versions listed in ``dispatch.GLUON_TESTED``.
 """
 import functools
 
@@ -328,7 +329,8 @@ def _attn_fwd_hopper_kernel(
     s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softcap2,
     IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-    QK_SPLIT: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+    QK_SPLIT: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    PINGPONG: gl.constexpr,
     SINK_MODE: gl.constexpr,
     EXP_POLY: gl.constexpr, SOFTCAP: gl.constexpr,
 ):
@@ -403,35 +405,35 @@ def _attn_fwd_hopper_kernel(
     # on Triton 3.6, "cannot convert JITFunction to tensor", hence one call per consumer count)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (q_smem.index(0), q2_smem.index(0), start_m, k_smem, k2_smem, v_smem, q_bar, ready, empty, turn.index(0),
-                         turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
-                         seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
-                         SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE, EXP_POLY, SOFTCAP,
-                         QK_SPLIT)),
-            (_consumer, (q_smem.index(1), q2_smem.index(1), start_m + HALF_M, k_smem, k2_smem, v_smem, q_bar, ready, empty, turn.index(1),
-                         turn.index(0), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
-                         seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
-                         SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE, EXP_POLY, SOFTCAP,
-                         QK_SPLIT)),
+            (_consumer, (q_smem.index(0), q2_smem.index(0), start_m, k_smem, k2_smem, v_smem, q_bar, ready,
+                         empty, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off,
+                         lse_off, s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
+                         SINK_SHIFT, SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE,
+                         EXP_POLY, SOFTCAP, QK_SPLIT)),
+            (_consumer, (q_smem.index(1), q2_smem.index(1), start_m + HALF_M, k_smem, k2_smem, v_smem, q_bar, ready,
+                         empty, turn.index(1), turn.index(0), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off,
+                         lse_off, s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
+                         SINK_SHIFT, SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE,
+                         EXP_POLY, SOFTCAP, QK_SPLIT)),
             (_loader, (q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_bar,
                        ready, empty, q_row, k_row, v_row, v0, lo, hi, QK_SPLIT)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:   # three: 192 rows a program, no turns (FlashAttention 3's head-dim-64 tile)
         gl.static_assert(CONSUMERS == 3 and not PINGPONG, "2 consumer warpgroups, or 3 without ping-pong")
         gl.warp_specialize([
-            (_consumer, (q_smem.index(0), q2_smem.index(0), start_m, k_smem, k2_smem, v_smem, q_bar, ready, empty, turn.index(0),
-                         turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
-                         seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
-                         SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 1, SINK_MODE, EXP_POLY, SOFTCAP,
-                         QK_SPLIT)),
-            (_consumer, (q_smem.index(1), q2_smem.index(1), start_m + HALF_M, k_smem, k2_smem, v_smem, q_bar, ready, empty, turn.index(1),
-                         turn.index(0), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
-                         seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
-                         SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE, EXP_POLY, SOFTCAP,
-                         QK_SPLIT)),
-            (_consumer, (q_smem.index(2), q2_smem.index(2), start_m + 2 * HALF_M, k_smem, k2_smem, v_smem, q_bar, ready, empty,
-                         turn.index(0), turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off, lse_off,
-                         s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
+            (_consumer, (q_smem.index(0), q2_smem.index(0), start_m, k_smem, k2_smem, v_smem, q_bar, ready,
+                         empty, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off,
+                         lse_off, s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
+                         SINK_SHIFT, SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 1, SINK_MODE,
+                         EXP_POLY, SOFTCAP, QK_SPLIT)),
+            (_consumer, (q_smem.index(1), q2_smem.index(1), start_m + HALF_M, k_smem, k2_smem, v_smem, q_bar, ready,
+                         empty, turn.index(1), turn.index(0), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off,
+                         lse_off, s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
+                         SINK_SHIFT, SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE,
+                         EXP_POLY, SOFTCAP, QK_SPLIT)),
+            (_consumer, (q_smem.index(2), q2_smem.index(2), start_m + 2 * HALF_M, k_smem, k2_smem, v_smem, q_bar, ready,
+                         empty, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off,
+                         lse_off, s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
                          SINK_SHIFT, SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE,
                          EXP_POLY, SOFTCAP, QK_SPLIT)),
             (_loader, (q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_bar,
@@ -526,8 +528,8 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
 def launch_forward_hopper(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim, window,
                           **tuning):
     """forward.launch_forward's contract on the Gluon kernel: ``out4`` ``[B, Hq, N, D]`` (any strides) and
-    ``lse`` ``[B, Hq, N]`` fp32 are written. Needs head_dim 64 or 128 and no Q-smoothing; a packed batch needs
-    ``v8t`` from ``quantize_v(..., t_starts=aligned_starts(layout_k))`` and those starts as ``v_starts``."""
+    ``lse`` ``[B, Hq, N]`` fp32 are written. Needs (head_dim, V's) in ``HEAD_DIMS`` and no Q-smoothing; a packed
+    batch needs ``v8t`` from ``quantize_v(..., t_starts=aligned_starts(layout_k))`` and those starts as ``v_starts``."""
     grid, args, kwargs = forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group,
                                              head_dim, window, **tuning)
     return launch(_attn_fwd_hopper_kernel, grid, *args, **kwargs)

@@ -69,7 +69,7 @@ def _tile_configs(head_dim, device, head_dim_v):
         # MLA's 192/128 also runs on the Gluon kernels (dispatch.GLUON_HEAD_DIMS), whose forward walks 128-key
         # tiles (their dK/dV query tile and dQ key tile are 64, as here): the portable forward takes that tile
         # too, so that both families and the reference share one rule. Kernel alone (H100, session 17, 4K-16K
-        # keys): 1.09-1.15x the 64x64 tile with one stage; two stages 1.22-1.28x but 112 KB of shared memory,
+        # keys): 1.12-1.15x the 64x64 tile with one stage; two stages 1.22-1.28x but 112 KB of shared memory,
         # past the 99 KB an Ada GPU gives a program.
         mla = (head_dim, head_dim_v or head_dim) == (192, 128)
         return {"fwd": pack((64, 128, 4, 1) if mla else (64, 64, 4, 2)), "dq": pack((64, 64, 8, 1)),

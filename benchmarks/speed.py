@@ -162,16 +162,17 @@ def make_method(name, shape, torch, F, ctx):
         return sa, ""
     backend = ctx["backends"][name]
     sdpa_kernel = ctx["sdpa_kernel"]
+
+    def native(q, k, v):
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=group > 1)
+
     if shape.dv != shape.head_dim:
         def padded(q, k, v):    # one head dim for all three (FlashAttention 2): V zero-padded, O sliced
             v = F.pad(v, (0, shape.head_dim - shape.dv))
             with sdpa_kernel([backend]):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)[..., :shape.dv]
-        return (native_mla(backend, sdpa_kernel, F, causal), padded) if name == "cudnn" else (padded, "")
-
-    def native(q, k, v):
-        with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=group > 1)
+        return (native, padded) if name == "cudnn" else (padded, "")
 
     def repeated(q, k, v):
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -180,13 +181,6 @@ def make_method(name, shape, torch, F, ctx):
     if group == 1:
         return native, ""
     return native, repeated
-
-
-def native_mla(backend, sdpa_kernel, F, causal):
-    def native(q, k, v):
-        with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return native
 
 
 def time_ms(torch, call, reps, warmup, pre=None):

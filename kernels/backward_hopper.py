@@ -51,7 +51,7 @@ from .layout import cdiv, tma_addressable, token_rows
 from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
 from .forward_hopper import (HEAD_DIMS, _band_mask, _ceil_to, _floor_to, _key_tiles, _round_to_int8, _tanh_scores,
-                             _tma_desc, qk_blocks, tma_descriptor)
+                             _tma_desc, qk_blocks, tma_descriptor, wgmma_layout)
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
@@ -292,16 +292,11 @@ def _bwd_consumer(k8, k8b, v16, first, q_smem, q2_smem, qt_smem, qt2_smem, do_sm
     """One warpgroup: keys ``[first, first + 64)`` (their int8 K in ``k8``, and ``k8b`` past the first ``D1``
     channels with ``QK_SPLIT``; V in ``v16``) against every query tile of every query head of the group;
     writes their dV and/or dK rows."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_Q, 32])
-    dp_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_Q, 16])
-    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HEAD_DIM_V, 32])
-    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, D1, 32])
-    dk2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, D2, 32])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_Q, 32)
+    dp_layout: gl.constexpr = wgmma_layout(BLOCK_Q, 16)
+    dv_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V, 32)
+    dk_layout: gl.constexpr = wgmma_layout(D1, 32)
+    dk2_layout: gl.constexpr = wgmma_layout(D2, 32)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=4)
     keys = first + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     k_scale = gl.load(KS + ks_off + keys, mask=keys < seqlen_k, other=0.0)
@@ -521,14 +516,10 @@ def _dq_consumer(q8, q8b, do16, first, k_smem, k2_smem, v_smem, kt_smem, kt2_sme
                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr):
     """One warpgroup: queries ``[first, first + 64)`` against every key tile; writes their dQ rows."""
     BLOCK_K: gl.constexpr = k_smem.shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_K, 32])
-    dp_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_K, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D1, 32])
-    o2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, D2, 32])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_K, 32)
+    dp_layout: gl.constexpr = wgmma_layout(BLOCK_K, 16)
+    o_layout: gl.constexpr = wgmma_layout(D1, 32)
+    o2_layout: gl.constexpr = wgmma_layout(D2, 32)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows = first + gl.arange(0, HALF_N, layout=row_layout)

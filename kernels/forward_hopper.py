@@ -51,6 +51,13 @@ STAGES = gl.constexpr(2)      # K / V^T buffers in flight
 LOG2_127 = gl.constexpr(6.988684686772166)
 
 
+@gluon.constexpr_function
+def wgmma_layout(n, k):
+    """The register layout of one warpgroup's wgmma result ``[64 rows, n]`` (``k``: the instruction's depth, 32
+    for 8-bit operands, 16 for 16-bit ones); every product's layout in these kernels and backward_hopper's."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, k])
+
+
 # _round_to_int8 and _key_tiles repeat quantize.py's and forward.py's arithmetic (the S dequantization too, inline:
 # quantize.int32_times): a Gluon kernel cannot call @triton.jit functions.
 
@@ -160,7 +167,7 @@ def _band_mask(r2, c2, seqlen_q, seqlen_k, diag, window_left, window_right,
 def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_bar, ready,
             empty, q_row, k_row, v_row, v0, lo, hi, QK_SPLIT: gl.constexpr):
     """One warp: every consumer's Q rows once, then every K / V^T tile of ``[lo, hi)`` into the ring (with
-    ``QK_SPLIT``, Q's and K's channels past the first block as tiles of their own: see _scores)."""
+    ``QK_SPLIT``, Q's and K's channels past the first block as tiles of their own: qk_blocks)."""
     CONSUMERS: gl.constexpr = q_smem.shape[0]
     D1: gl.constexpr = q_desc.block_type.shape[1]
     q_bytes: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if QK_SPLIT else 0)
@@ -261,10 +268,8 @@ def _consumer(q, q2, first, k_smem, k2_smem, v_smem, q_bar, ready, empty, turn_m
               PINGPONG: gl.constexpr, FIRST: gl.constexpr, SINK_MODE: gl.constexpr, EXP_POLY: gl.constexpr,
               SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr):
     """One warpgroup: query rows ``[first, first + 64)`` (their int8 Q in ``q``) against all key tiles."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM_V, 32])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N, 32)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V, 32)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -330,9 +335,7 @@ def _attn_fwd_hopper_kernel(
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softcap2,
     IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     QK_SPLIT: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    SINK_MODE: gl.constexpr,
-    EXP_POLY: gl.constexpr, SOFTCAP: gl.constexpr,
+    PINGPONG: gl.constexpr, SINK_MODE: gl.constexpr, EXP_POLY: gl.constexpr, SOFTCAP: gl.constexpr,
 ):
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)

@@ -335,7 +335,8 @@ def test_gluon_softcap_matches_reference(case, monkeypatch):
     torch.testing.assert_close(lse[seen], lse_portable[seen], rtol=0, atol=1e-3)
     one_code = _one_code_lse(q, k)
     err = (lse - lse_ref)[seen].abs()
-    print(f"{_case_id(case[:8] + case[9:])} cap {cap:g} LSE: gluon vs reference max {err.max():.3e}, one INT8 code {one_code:.3e}")
+    print(f"{_case_id(case[:8] + case[9:])} cap {cap:g} LSE: gluon vs reference max {err.max():.3e}, "
+          f"one INT8 code {one_code:.3e}")
     assert err.max() <= 1e-2 + one_code, (f"LSE against the reference: max {err.max():.3e} at flat row "
                                           f"{int(err.argmax())}, 99.9th percentile {err.quantile(0.999):.3e}, "
                                           f"one INT8 code {one_code:.3e}")

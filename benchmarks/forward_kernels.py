@@ -86,7 +86,10 @@ def main():
                 # exp2 of 1/4 or 1/2 of the columns on the FMA units (FlashAttention 4's split)
                 "gluon_poly4": dict(exp_poly=4), "gluon_poly2": dict(exp_poly=2),
                 # three consumer warpgroups (192 query rows a program, 160 registers each)
-                "gluon_3c": dict(consumers=3)}
+                "gluon_3c": dict(consumers=3),
+                # hardware named barriers for the turns and the buffer releases (no partition-wide bar.sync
+                # before each mbarrier arrival)
+                "gluon_named": dict(named_barriers=True), "gluon_3c_named": dict(consumers=3, named_barriers=True)}
     variants = {k: v for k, v in variants.items() if args.variants is None or k in args.variants}
     print_versions()
 

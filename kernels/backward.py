@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import _ceil_to, _floor_to, _key_tiles, _score_mask, block_dim, fast_rcp, tanh_scores
+from .forward import _ceil_to, _floor_to, _key_tiles, _score_mask, block_dim, fast_tanh, tanh_scores
 from .launch import launch
 from .layout import SeqLayout, cdiv, maybe, strides3, strides4
 from .quantize import LOG2E, Q_SMOOTH_BLOCK, _seq_bounds, int32_times, round_to_int8
@@ -74,7 +74,7 @@ def _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, lo, hi, b, offs_m, offs_n, offs_d, 
                 q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot, s_dod, s_dtd,
                 s_qmb, BLOCK_M: tl.constexpr, QSB: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr,
                 MASK_RIGHT: tl.constexpr, Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr,
-                DO_DK: tl.constexpr, DO_DV: tl.constexpr, SOFTCAP: tl.constexpr, FAST_RCP: tl.constexpr):
+                DO_DK: tl.constexpr, DO_DV: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         q_mean = _q_mean(QM_h, QMEAN_CU, b, start_m, s_qmb, offs_d, d_ok, QSB, Q_SMOOTH)
         dk, dv = _dkdv_tile(dk, dv, k8, k8f, k_scale, v, tl.multiple_of(start_m, BLOCK_M), offs_m, offs_n,
@@ -82,7 +82,7 @@ def _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, lo, hi, b, offs_m, offs_n, offs_d, 
                             DELTA_h, SH_h,
                             q_mean, q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd,
                             s_dot, s_dod, s_dtd, MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, DO_DK, DO_DV,
-                            SOFTCAP, FAST_RCP)
+                            SOFTCAP, FAST_TANH)
     return dk, dv
 
 
@@ -92,7 +92,7 @@ def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_o
                q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot, s_dod, s_dtd,
                MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
-               SOFTCAP: tl.constexpr, FAST_RCP: tl.constexpr):
+               SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
     rows = start_m + offs_m
     m_ok = rows < seqlen_q
     md_ok_t = d_ok[:, None] & m_ok[None, :]
@@ -108,7 +108,7 @@ def _dkdv_tile(dk, dv, k8, k8f, k_scale, v, start_m, offs_m, offs_n, offs_d, d_o
             shift = (shift[None, :] + (tl.sum(k8f * q_mean_h[None, :], 1) * k_scale)[:, None]) * inv_cap
         else:
             shift = (shift * inv_cap)[None, :]
-        tht = tanh_scores(tl.fma(st, (q_scale * inv_cap)[None, :], shift), FAST_RCP)
+        tht = tanh_scores(tl.fma(st, (q_scale * inv_cap)[None, :], shift), FAST_TANH)
         pt = tl.exp2(tl.fma(tht, softcap2, -lse[None, :]))
     elif Q_SMOOTH:
         pt = tl.exp2(tl.fma(st, q_scale[None, :], (tl.sum(k8f * q_mean_h[None, :], 1) * k_scale)[:, None]
@@ -165,7 +165,7 @@ def _attn_bwd_dkdv_kernel(
     n_q, n_k, num_kv_heads, group, head_dim, head_dim_v, window_left, window_right, softmax_scale, softcap2,
     IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-    FAST_RCP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -222,19 +222,19 @@ def _attn_bwd_dkdv_kernel(
                              QM_h, QMEAN_CU,
                              q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot,
                              s_dod, s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32,
-                             DO_DK, DO_DV, SOFTCAP, FAST_RCP)
+                             DO_DK, DO_DV, SOFTCAP, FAST_TANH)
         dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, full_lo, full_hi, b, offs_m, offs_n, offs_d, d_ok,
                              offs_dv, dv_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h,
                              QM_h, QMEAN_CU,
                              q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot,
                              s_dod, s_dtd, s_qmb, BLOCK_M, QSB, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32,
-                             DO_DK, DO_DV, SOFTCAP, FAST_RCP)
+                             DO_DK, DO_DV, SOFTCAP, FAST_TANH)
         dk, dv = _dkdv_tiles(dk, dv, k8, k8f, k_scale, v, full_hi, hi, b, offs_m, offs_n, offs_d, d_ok,
                              offs_dv, dv_ok, Q8_h, QS_h, QSR_h, Q8RT_h, DO_h, DO8T_h, DOS_h, LSE_h, DELTA_h, SH_h,
                              QM_h, QMEAN_CU,
                              q0, seqlen_q, seqlen_k, window_left, window_right, softcap2, s_q8t, s_qtd, s_dot,
                              s_dod, s_dtd, s_qmb, BLOCK_M, QSB, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32,
-                             DO_DK, DO_DV, SOFTCAP, FAST_RCP)
+                             DO_DK, DO_DV, SOFTCAP, FAST_TANH)
 
     if DO_DK:
         tl.store(DK + bk * s_dkb + hk * s_dkh + (k0 + offs_n)[:, None] * s_dkt + offs_d[None, :] * s_dkd,
@@ -261,13 +261,13 @@ def _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, 
               window_right,
               s_k8t, s_ktd, s_vt, s_vd, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr,
               MASK_RIGHT: tl.constexpr, Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-              FAST_RCP: tl.constexpr):
+              FAST_TANH: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         dq, row_ds = _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base,
                               K8T_base, KS_base, V_base, tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d,
                               d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_ktd,
                               s_vt, s_vd,
-                              MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP, FAST_RCP)
+                              MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP, FAST_TANH)
     return dq, row_ds
 
 
@@ -278,7 +278,7 @@ def _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K
              s_k8t, s_ktd, s_vt, s_vd,
              MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
              Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-             FAST_RCP: tl.constexpr):
+             FAST_TANH: tl.constexpr):
     cols = start_n + offs_n
     n_ok = cols < seqlen_k
     dn_ok = d_ok[:, None] & n_ok[None, :]
@@ -291,7 +291,7 @@ def _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K
             bias = (shift[:, None] + (tl.sum(q_mean[:, None] * k8t.to(tl.float32), 0) * k_scale)[None, :]) * inv_cap
         else:
             bias = (shift * inv_cap)[:, None]
-        th = tanh_scores(tl.fma(s, (q_scale * inv_cap)[:, None], bias), FAST_RCP)
+        th = tanh_scores(tl.fma(s, (q_scale * inv_cap)[:, None], bias), FAST_TANH)
         p = tl.exp2(tl.fma(th, softcap2, -lse[:, None]))
     elif Q_SMOOTH:
         p = tl.exp2(tl.fma(s, q_scale[:, None], (tl.sum(q_mean[:, None] * k8t.to(tl.float32), 0) * k_scale)[None, :]
@@ -337,7 +337,7 @@ def _attn_bwd_dq_kernel(
     n_q, n_k, num_heads, group, head_dim, head_dim_v, window_left, window_right, softmax_scale, softcap2,
     IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-    FAST_RCP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -388,17 +388,17 @@ def _attn_bwd_dq_kernel(
                            KS_base, V_base, lo, full_lo,
                    offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
                    s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP,
-                   FAST_RCP)
+                   FAST_TANH)
     dq, row_ds = _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base,
                            KS_base, V_base, full_lo, full_hi,
                    offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
                    s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP,
-                   FAST_RCP)
+                   FAST_TANH)
     dq, row_ds = _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base,
                            KS_base, V_base, full_hi, hi,
                    offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
                    s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP,
-                   FAST_RCP)
+                   FAST_TANH)
 
     tl.store(DQ + bq * s_dqb + h * s_dqh + (q0 + offs_m)[:, None] * s_dqt + offs_d[None, :] * s_dqd,
              (dq * softmax_scale).to(DQ.dtype.element_ty), mask=md_ok)
@@ -423,7 +423,7 @@ def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse,
     dot_fp32 = v4.device.type == "cpu" and v4.dtype == torch.bfloat16
     common = dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
                   Q_SMOOTH=q_mean is not None, QSB=Q_SMOOTH_BLOCK, DOT_FP32=dot_fp32, SOFTCAP=bool(softcap),
-                  FAST_RCP=fast_rcp(q8.device))
+                  FAST_TANH=fast_tanh(q8.device))
     softcap2 = float(softcap) * LOG2E
     shift, row_ds = maybe(shift, lse), maybe(row_ds, lse)
     cu_q = maybe(layout_q.cu_seqlens, q8)

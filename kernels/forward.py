@@ -40,24 +40,23 @@ def _ceil_to(x, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def tanh_scores(y, FAST_RCP: tl.constexpr):
-    """tanh for the soft cap ``cap * tanh(s / cap)`` as 1 - 2 / (e^(2y) + 1), which saturates to +-1 without NaN
-    at +-inf; callers fold 1/cap into the score's dequantization FMA and cap into exp2's. On NVIDIA GPUs the
-    division is one MUFU.RCP (``rcp.approx``, 1 ulp): an IEEE division added ~8 instructions per score (sm_90
-    SASS of the forward loop: +51% over the plain loop). PTX's ``tanh.approx`` would be one instruction, but its
-    relative error (2^-10.9, up to 0.02 on a base-2 score under a cap of 30) is a sizeable fraction of the INT8
-    scores' own, so it is not used."""
-    u = tl.exp2(y * 2.8853900817779268) + 1.0   # 2 log2(e)
-    if FAST_RCP:
-        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
+def tanh_scores(y, FAST_TANH: tl.constexpr):
+    """tanh for the soft cap ``cap * tanh(s / cap)``; callers fold 1/cap into the score's dequantization FMA and
+    cap into exp2's. On NVIDIA GPUs PTX's ``tanh.approx.f32`` (one MUFU op; relative error 2^-10.99, eight times
+    finer than bf16's rounding of the same score in eager Gemma 2 attention; FlashAttention's soft cap uses it
+    too): ``1 - 2 / (e^(2y) + 1)`` with ``rcp.approx`` took three MUFU ops a score with P's exp2, and the capped
+    kernels ran at 0.5-0.7 of the plain ones per FLOP (docs/speed_notes.md, session 18). Elsewhere (the
+    interpreter) that exact form, which saturates to +-1 without NaN at +-inf."""
+    if FAST_TANH:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [y], dtype=tl.float32, is_pure=True,
                                       pack=1)
     else:
-        r = 1.0 / u
-    return 1.0 - 2.0 * r
+        t = 1.0 - 2.0 / (tl.exp2(y * 2.8853900817779268) + 1.0)   # 2 log2(e)
+    return t
 
 
-def fast_rcp(device) -> bool:
-    """Whether the kernels may use PTX's rcp.approx (an NVIDIA GPU; not the interpreter, not ROCm)."""
+def fast_tanh(device) -> bool:
+    """Whether the kernels may use PTX's tanh.approx (an NVIDIA GPU; not the interpreter, not ROCm)."""
     return device.type == "cuda" and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
 
 
@@ -108,12 +107,12 @@ def _score_mask(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
 def _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base, lo, hi,
                offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t,
                s_vtd, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-               Q_SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, FAST_RCP: tl.constexpr):
+               Q_SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base,
                                   tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0,
                                   seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_vtd,
-                                  MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP, FAST_RCP)
+                                  MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, SOFTCAP, FAST_TANH)
     return acc, m_i, l_i
 
 
@@ -121,7 +120,7 @@ def _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_
 def _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base, start_n,
               offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t,
               s_vtd, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-              Q_SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, FAST_RCP: tl.constexpr):
+              Q_SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
     cols = start_n + offs_n
     n_ok = cols < seqlen_k
     k8t = tl.load(K8_base + (k0 + cols)[None, :] * s_k8t + offs_d[:, None],
@@ -138,7 +137,7 @@ def _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_b
         row_scale = q_scale
     if SOFTCAP:   # t = tanh((s + shift) / cap), the cap left in row_scale (masked entries -inf after the cap)
         inv_cap = 1.0 / softcap2
-        t = tanh_scores(tl.fma(t, (row_scale * inv_cap)[:, None], (shift * inv_cap)[:, None]), FAST_RCP)
+        t = tanh_scores(tl.fma(t, (row_scale * inv_cap)[:, None], (shift * inv_cap)[:, None]), FAST_TANH)
         row_scale = tl.full([offs_m.shape[0]], softcap2, tl.float32)
     if MASKED:
         valid = _score_mask(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
@@ -175,7 +174,7 @@ def _attn_fwd_kernel(
     s_lb, s_lh,
     n_q, n_k, num_heads, group, head_dim, head_dim_v, window_left, window_right, softcap2,
     IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, SOFTCAP: tl.constexpr, FAST_RCP: tl.constexpr,
+    Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
     SINK_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
@@ -224,15 +223,15 @@ def _attn_fwd_kernel(
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base,
                                lo, full_lo, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k,
                                window_left, window_right, s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT,
-                               Q_SMOOTH, SOFTCAP, FAST_RCP)
+                               Q_SMOOTH, SOFTCAP, FAST_TANH)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base,
                                full_lo, full_hi, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k,
                                window_left, window_right, s_k8t, s_vtd, BLOCK_N, False, MASK_LEFT, MASK_RIGHT,
-                               Q_SMOOTH, SOFTCAP, FAST_RCP)
+                               Q_SMOOTH, SOFTCAP, FAST_TANH)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_base, V8T_base,
                                full_hi, hi, offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k,
                                window_left, window_right, s_k8t, s_vtd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT,
-                               Q_SMOOTH, SOFTCAP, FAST_RCP)
+                               Q_SMOOTH, SOFTCAP, FAST_TANH)
 
     v_scale = tl.load(VS + b * s_vsb + hk * s_vsh + offs_dv, mask=dv_ok, other=0.0)
     has_keys = l_i > 0
@@ -287,7 +286,7 @@ def launch_forward(quant, v8t, v_scale, out4, lse, layout_q: SeqLayout, layout_k
         q8.shape[2], k8.shape[2], num_heads, group, head_dim, out4.shape[3], window[0], window[1],
         float(softcap) * LOG2E,
         IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
-        Q_SMOOTH=q_mean is not None, QSB=Q_SMOOTH_BLOCK, SOFTCAP=bool(softcap), FAST_RCP=fast_rcp(q8.device),
+        Q_SMOOTH=q_mean is not None, QSB=Q_SMOOTH_BLOCK, SOFTCAP=bool(softcap), FAST_TANH=fast_tanh(q8.device),
         SINK_MODE=sink_mode,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dim(out4.shape[3]),
         num_warps=num_warps, num_stages=num_stages,

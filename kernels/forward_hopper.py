@@ -7,7 +7,8 @@ into each row's constant), P quantized per row of every BLOCK_N-key tile with th
 
 * one program per 128 query rows of one (sequence, head), in three partitions: a loader warp that brings Q
   once and the K / V^T int8 tiles through a ring of ``STAGES`` shared-memory buffers by TMA (an mbarrier
-  pair per buffer: ``ready`` when the bytes landed, ``empty`` when both consumers are done with it), and two
+  pair per buffer: ``ready`` when the bytes landed, ``empty`` when both consumers are done with it; or, with
+  ``NAMED_BARRIERS``, a hardware barrier per buffer that every consumer thread arrives at), and two
   consumer warpgroups of 64 query rows each. Each consumer runs ``S = Q K^T`` and ``O += P V`` as async
   wgmma; while one warpgroup does its softmax the other's products can use the tensor cores.
 * ``P`` goes to ``P V`` from registers (wgmma's A operand); V^T tiles are token-contiguous, as 8-bit wgmma
@@ -25,7 +26,7 @@ this kernel reads V^T laid out by ``quantize.aligned_starts`` there; and program
 run no tiles (tests/test_dispatch.py and the Transformers packing tests on an H100, session 5).
 
 ``SOFTCAP``: the scores capped as in forward.py (the K-smoothing shift added back, then ``cap * tanh(s / cap)``
-with one ``rcp.approx``), a compile-time option of the same kernel.
+with PTX's ``tanh.approx``), a compile-time option of the same kernel.
 
 Head dims 64 and 128, and MLA's 192 for Q/K with 128 for V (``QK_SPLIT``: Q's and K's channels as two
 power-of-two blocks, ``qk_blocks``); no Q-smoothing. Gluon's API moves between Triton releases; this file is
@@ -48,6 +49,10 @@ BLOCK_M = gl.constexpr(128)   # query rows per program: two consumers (three: 19
 BLOCK_N = gl.constexpr(128)   # keys per tile: part of the numerics (P's per-row scale is per tile), as forward.py;
                               # quantize.K_SCALE_BLOCK too (one K scale a tile)
 STAGES = gl.constexpr(2)      # K / V^T buffers in flight
+# Hardware barrier ids of the NAMED_BARRIERS schedule: the two turns, then one per ring buffer (Gluon's own
+# partition barriers take ids 0-4)
+TURN_BARRIER = gl.constexpr(8)
+RELEASE_BARRIER = gl.constexpr(10)
 LOG2_127 = gl.constexpr(6.988684686772166)
 
 
@@ -68,11 +73,8 @@ def _round_to_int8(x):
 
 @gluon.jit
 def _tanh_scores(y):
-    """forward.tanh_scores in Gluon: tanh as 1 - 2 / (e^(2y) + 1), the division one ``rcp.approx``."""
-    u = gl.exp2(y * 2.8853900817779268) + 1.0   # 2 log2(e)
-    r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [u], dtype=gl.float32, is_pure=True,
-                                  pack=1)
-    return 1.0 - 2.0 * r
+    """forward.tanh_scores in Gluon: ``tanh.approx.f32``, one MUFU op (the reasons there)."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [y], dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -164,8 +166,24 @@ def _band_mask(r2, c2, seqlen_q, seqlen_k, diag, window_left, window_right,
 
 
 @gluon.jit
+def _named_barrier(ARRIVE: gl.constexpr, bar_id, threads, WARPS: gl.constexpr):
+    """``bar.arrive`` (ARRIVE) or ``bar.sync`` on hardware barrier ``bar_id`` (``threads`` take part in all) by
+    every thread of this WARPS-warp partition. Each thread signals for itself: an mbarrier arrival is one thread's,
+    so Gluon syncs the partition before it (a ``bar.sync`` of its warps per arrival)."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    ids = gl.full([32 * WARPS], 0, gl.int32, one) + bar_id
+    counts = gl.full([32 * WARPS], 0, gl.int32, one) + threads
+    if ARRIVE:
+        gl.inline_asm_elementwise("bar.arrive $1, $2; mov.u32 $0, 0;", "=r,r,r", [ids, counts], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("bar.sync $1, $2; mov.u32 $0, 0;", "=r,r,r", [ids, counts], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_bar, ready,
-            empty, q_row, k_row, v_row, v0, lo, hi, QK_SPLIT: gl.constexpr):
+            empty, q_row, k_row, v_row, v0, lo, hi, QK_SPLIT: gl.constexpr, NAMED_BARRIERS: gl.constexpr):
     """One warp: every consumer's Q rows once, then every K / V^T tile of ``[lo, hi)`` into the ring (with
     ``QK_SPLIT``, Q's and K's channels past the first block as tiles of their own: qk_blocks)."""
     CONSUMERS: gl.constexpr = q_smem.shape[0]
@@ -181,8 +199,11 @@ def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q
     i = 0
     for start_n in range(lo, hi, BLOCK_N):
         s = i % STAGES
-        # a fresh barrier's "previous phase" counts as complete: the first STAGES waits pass at once
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        if NAMED_BARRIERS:   # every consumer thread arrived when done with the buffer's last contents
+            if i >= STAGES:
+                _named_barrier(False, RELEASE_BARRIER + s, 32 + CONSUMERS * 128, 1)
+        else:   # a fresh barrier's "previous phase" counts as complete: the first STAGES waits pass at once
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
         if QK_SPLIT:
@@ -196,7 +217,8 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
              rows, q_scale, cap_a, cap_b, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
              MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
              PINGPONG: gl.constexpr, FIRST: gl.constexpr, EXP_POLY: gl.constexpr, SOFTCAP: gl.constexpr,
-             QK_SPLIT: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+             QK_SPLIT: gl.constexpr, NAMED_BARRIERS: gl.constexpr, CONSUMERS: gl.constexpr, s_layout: gl.constexpr,
+             o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key tiles ``[lo, hi)`` for one warpgroup's 64 rows, each S = Q K^T waited for before its softmax.
     ``ks``: this tile's K scale, read a tile ahead (global-load latency stalled the loop when read after S).
 
@@ -213,12 +235,18 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         if PINGPONG:
-            mbarrier.wait(turn_me, (it & 1) ^ FIRST)
+            if NAMED_BARRIERS:
+                _named_barrier(False, TURN_BARRIER + FIRST, 256, 4)
+            else:
+                mbarrier.wait(turn_me, (it & 1) ^ FIRST)
         s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if QK_SPLIT:    # the channels past the first power-of-two block, into the same int32 scores
             s_tok = warpgroup_mma(q2, k2_smem.index(s).permute((1, 0)), s_tok, is_async=True)
         if PINGPONG:
-            mbarrier.arrive(turn_other, count=1)
+            if NAMED_BARRIERS:
+                _named_barrier(True, TURN_BARRIER + 1 - FIRST, 256, 4)
+            else:
+                mbarrier.arrive(turn_other, count=1)
         cols = start_n + offs_n
         ks_next = gl.load(KS + ks_off + start_n + BLOCK_N, mask=start_n + BLOCK_N < seqlen_k, other=0.0)
         # The scores as x = 1.5 * 2^23 + S_int read as a float (quantize.int32_times), scaled per row: the K
@@ -252,7 +280,10 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
         p_scale_o = gl.convert_layout(p_scale, gl.SliceLayout(1, o_layout))
         acc = gl.fma(acc, alpha_o[:, None], (p_scale_o * -12582912.0)[:, None])
         pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok, ))
-        mbarrier.arrive(empty.index(s), count=1)
+        if NAMED_BARRIERS:
+            _named_barrier(True, RELEASE_BARRIER + s, 32 + CONSUMERS * 128, 4)
+        else:
+            mbarrier.arrive(empty.index(s), count=1)
         it += 1
         acc = gl.fma((pv + 0x4B400000).to(gl.float32, bitcast=True), p_scale_o[:, None], acc)
         m_i = m_new
@@ -266,7 +297,7 @@ def _consumer(q, q2, first, k_smem, k2_smem, v_smem, q_bar, ready, empty, turn_m
               seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
               SHIFT, softcap2, HEAD_DIM_V: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
               PINGPONG: gl.constexpr, FIRST: gl.constexpr, SINK_MODE: gl.constexpr, EXP_POLY: gl.constexpr,
-              SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr):
+              SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr, NAMED_BARRIERS: gl.constexpr, CONSUMERS: gl.constexpr):
     """One warpgroup: query rows ``[first, first + 64)`` (their int8 Q in ``q``) against all key tiles."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N, 32)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V, 32)
@@ -289,21 +320,26 @@ def _consumer(q, q2, first, k_smem, k2_smem, v_smem, q_bar, ready, empty, turn_m
     acc = gl.zeros([HALF_M, HEAD_DIM_V], gl.float32, o_layout)
 
     mbarrier.wait(q_bar, 0)
+    if PINGPONG and NAMED_BARRIERS and FIRST == 0:   # the other warpgroup's first turn
+        _named_barrier(True, TURN_BARRIER + 1, 256, 4)
     it = lo * 0
     ks = gl.load(KS + ks_off + lo, mask=lo < hi, other=0.0)
     # masked left edge, unmasked middle, masked right edge
     acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
                                      turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, lo, full_lo,
                                  seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
-                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT, s_layout, o_layout, p_layout)
+                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT, NAMED_BARRIERS, CONSUMERS,
+                                 s_layout, o_layout, p_layout)
     acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
                                      turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_lo, full_hi,
                                  seqlen_q, seqlen_k, window_left, window_right, False, MASK_LEFT, MASK_RIGHT,
-                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT, s_layout, o_layout, p_layout)
+                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT, NAMED_BARRIERS, CONSUMERS,
+                                 s_layout, o_layout, p_layout)
     acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
                                      turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_hi, hi,
                                  seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
-                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT, s_layout, o_layout, p_layout)
+                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT, NAMED_BARRIERS, CONSUMERS,
+                                 s_layout, o_layout, p_layout)
 
     has_keys = l_i > 0
     lse = gl.where(has_keys, m_i + gl.log2(l_i), float("inf"))   # +inf: the backward's exp2(s - lse) is 0
@@ -336,6 +372,7 @@ def _attn_fwd_hopper_kernel(
     IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     QK_SPLIT: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     PINGPONG: gl.constexpr, SINK_MODE: gl.constexpr, EXP_POLY: gl.constexpr, SOFTCAP: gl.constexpr,
+    NAMED_BARRIERS: gl.constexpr,
 ):
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -412,14 +449,14 @@ def _attn_fwd_hopper_kernel(
                          empty, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off,
                          lse_off, s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
                          SINK_SHIFT, SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE,
-                         EXP_POLY, SOFTCAP, QK_SPLIT)),
+                         EXP_POLY, SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 2)),
             (_consumer, (q_smem.index(1), q2_smem.index(1), start_m + HALF_M, k_smem, k2_smem, v_smem, q_bar, ready,
                          empty, turn.index(1), turn.index(0), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off,
                          lse_off, s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
                          SINK_SHIFT, SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE,
-                         EXP_POLY, SOFTCAP, QK_SPLIT)),
+                         EXP_POLY, SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 2)),
             (_loader, (q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_bar,
-                       ready, empty, q_row, k_row, v_row, v0, lo, hi, QK_SPLIT)),
+                       ready, empty, q_row, k_row, v_row, v0, lo, hi, QK_SPLIT, NAMED_BARRIERS)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:   # three: 192 rows a program, no turns (FlashAttention 3's head-dim-64 tile)
         gl.static_assert(CONSUMERS == 3 and not PINGPONG, "2 consumer warpgroups, or 3 without ping-pong")
@@ -428,19 +465,19 @@ def _attn_fwd_hopper_kernel(
                          empty, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off,
                          lse_off, s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
                          SINK_SHIFT, SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 1, SINK_MODE,
-                         EXP_POLY, SOFTCAP, QK_SPLIT)),
+                         EXP_POLY, SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 3)),
             (_consumer, (q_smem.index(1), q2_smem.index(1), start_m + HALF_M, k_smem, k2_smem, v_smem, q_bar, ready,
                          empty, turn.index(1), turn.index(0), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off,
                          lse_off, s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
                          SINK_SHIFT, SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE,
-                         EXP_POLY, SOFTCAP, QK_SPLIT)),
+                         EXP_POLY, SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 3)),
             (_consumer, (q_smem.index(2), q2_smem.index(2), start_m + 2 * HALF_M, k_smem, k2_smem, v_smem, q_bar, ready,
                          empty, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off,
                          lse_off, s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
                          SINK_SHIFT, SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE,
-                         EXP_POLY, SOFTCAP, QK_SPLIT)),
+                         EXP_POLY, SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 3)),
             (_loader, (q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_bar,
-                       ready, empty, q_row, k_row, v_row, v0, lo, hi, QK_SPLIT)),
+                       ready, empty, q_row, k_row, v_row, v0, lo, hi, QK_SPLIT, NAMED_BARRIERS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 
@@ -481,11 +518,15 @@ def qk_blocks(head_dim):
 
 def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
                         window, v_starts=None, consumers=2, consumer_regs=None, loader_regs=24, pingpong=None,
-                        sinks=None, sink_shift=None, exp_poly=0, softcap=0.0, shift=None):
+                        sinks=None, sink_shift=None, exp_poly=0, softcap=0.0, shift=None, named_barriers=None):
     """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift``,
     ``softcap``, ``shift`` as there). ``pingpong`` defaults to on at head dim 128 (faster there on an H100) and
     off at 64 (slower there).
-    ``exp_poly`` 2 or 4: that fraction of each tile's exp2 on the FMA units (off: measured slower, session 10)."""
+    ``exp_poly`` 2 or 4: that fraction of each tile's exp2 on the FMA units (off: measured slower, session 10).
+    ``named_barriers``: the turns and the buffer releases on hardware named barriers, each thread arriving for
+    itself, instead of mbarriers (whose one-thread arrivals Gluon precedes with a ``bar.sync`` of the warpgroup:
+    three of a tile's four go); default on at V's head dim 128, where kernels alone ran 1.00-1.05x faster with two
+    consumers and 1.01-1.04x with three (H100, session 18), off at 64 (0.98-1.03x)."""
     if exp_poly not in (0, 2, 4):
         raise ValueError(f"exp_poly must be 0, 2 or 4, got {exp_poly!r}")
     assert sink_shift is None or (sinks is not None and sink_shift.stride() == lse.stride())
@@ -495,6 +536,8 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
         raise ValueError(f"consumers must be 2 or 3, got {consumers!r}")
     if pingpong is None:
         pingpong = out4.shape[3] == 128 and consumers == 2
+    if named_barriers is None:
+        named_barriers = out4.shape[3] == 128
     if consumer_regs is None:   # what one SM's 64K registers give each consumer warpgroup beside the loader
         consumer_regs = {2: 240, 3: 160}[consumers]
     q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]
@@ -525,7 +568,7 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
             HEAD_DIM_V=head_dim_v, QK_SPLIT=bool(d2), CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
             LOADER_REGS=loader_regs, PINGPONG=pingpong,
             SINK_MODE=0 if sinks is None else 2 if sink_shift is not None else 1, EXP_POLY=exp_poly,
-            SOFTCAP=bool(softcap), num_warps=4)
+            SOFTCAP=bool(softcap), NAMED_BARRIERS=bool(named_barriers), num_warps=4)
 
 
 def launch_forward_hopper(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim, window,

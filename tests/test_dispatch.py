@@ -66,7 +66,7 @@ def test_auto_and_forced_choices_on_hopper(monkeypatch):
     assert dispatch.use_gluon(dev, 128, False, seqlen_k=1024, backward=True) == dispatch.GLUON_BWD_BY_DEFAULT
     assert not dispatch.use_gluon(dev, 64, False, varlen=True, backward=True)
     assert not dispatch.use_gluon(dev, 64, True, backward=True)
-    # soft-capped scores: a compile-time option of both Gluon families; auto runs the capped forward portable
+    # soft-capped scores: a compile-time option of both Gluon families (auto: see GLUON_SOFTCAP_FORWARD)
     assert dispatch.use_gluon(dev, 64, False, softcap=True) == dispatch.GLUON_SOFTCAP_FORWARD
     assert dispatch.use_gluon(dev, 128, False, backward=True, softcap=True) == dispatch.GLUON_BWD_BY_DEFAULT
     monkeypatch.setattr(dispatch, "GLUON_BWD_BY_DEFAULT", False)
@@ -233,6 +233,37 @@ def test_gluon_forward_exp2_split(case, exp_poly):
     assert torch.equal(seen, torch.isfinite(lse1))
     torch.testing.assert_close(lse1[seen], lse0[seen], rtol=0, atol=1e-3)
     assert torch.equal(out1[~seen], out0[~seen])
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", [GLUON_CASES[i] for i in (0, 5, 6, 9, 10)], ids=_case_id)
+def test_gluon_forward_schedules_agree(case):
+    """The synchronization schedules (mbarrier or named-barrier turns and releases, two or three consumers) run
+    the same arithmetic on the same INT8 inputs: bit-identical outputs and lse, over padded tiles, rows that see
+    no key, a window, GQA and MLA."""
+    from sagebwd_hf.kernels.forward_hopper import launch_forward_hopper
+    from sagebwd_hf.kernels.layout import SeqLayout
+    from sagebwd_hf.kernels.quantize import quantize_qk, quantize_v
+    b, h, hk, nq, nk, d, causal, window, dv = _unpack(case)
+    q, k, v, _ = make_qkv(b, h, hk, nq, nk, d, torch.bfloat16, "cuda", head_dim_v=dv)
+    q, k, v = (x.detach() for x in (q, k, v))
+    lay_q, lay_k = SeqLayout(b, nq, None), SeqLayout(b, nk, None)
+    quant = quantize_qk(q, k, lay_q, lay_k, d ** -0.5, True, False, v4=v)
+    v8t, v_scale = quantize_v(v, lay_k, v_scale=quant["v_scale"])
+    window = (window[0], 0) if causal and window[1] < 0 else window
+    runs = {}
+    for consumers in (2, 3):
+        for named in (False, True):
+            out = torch.full((b, h, nq, dv), float("nan"), device="cuda", dtype=q.dtype)
+            lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+            launch_forward_hopper(quant, v8t, v_scale, out, lse, lay_q, lay_k, h, h // hk, d, window,
+                                  consumers=consumers, named_barriers=named)
+            runs[consumers, named] = (out, lse)
+    out0, lse0 = runs[2, False]
+    assert not out0.isnan().any() and not lse0.isnan().any()
+    for key, (out, lse) in runs.items():
+        assert torch.equal(out, out0) and torch.equal(lse, lse0), key
 
 
 def _grads(monkeypatch, choice, q, k, v, do, **kw):

@@ -39,8 +39,8 @@ GLUON_MIN_KEYS_D128 = 2048
 GLUON_BWD_BY_DEFAULT = True
 # Soft-capped scores. Session 11 (tanh from exp2 and rcp.approx, three MUFU ops a score): the Gluon forward only
 # 1.00-1.04x the portable one unmasked, 0.83-0.93x causal, so auto ran capped forwards portable. Session 18
-# (tanh.approx, two MUFU ops; H100, cap 50, whole op): the capped forward 1.05-1.11x faster on Gluon than portable
-# (D=128 N=1K/4K, causal or not; D=64 N=4K 1.02x).
+# (tanh.approx, two MUFU ops; H100, cap 50, whole op): the capped forward 1.01-1.13x faster on Gluon than
+# portable (D=128 N=1K/4K and D=64 N=4K, causal or not).
 GLUON_SOFTCAP_FORWARD = True
 # Three consumer warpgroups in the Gluon forward (192 query rows a program, FlashAttention 3's head-dim-64
 # tile) once K's scale is one per key tile. Kernels alone on an H100 (B*N = 32K, H*D = 2048), against two

@@ -48,7 +48,8 @@ GLUON_SOFTCAP_FORWARD = True
 # 1K; at D=128 (a few spilled registers a tile, session 16, two runs) 1.07-1.08x at 4K, 1.09-1.11x at 16K, 1.01x
 # at 1K; causal 0.55-0.95x at D=64, 0.56-0.88x at D=128: 192-row programs cross the diagonal on more tiles.
 # MLA's 192/128 (session 17, one run, 4K keys): 1.04x without a mask, 0.63x causal (0.82x at 16K).
-# So unmasked, from this many query rows (the longest sequence's), and not soft-capped.
+# Soft-capped (session 18, cap 50, 2K/4K/16K keys): 1.09 / 1.06 / 1.04x at D=64, 1.01 / 0.98 / 0.97x at D=128.
+# So unmasked, from this many query rows (the longest sequence's), and capped only at D=64.
 GLUON_THREE_CONSUMERS_MIN_QUERIES = 2048
 
 _counts = collections.Counter()    # "fwd_gluon", "fwd_triton", ... -> launches
@@ -129,7 +130,8 @@ def _warn_untested_triton(device: torch.device) -> None:
 
 def gluon_forward_consumers(head_dim: int, masked: bool, softcap: bool, max_len_q: int) -> int:
     """Consumer warpgroups of a Gluon forward launch (``forward_hopper_args``'s ``consumers``)."""
-    three = head_dim in (64, 128, 192) and not masked and not softcap and max_len_q >= GLUON_THREE_CONSUMERS_MIN_QUERIES
+    three = (head_dim in (64, 128, 192) and not masked and (not softcap or head_dim == 64)
+             and max_len_q >= GLUON_THREE_CONSUMERS_MIN_QUERIES)
     return 3 if three else 2
 
 

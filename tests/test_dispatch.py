@@ -99,14 +99,17 @@ def test_auto_and_forced_choices_on_hopper(monkeypatch):
 
 
 def test_three_consumer_warpgroups_only_where_measured_faster():
-    """The Gluon forward runs three consumer warpgroups at head dims 64 and 128 without a mask or a cap from
-    GLUON_THREE_CONSUMERS_MIN_QUERIES query rows; everything else keeps two."""
+    """The Gluon forward runs three consumer warpgroups at head dims 64, 128 and 192 without a mask (and without
+    a cap but at 64) from GLUON_THREE_CONSUMERS_MIN_QUERIES query rows; everything else keeps two."""
     consumers = dispatch.gluon_forward_consumers
     long_enough = dispatch.GLUON_THREE_CONSUMERS_MIN_QUERIES
     assert consumers(64, False, False, long_enough) == 3
     assert consumers(64, False, False, long_enough - 1) == 2
     assert consumers(64, True, False, 8 * long_enough) == 2       # causal or windowed
-    assert consumers(64, False, True, 8 * long_enough) == 2       # soft-capped
+    assert consumers(64, False, True, long_enough) == 3           # soft-capped: faster at 64 only
+    assert consumers(64, False, True, long_enough - 1) == 2
+    assert consumers(128, False, True, 8 * long_enough) == 2
+    assert consumers(192, False, True, 8 * long_enough) == 2
     assert consumers(128, False, False, long_enough) == 3
     assert consumers(128, False, False, long_enough - 1) == 2
     assert consumers(128, True, False, 8 * long_enough) == 2
@@ -237,11 +240,12 @@ def test_gluon_forward_exp2_split(case, exp_poly):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("softcap", [0.0, 5.0], ids=["plain", "cap5"])
 @pytest.mark.parametrize("case", [GLUON_CASES[i] for i in (0, 5, 6, 9, 10)], ids=_case_id)
-def test_gluon_forward_schedules_agree(case):
+def test_gluon_forward_schedules_agree(case, softcap):
     """The synchronization schedules (mbarrier or named-barrier turns and releases, two or three consumers) run
     the same arithmetic on the same INT8 inputs: bit-identical outputs and lse, over padded tiles, rows that see
-    no key, a window, GQA and MLA."""
+    no key, a window, GQA and MLA, with and without a soft cap."""
     from sagebwd_hf.kernels.forward_hopper import launch_forward_hopper
     from sagebwd_hf.kernels.layout import SeqLayout
     from sagebwd_hf.kernels.quantize import quantize_qk, quantize_v
@@ -249,16 +253,17 @@ def test_gluon_forward_schedules_agree(case):
     q, k, v, _ = make_qkv(b, h, hk, nq, nk, d, torch.bfloat16, "cuda", head_dim_v=dv)
     q, k, v = (x.detach() for x in (q, k, v))
     lay_q, lay_k = SeqLayout(b, nq, None), SeqLayout(b, nk, None)
-    quant = quantize_qk(q, k, lay_q, lay_k, d ** -0.5, True, False, v4=v)
+    quant = quantize_qk(q, k, lay_q, lay_k, d ** -0.5, True, False, row_shift=bool(softcap), v4=v)
     v8t, v_scale = quantize_v(v, lay_k, v_scale=quant["v_scale"])
     window = (window[0], 0) if causal and window[1] < 0 else window
+    cap = dict(softcap=softcap, shift=quant["q_shift"] * LOG2E) if softcap else {}
     runs = {}
     for consumers in (2, 3):
         for named in (False, True):
             out = torch.full((b, h, nq, dv), float("nan"), device="cuda", dtype=q.dtype)
             lse = torch.full(q.shape[:3], float("nan"), device="cuda")
             launch_forward_hopper(quant, v8t, v_scale, out, lse, lay_q, lay_k, h, h // hk, d, window,
-                                  consumers=consumers, named_barriers=named)
+                                  consumers=consumers, named_barriers=named, **cap)
             runs[consumers, named] = (out, lse)
     out0, lse0 = runs[2, False]
     assert not out0.isnan().any() and not lse0.isnan().any()

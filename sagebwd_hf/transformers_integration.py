@@ -177,6 +177,19 @@ def _chunk_ids(chunk_size, left_padding, batch, q_len, kv_len, q_offset, kv_offs
     return ids[None].expand(batch, -1)
 
 
+def _whole_chunks(ids) -> Optional[int]:
+    """The chunk size when every row of chunk ids ``[B, N]`` is whole chunks of one size (``N`` a multiple of it):
+    those chunks are then the rows of a padded batch (``[B, N, H, D]`` reshaped to ``[B * N / size, size, H, D]``,
+    a view), on the same kernels and numerics as the packed run. None otherwise. Reads the ids on the host (once
+    per forward: per_tensor)."""
+    row = ids[0].cpu()
+    size = int((row == 0).sum())
+    if size == 0 or row.numel() % size:
+        return None
+    whole = torch.equal(row, torch.arange(row.numel(), dtype=row.dtype) // size) and bool((ids == ids[:1]).all())
+    return size if whole else None
+
+
 def _expressible_compiled(mask_function, kwargs) -> bool:
     """Under torch.compile, dynamo cannot read closures: decide from what the mask creators pass instead.
     ``use_vmap`` is set exactly when a model adds or_mask_function/and_mask_function; block-wise overlays make
@@ -584,7 +597,11 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
 
     if chunks is not None:                                      # 0. chunked attention: chunks as sequences
         _kernel_calls["chunked"] += 1
-        out = segmented_attention(q, k, v, None, chunks, **op)
+        size = None if compiling else per_tensor(f"chunks:{batch}:{kv_len}", chunks, _whole_chunks)
+        if size:   # whole chunks of one size: a padded batch of chunks (the Gluon backward takes padded batches)
+            out = _dense(*(x.reshape(-1, size, *x.shape[2:]) for x in (q, k, v)), op).reshape(*q.shape[:3], -1)
+        else:      # a shorter last chunk: the sequences of a packed batch
+            out = segmented_attention(q, k, v, None, chunks, **op)
     elif mask is not None:                                      # 1. padding (precedes packing, as flash)
         _kernel_calls["padding"] += 1
         out = segmented_attention(q, k, v, mask, None, **op)

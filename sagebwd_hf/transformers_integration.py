@@ -180,7 +180,7 @@ def _chunk_ids(chunk_size, left_padding, batch, q_len, kv_len, q_offset, kv_offs
 def _whole_chunks(ids) -> Optional[int]:
     """The chunk size when every row of chunk ids ``[B, N]`` is whole chunks of one size (``N`` a multiple of it):
     those chunks are then the rows of a padded batch (``[B, N, H, D]`` reshaped to ``[B * N / size, size, H, D]``,
-    a view), on the same kernels and numerics as the packed run. None otherwise. Reads the ids on the host (once
+    a view in Transformers' layout), on the same kernels and numerics as the packed run. None otherwise. Reads the ids on the host (once
     per forward: per_tensor)."""
     row = ids[0].cpu()
     size = int((row == 0).sum())

@@ -180,8 +180,8 @@ def _chunk_ids(chunk_size, left_padding, batch, q_len, kv_len, q_offset, kv_offs
 def _whole_chunks(ids) -> Optional[int]:
     """The chunk size when every row of chunk ids ``[B, N]`` is whole chunks of one size (``N`` a multiple of it):
     those chunks are then the rows of a padded batch (``[B, N, H, D]`` reshaped to ``[B * N / size, size, H, D]``,
-    a view in Transformers' layout), on the same kernels and numerics as the packed run. None otherwise. Reads the ids on the host (once
-    per forward: per_tensor)."""
+    a view in Transformers' layout), on the same kernels and numerics as the packed run. None otherwise. Reads
+    the ids on the host (once per forward: per_tensor)."""
     row = ids[0].cpu()
     size = int((row == 0).sum())
     if size == 0 or row.numel() % size:
@@ -600,7 +600,7 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         size = None if compiling else per_tensor(f"chunks:{batch}:{kv_len}", chunks, _whole_chunks)
         if size:   # whole chunks of one size: a padded batch of chunks (the Gluon backward takes padded batches)
             out = _dense(*(x.reshape(-1, size, *x.shape[2:]) for x in (q, k, v)), op).reshape(*q.shape[:3], -1)
-        else:      # a shorter last chunk: the sequences of a packed batch
+        else:      # a shorter last chunk (or under torch.compile): the sequences of a packed batch
             out = segmented_attention(q, k, v, None, chunks, **op)
     elif mask is not None:                                      # 1. padding (precedes packing, as flash)
         _kernel_calls["padding"] += 1

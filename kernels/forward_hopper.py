@@ -171,14 +171,11 @@ def _named_barrier(ARRIVE: gl.constexpr, bar_id, threads, WARPS: gl.constexpr):
     every thread of this WARPS-warp partition. Each thread signals for itself: an mbarrier arrival is one thread's,
     so Gluon syncs the partition before it (a ``bar.sync`` of its warps per arrival)."""
     one: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    op: gl.constexpr = "bar.arrive" if ARRIVE else "bar.sync"
     ids = gl.full([32 * WARPS], 0, gl.int32, one) + bar_id
     counts = gl.full([32 * WARPS], 0, gl.int32, one) + threads
-    if ARRIVE:
-        gl.inline_asm_elementwise("bar.arrive $1, $2; mov.u32 $0, 0;", "=r,r,r", [ids, counts], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        gl.inline_asm_elementwise("bar.sync $1, $2; mov.u32 $0, 0;", "=r,r,r", [ids, counts], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+    gl.inline_asm_elementwise(op + " $1, $2; mov.u32 $0, 0;", "=r,r,r", [ids, counts], dtype=gl.int32,
+                              is_pure=False, pack=1)
 
 
 @gluon.jit

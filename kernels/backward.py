@@ -11,7 +11,11 @@ deterministic and GQA head groups are summed in registers):
   ``S`` and ``dP`` again, then ``dQ += dS K`` (INT8).
 
 With ``SOFTCAP`` both kernels recompute the capped scores as the forward does and multiply dS by the cap's
-derivative ``1 - tanh^2``; the dQ kernel also writes rowsum(dS) (``ROW_DS``), for the op's K-smoothing term.
+derivative ``1 - tanh^2``.
+
+``ROW_TERM`` (dQ): K-smoothing scores K - mean(k), which leaves ``rowsum(dS) * mean(k)`` (``KMEAN``) out of dQ:
+zero when a row's dS sum to zero, but not with a cap (the kernel sums its own dS) or with sinks (the sink's share,
+given in ``ROW_DS``). The epilogue adds it.
 
 P and dS are quantized on the fly with one scale per row of the reduced-over tile: per key for dV and dK
 (reduction over queries), per query for dQ (reduction over keys). The other operand's per-token scale is
@@ -324,7 +328,7 @@ def _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q8, QS, K8, K8T, KS, V, DO, LSE, DELTA, SHIFT, ROW_DS, QMEAN, QMEAN_CU, DQ, CU_Q, CU_K,
+    Q8, QS, K8, K8T, KS, V, DO, LSE, DELTA, SHIFT, ROW_DS, KMEAN, QMEAN, QMEAN_CU, DQ, CU_Q, CU_K,
     s_q8b, s_q8h, s_q8t,
     s_qsb, s_qsh,
     s_k8b, s_k8h, s_k8t,
@@ -333,12 +337,13 @@ def _attn_bwd_dq_kernel(
     s_vb, s_vh, s_vt, s_vd,
     s_dob, s_doh, s_dot, s_dod,
     s_qmh, s_qmb,
+    s_kmh, s_kmb,
     s_dqb, s_dqh, s_dqt, s_dqd,
     n_q, n_k, num_heads, group, head_dim, head_dim_v, window_left, window_right, softmax_scale, softcap2,
     IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-    FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    FAST_TANH: tl.constexpr, ROW_TERM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
@@ -400,23 +405,29 @@ def _attn_bwd_dq_kernel(
                    s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP,
                    FAST_TANH)
 
+    if ROW_TERM:   # the kernel's own row sums with a cap, else the sinks' (given)
+        if not SOFTCAP:
+            row_ds = tl.load(ROW_DS + bq * s_qsb + h * s_qsh + q0 + offs_m, mask=m_ok, other=0.0)
+        k_mean = tl.load(KMEAN + hk * s_kmh + b * s_kmb + offs_d, mask=d_ok, other=0.0)
+        dq += row_ds[:, None] * k_mean[None, :]
     tl.store(DQ + bq * s_dqb + h * s_dqh + (q0 + offs_m)[:, None] * s_dqt + offs_d[None, :] * s_dqd,
              (dq * softmax_scale).to(DQ.dtype.element_ty), mask=md_ok)
-    if SOFTCAP:
-        tl.store(ROW_DS + bq * s_qsb + h * s_qsh + q0 + offs_m, row_ds, mask=m_ok)
 
 
 def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse, delta,
                     dq4, dk4, dv4, layout_q: SeqLayout, layout_k: SeqLayout,
                     num_heads, num_kv_heads, head_dim, window, softmax_scale, dkdv_config, dq_config,
-                    kernels=("dkdv", "dq"), split_dkdv=False, softcap=0.0, shift=None, row_ds=None):
+                    kernels=("dkdv", "dq"), split_dkdv=False, softcap=0.0, shift=None, row_ds=None, k_mean=None):
     """Run the backward kernels; ``dq4, dk4, dv4`` (``[B, H, N, D]`` views, any strides) are written.
     ``kernels`` picks a subset (benchmarks time them one at a time). ``split_dkdv`` computes dV and dK in two
     launches of the key-tile kernel (one accumulator each, S and P recomputed): fewer live registers.
-    ``softcap`` > 0: capped scores (``shift`` as the forward's), and rowsum(dS) written to ``row_ds`` (lse's
-    layout)."""
+    ``softcap`` > 0: capped scores (``shift`` as the forward's). ``k_mean`` (``[Hkv, S, D]`` fp32, the means
+    K-smoothing took): dQ gets ``rowsum(dS) * k_mean``, the row sums the kernel's own with a cap, else ``row_ds``
+    (lse's layout; the sinks' share)."""
     if softcap:
-        assert shift is not None and row_ds is not None and shift.stride() == row_ds.stride() == lse.stride()
+        assert shift is not None and shift.stride() == lse.stride()
+    if k_mean is not None and not softcap:
+        assert row_ds is not None and row_ds.stride() == lse.stride()
     q8, k8, q_mean, q_mean_cu = quant["q8"], quant["k8"], quant["q_mean"], quant["q_mean_cu"]
     q_scale, k_scale = quant["q_scale"], quant["k_scale"]
     group = num_heads // num_kv_heads
@@ -424,6 +435,7 @@ def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse,
     common = dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
                   Q_SMOOTH=q_mean is not None, QSB=Q_SMOOTH_BLOCK, DOT_FP32=dot_fp32, SOFTCAP=bool(softcap),
                   FAST_TANH=fast_tanh(q8.device))
+    k_mean_arg = maybe(k_mean, lse)
     softcap2 = float(softcap) * LOG2E
     shift, row_ds = maybe(shift, lse), maybe(row_ds, lse)
     cu_q = maybe(layout_q.cu_seqlens, q8)
@@ -450,9 +462,9 @@ def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse,
                 softmax_scale, softcap2, config, dict(common, **parts))
     if "dq" in kernels:
         compiled["dq"] = _launch_dq(
-            q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, shift, row_ds, q_mean_arg, q_mean_cu_arg, dq4,
-            cu_q, cu_k, q_mean, layout_q, num_heads, group, head_dim, window, softmax_scale, softcap2, dq_config,
-            common)
+            q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, shift, row_ds, k_mean_arg, q_mean_arg, q_mean_cu_arg,
+            dq4, cu_q, cu_k, q_mean, k_mean, layout_q, num_heads, group, head_dim, window, softmax_scale, softcap2,
+            dq_config, dict(common, ROW_TERM=k_mean is not None))
     return compiled
 
 
@@ -477,18 +489,18 @@ def _launch_dkdv(q8, q_scale, q_scale_raw, q8rt, k8, k_scale, v4, do4, do8t, do_
     )
 
 
-def _launch_dq(q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, shift, row_ds, q_mean_arg, q_mean_cu_arg, dq4,
-               cu_q, cu_k, q_mean, layout_q, num_heads, group, head_dim, window, softmax_scale, softcap2, config,
-               common):
+def _launch_dq(q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, shift, row_ds, k_mean_arg, q_mean_arg,
+               q_mean_cu_arg, dq4, cu_q, cu_k, q_mean, k_mean, layout_q, num_heads, group, head_dim, window,
+               softmax_scale, softcap2, config, common):
     block_m, block_n, block_d, num_warps, num_stages = config
     assert Q_SMOOTH_BLOCK % block_m == 0
     grid = (cdiv(layout_q.max_len, block_m), layout_q.num_seqs * num_heads)
     return launch(
         _attn_bwd_dq_kernel, grid,
-        q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, shift, row_ds, q_mean_arg, q_mean_cu_arg, dq4, cu_q,
-        cu_k, *strides4(q8)[:3], *strides3(q_scale)[:2],
+        q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, shift, row_ds, k_mean_arg, q_mean_arg, q_mean_cu_arg, dq4,
+        cu_q, cu_k, *strides4(q8)[:3], *strides3(q_scale)[:2],
         *strides4(k8)[:3], *strides4(k8t)[:3], *strides3(k_scale)[:2],
-        *strides4(v4), *strides4(do4), *strides3(q_mean)[:2], *strides4(dq4),
+        *strides4(v4), *strides4(do4), *strides3(q_mean)[:2], *strides3(k_mean)[:2], *strides4(dq4),
         q8.shape[2], k8.shape[2], num_heads, group, head_dim, v4.shape[3], window[0], window[1], softmax_scale,
         softcap2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dim(v4.shape[3]),
         num_warps=num_warps, num_stages=num_stages,

@@ -34,8 +34,11 @@ as ``log2`` inside P^T's exp2 instead of a multiply per score) made dV 1.09-1.12
 ping-pong turns between the two consumers measured 0.87-1.02x here (not kept).
 
 ``SOFTCAP`` (a compile-time option of the same kernels): the capped scores recomputed as the forward does,
-dS (dS^T) times the cap's derivative ``1 - tanh^2``, and the dQ launch writes rowsum(dS) (``ROW_DS``) for the
-op's K-smoothing term, as backward.py.
+dS (dS^T) times the cap's derivative ``1 - tanh^2``, as backward.py.
+
+``ROW_TERM`` (dQ): K-smoothing scores K - mean(k), which leaves ``rowsum(dS) * mean(k)`` out of dQ; that is zero
+when a row's dS sum to zero, not with a cap (the kernel's own rowsum) or sinks (``ROW_DS``: the sink's share,
+given). The epilogue adds it, as backward.py (a PyTorch pass over dQ before).
 
 Padded batches, head dims 64 and 128, and MLA's 192 for Q/K with 128 for V (Q's and K's channels as two
 blocks, forward_hopper.qk_blocks: two wgmmas for each product over them, two accumulators for dK and dQ), no
@@ -461,11 +464,11 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_d
 def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, softcap2, lse, delta, rows, k_smem,
               k2_smem, v_smem, kt_smem, kt2_smem, KS, ks_off, ready, empty, lo, hi, seqlen_q, seqlen_k, window_left,
               window_right, MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-              SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr, s_layout: gl.constexpr, dp_layout: gl.constexpr,
-              o_layout: gl.constexpr, p_layout: gl.constexpr):
+              SOFTCAP: gl.constexpr, ROW_TERM: gl.constexpr, QK_SPLIT: gl.constexpr, s_layout: gl.constexpr,
+              dp_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key tiles ``[lo, hi)`` for one warpgroup's 64 queries: ``dQ += dS K`` (backward._dq_tile's numerics;
-    ``QK_SPLIT``: K's channels past the first block into ``acc2``); with ``SOFTCAP`` also ``row_ds +=
-    rowsum(dS)``. ``ks``: this tile's K scale, read a tile ahead (one per K_SCALE_BLOCK keys: a 64-key tile
+    ``QK_SPLIT``: K's channels past the first block into ``acc2``); with ``SOFTCAP`` and ``ROW_TERM`` also
+    ``row_ds += rowsum(dS)``. ``ks``: this tile's K scale, read a tile ahead (one per K_SCALE_BLOCK keys: a 64-key tile
     reads its block's)."""
     BLOCK_K: gl.constexpr = k_smem.shape[1]
     offs_n = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
@@ -498,9 +501,10 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, s
             p = gl.where(valid, p, 0.0)
         # dS, one scale per query over the tile (signed), times the tile's K scale
         x = p * (gl.convert_layout(dp, s_layout) - delta[:, None])
-        if SOFTCAP:   # dS with respect to the uncapped score; its row sums for the op's K-smoothing term
+        if SOFTCAP:   # dS with respect to the uncapped score; its row sums for K-smoothing's term
             x = x * (1.0 - th * th)
-            row_ds += gl.sum(gl.where((start_n + offs_n < seqlen_k)[None, :], x, 0.0), 1)
+            if ROW_TERM:
+                row_ds += gl.sum(gl.where((start_n + offs_n < seqlen_k)[None, :], x, 0.0), 1)
         x_max = gl.max(gl.abs(x), 1)
         acc, acc2 = _quantized_product(acc, acc2, x, x_max, ks, kt_smem.index(s), kt2_smem.index(s), empty.index(s),
                                        QK_SPLIT, p_layout, o_layout)
@@ -510,10 +514,19 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, s
 
 
 @gluon.jit
+def _add_row_term(acc, row_ds, KMEAN, COL0: gl.constexpr):
+    """``acc + row_ds[:, None] * KMEAN[COL0 : COL0 + width]``, in ``acc``'s layout."""
+    o_layout: gl.constexpr = acc.type.layout
+    k_mean = gl.load(KMEAN + COL0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_layout)))
+    return gl.fma(gl.convert_layout(row_ds, gl.SliceLayout(1, o_layout))[:, None], k_mean[None, :], acc)
+
+
+@gluon.jit
 def _dq_consumer(q8, q8b, do16, first, k_smem, k2_smem, v_smem, kt_smem, kt2_smem, q_bar, ready, empty, QS, LSE,
-                 DELTA, SHIFT, ROW_DS, KS, DQ, vec_off, ks_off, dq_off, s_dqt, seqlen_q, seqlen_k, window_left,
-                 window_right, lo, full_lo, full_hi, hi, out_scale, softcap2, D1: gl.constexpr, D2: gl.constexpr,
-                 MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr):
+                 DELTA, SHIFT, ROW_DS, KMEAN, KS, DQ, vec_off, km_off, ks_off, dq_off, s_dqt, seqlen_q, seqlen_k,
+                 window_left, window_right, lo, full_lo, full_hi, hi, out_scale, softcap2, D1: gl.constexpr,
+                 D2: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                 ROW_TERM: gl.constexpr, QK_SPLIT: gl.constexpr):
     """One warpgroup: queries ``[first, first + 64)`` against every key tile; writes their dQ rows."""
     BLOCK_K: gl.constexpr = k_smem.shape[1]
     s_layout: gl.constexpr = wgmma_layout(BLOCK_K, 32)
@@ -542,32 +555,36 @@ def _dq_consumer(q8, q8b, do16, first, k_smem, k2_smem, v_smem, kt_smem, kt2_sme
     acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, softcap2,
                                           lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem, KS, ks_off,
                                           ready, empty, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right,
-                                          True, MASK_LEFT, MASK_RIGHT, SOFTCAP, QK_SPLIT, s_layout, dp_layout,
+                                          True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT, s_layout, dp_layout,
                                           o_layout, p_layout)
     acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, softcap2,
                                           lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem, KS, ks_off,
                                           ready, empty, full_lo, full_hi, seqlen_q, seqlen_k, window_left,
-                                          window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, QK_SPLIT, s_layout,
+                                          window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT, s_layout,
                                           dp_layout, o_layout, p_layout)
     acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, softcap2,
                                           lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem, KS, ks_off,
                                           ready, empty, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right,
-                                          True, MASK_LEFT, MASK_RIGHT, SOFTCAP, QK_SPLIT, s_layout, dp_layout,
+                                          True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT, s_layout, dp_layout,
                                           o_layout, p_layout)
+    if ROW_TERM:   # dQ += rowsum(dS) mean(k): the kernel's own row sums with a cap, else the sinks' (given)
+        if not SOFTCAP:
+            row_ds = gl.load(ROW_DS + vec_off + rows, mask=m_ok, other=0.0)
+        acc = _add_row_term(acc, row_ds, KMEAN + km_off, 0)
+        if QK_SPLIT:
+            acc2 = _add_row_term(acc2, row_ds, KMEAN + km_off, D1)
     _store_rows(acc, rows, seqlen_q, DQ, dq_off, s_dqt, out_scale, 0)
     if QK_SPLIT:
         _store_rows(acc2, rows, seqlen_q, DQ, dq_off, s_dqt, out_scale, D1)
-    if SOFTCAP:
-        gl.store(ROW_DS + vec_off + rows, row_ds, mask=m_ok)
 
 
 @gluon.jit
 def _attn_bwd_dq_hopper_kernel(
-    q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, QS, LSE, DELTA, SHIFT, ROW_DS, KS, DQ,
-    s_qsb, s_qsh, s_ksb, s_ksh, s_dqb, s_dqh, s_dqt, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch,
+    q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, QS, LSE, DELTA, SHIFT, ROW_DS, KMEAN, KS,
+    DQ, s_qsb, s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh, s_dqt, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch,
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, out_scale, softcap2,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr, QK_SPLIT: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, SOFTCAP: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, SOFTCAP: gl.constexpr, ROW_TERM: gl.constexpr,
 ):
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -615,16 +632,18 @@ def _attn_bwd_dq_hopper_kernel(
 
     vec_off = b.to(gl.int64) * s_qsb + h * s_qsh
     ks_off = b.to(gl.int64) * s_ksb + hk * s_ksh
+    km_off = hk * s_kmh + b * s_kmb
     dq_off = b.to(gl.int64) * s_dqb + h.to(gl.int64) * s_dqh
     gl.warp_specialize([
         (_dq_consumer, (q_smem.index(0), q2_smem.index(0), do_smem.index(0), start_m, k_smem, k2_smem, v_smem, kt_smem,
-                        kt2_smem, q_bar, ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, KS, DQ, vec_off, ks_off, dq_off,
-                        s_dqt, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, out_scale,
-                        softcap2, D1, D2, MASK_LEFT, MASK_RIGHT, SOFTCAP, QK_SPLIT)),
+                        kt2_smem, q_bar, ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, KMEAN, KS, DQ, vec_off, km_off,
+                        ks_off, dq_off, s_dqt, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi,
+                        out_scale, softcap2, D1, D2, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT)),
         (_dq_consumer, (q_smem.index(1), q2_smem.index(1), do_smem.index(1), start_m + HALF_N, k_smem, k2_smem, v_smem,
-                        kt_smem, kt2_smem, q_bar, ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, KS, DQ, vec_off, ks_off,
-                        dq_off, s_dqt, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi,
-                        out_scale, softcap2, D1, D2, MASK_LEFT, MASK_RIGHT, SOFTCAP, QK_SPLIT)),
+                        kt_smem, kt2_smem, q_bar, ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, KMEAN, KS, DQ, vec_off,
+                        km_off, ks_off, dq_off, s_dqt, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo,
+                        full_hi, hi, out_scale, softcap2, D1, D2, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM,
+                        QK_SPLIT)),
         (_dq_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, q_smem, do_smem, k_smem,
                       v_smem, kt_smem, q2_smem, k2_smem, kt2_smem, q_bar, ready, empty, q_row, do_row, do_col, k_row,
                       v_row, v_col, kt_row, lo, hi, QK_SPLIT)),
@@ -707,10 +726,10 @@ def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk
 
 
 def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale,
-                   consumer_regs=240, loader_regs=32, softcap=0.0, shift=None, row_ds=None):
+                   consumer_regs=240, loader_regs=32, softcap=0.0, shift=None, row_ds=None, k_mean=None):
     """(grid, args, kwargs) of the dQ launch: padded ``[B, H, N, D]`` tensors as ``backward.launch_backward``
     takes them (``quant`` from ``quantize_qk(..., transposed=True)``, whose ``k8t`` is dQ's B operand;
-    ``softcap``, ``shift``, ``row_ds`` as there)."""
+    ``softcap``, ``shift``, ``row_ds``, ``k_mean`` as there)."""
     head_dim_v = v4.shape[3]
     assert (head_dim, head_dim_v) in HEAD_DIMS and dq4.stride(3) == 1
     block_k = dq_key_tile(head_dim)
@@ -719,8 +738,10 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
     q8, k8, k8t, q_scale, k_scale = quant["q8"], quant["k8"], quant["k8t"], quant["q_scale"], quant["k_scale"]
     bsz, hq, n_q, d = q8.shape
     hk, n_k = k8.shape[1], k8.shape[2]
-    assert not softcap or (shift is not None and row_ds is not None)
-    shift, row_ds = (shift, row_ds) if softcap else (lse, lse)
+    assert not softcap or shift is not None
+    assert k_mean is None or softcap or row_ds is not None, "the sinks' row sums, or a cap's own"
+    shift = shift if softcap else lse
+    row_ds = row_ds if k_mean is not None and not softcap else lse
     for t in (lse, delta, shift, row_ds):
         assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
     io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
@@ -733,15 +754,19 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
     q2_desc = _tma_desc(_rows(q8), [HALF_N.value, d2], gl.int8) if d2 else q_desc
     k2_desc = _tma_desc(_rows(k8), [block_k, d2], gl.int8) if d2 else k_desc
     kt2_desc = _tma_desc(k8t.reshape(-1, k8t.shape[-1]), [d2, block_k], gl.int8) if d2 else kt_desc
+    if k_mean is not None:
+        assert k_mean.shape == (hk, bsz, d) and k_mean.stride(2) == 1 and k_mean.dtype == torch.float32
     grid = (cdiv(n_q, BLOCK_M.value), bsz * hq)
     return grid, (
         q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, q_scale, lse, delta, shift, row_ds,
-        k_scale, dq4,
-        q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1), *dq4.stride()[:3],
+        lse if k_mean is None else k_mean, k_scale, dq4,
+        q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
+        *((0, 0) if k_mean is None else k_mean.stride()[:2]), *dq4.stride()[:3],
         *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1], softmax_scale,
         float(softcap) * LOG2E if softcap else 1.0,
     ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim, QK_SPLIT=bool(d2),
-            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, SOFTCAP=bool(softcap), num_warps=4)
+            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, SOFTCAP=bool(softcap),
+            ROW_TERM=k_mean is not None, num_warps=4)
 
 
 def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale, **tuning):
@@ -753,10 +778,10 @@ def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim
 
 def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4, dv4, num_heads, num_kv_heads,
                            head_dim, window, softmax_scale, split_dkdv=True, softcap=0.0, shift=None, row_ds=None,
-                           **tuning):
+                           k_mean=None, **tuning):
     """backward.launch_backward's contract on the Gluon kernels, for padded batches without Q-smoothing:
     dK and dV in one launch (or two with ``split_dkdv``), then dQ; each deterministic (no atomics).
-    ``softcap`` > 0: capped scores (``shift`` as the forward's), rowsum(dS) written to ``row_ds``."""
+    ``softcap`` > 0: capped scores (``shift`` as the forward's); ``k_mean``, ``row_ds``: as there."""
     group = num_heads // num_kv_heads
     common = (num_heads, group, head_dim, window, softmax_scale)
     lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides
@@ -767,5 +792,5 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
         launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, None, dk4, *common, **tuning)
     else:
         launch_dkdv_hopper("dkdv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common, **tuning)
-    launch_dq_hopper(quant, lse, do4, delta, v4, dq4, *common, row_ds=row_ds,
+    launch_dq_hopper(quant, lse, do4, delta, v4, dq4, *common, row_ds=row_ds, k_mean=k_mean,
                      **{key: value for key, value in tuning.items() if key not in ("fold", "block_q")})

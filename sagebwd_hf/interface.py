@@ -128,18 +128,9 @@ def _torch_shift(q, k, cu_q, cu_k, scale) -> Shift:
     return Shift(sink_math.smoothing_shift(q, k_mean, cu_q is not None, scale), k_mean)
 
 
-def _kernel_shift(quant, q4, cu_q, with_means) -> Shift:
-    """From ``quantize_qk(..., row_shift=True)``: the shift, and (``with_means``: the backward's dQ term needs
-    them) the K means ``[Hkv, S, D]`` laid per query row."""
-    if not with_means:
-        return Shift(quant["q_shift"], None)
-    k_mean = quant["k_mean"].transpose(0, 1)                                     # [S, Hkv, D]
-    if cu_q is not None:
-        seq = SeqLayout(cu_q.numel() - 1, 0, cu_q).seq_ids(q4.shape[2], q4.device)
-        k_mean = k_mean[seq].transpose(0, 1).unsqueeze(0)                         # [1, Hkv, T, D]
-    else:
-        k_mean = k_mean.unsqueeze(2)                                              # [B, Hkv, 1, D]
-    return Shift(quant["q_shift"], k_mean.repeat_interleave(q4.shape[1] // k_mean.shape[1], dim=1))
+def _kernel_shift(quant) -> Shift:
+    """From ``quantize_qk(..., row_shift=True)``. (The K means stay in ``quant``: the dQ kernels read them.)"""
+    return Shift(quant["q_shift"], None)
 
 
 def _kernel_softcap_shift(shift: Optional[Shift], lse_shape, device):
@@ -186,7 +177,7 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
     lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
     quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, row_shift=need_shift, v4=v4)
-    shift = _kernel_shift(quant, q4, cu_q, with_means=False) if need_shift else None
+    shift = _kernel_shift(quant) if need_shift else None
     # (an empty side has nothing to tile: a TMA descriptor cannot have a zero extent)
     gluon = q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
                                                                       lay_k.max_len, softcap=bool(softcap),
@@ -215,61 +206,72 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
 
 def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
               q_smoothing, backend, softcap=0.0, sinks=None):
-    """Returns (dq, dk, dv, dsinks or None)."""
+    """Returns (dq, dk, dv, dsinks or None).
+
+    With a cap or sinks, dQ owes K-smoothing's ``rowsum(dS) * mean(k)`` (the rows' dS no longer sum to zero):
+    the dQ kernels add it in their epilogue; the PyTorch path here."""
     need_shift = k_smoothing and (bool(softcap) or sinks is not None)
-    dq, dk, dv, row_ds, shift, delta = _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale,
-                                                         window, k_smoothing, q_smoothing, backend, softcap,
-                                                         need_shift)
+    if backend != "naive":
+        return _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
+                                 q_smoothing, softcap, need_shift, sinks)
+    dq, dk, dv = _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, scale, window, k_smoothing, q_smoothing,
+                                 softcap)
     dsinks = None
     if sinks is not None:
-        if delta is None:      # the PyTorch path has no dO pass that gives it
-            delta = (as_bhnd(dout, cu_q is not None).float() * as_bhnd(out, cu_q is not None).float()).sum(-1)
-        dsinks, sink_row_ds = sink_math.sink_grads(delta, lse, sinks, None if shift is None or softcap else shift.rows)
-        if not softcap:        # with a cap, the kernels' own rowsum(dS) already covers every key
-            row_ds = sink_row_ds
-    if row_ds is not None and shift is not None:
-        sink_math.add_row_ds_term(dq, row_ds, shift.k_mean, cu_q is not None, scale)
+        shift = _torch_shift(q, k, cu_q, cu_k, scale) if need_shift else None
+        delta = (as_bhnd(dout, cu_q is not None).float() * as_bhnd(out, cu_q is not None).float()).sum(-1)
+        dsinks, row_ds = sink_math.sink_grads(delta, lse, sinks, None if shift is None or softcap else shift.rows)
+        if shift is not None and not softcap:   # (the reference with a cap differentiates the caller's scores)
+            sink_math.add_row_ds_term(dq, row_ds, shift.k_mean, cu_q is not None, scale)
     return dq, dk, dv, dsinks
 
 
-def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
-                      q_smoothing, backend, softcap, need_shift):
-    """(dq, dk, dv, row_ds, Shift or None, delta): ``row_ds``, the kernels' rowsum(dS) for dQ's K-smoothing
-    term, when they still owe it (soft-capped scores on the Triton kernels), else None; ``delta`` =
-    rowsum(dO * O) in the lse's layout from the kernels' dO pass (None on the PyTorch path)."""
+def _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, scale, window, k_smoothing, q_smoothing, softcap):
+    """The PyTorch path's dq, dk, dv (into the op's layouts)."""
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device, v.shape[-1])
     dq, dk, dv = _poisoned(_new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen))
-    if backend == "naive":
-        dispatch.count("bwd_naive")
-        if varlen:
-            lse_t = lse[0].transpose(0, 1)      # [T, H] so it splits like the tokens
-            grads = _per_sequence(
-                lambda qs, ks, vs, os_, ls, dos: naive.sagebwd_backward_naive(
-                    qs, ks, vs, os_, ls[:, :, :, 0], dos, scale, window, k_smoothing, q_smoothing,
-                    dkdv_block_m(cfg), cfg["dq"][1], softcap=softcap)
-                if qs.shape[2] and ks.shape[2] else   # an empty sequence has zero gradients
-                (torch.zeros_like(qs), torch.zeros_like(ks), torch.zeros_like(vs)),
-                q, k, v, cu_q, cu_k, extra_q=(out, lse_t.unsqueeze(-1), dout))
-        else:
-            grads = naive.sagebwd_backward_naive(q, k, v, out, lse, dout, scale, window, k_smoothing,
-                                                 q_smoothing, dkdv_block_m(cfg), cfg["dq"][1], softcap=softcap)
-        shift = _torch_shift(q, k, cu_q, cu_k, scale) if need_shift else None
-        return tuple(dst.copy_(src) for dst, src in zip((dq, dk, dv), grads)) + (None, shift, None)
+    dispatch.count("bwd_naive")
+    if varlen:
+        lse_t = lse[0].transpose(0, 1)      # [T, H] so it splits like the tokens
+        grads = _per_sequence(
+            lambda qs, ks, vs, os_, ls, dos: naive.sagebwd_backward_naive(
+                qs, ks, vs, os_, ls[:, :, :, 0], dos, scale, window, k_smoothing, q_smoothing,
+                dkdv_block_m(cfg), cfg["dq"][1], softcap=softcap)
+            if qs.shape[2] and ks.shape[2] else   # an empty sequence has zero gradients
+            (torch.zeros_like(qs), torch.zeros_like(ks), torch.zeros_like(vs)),
+            q, k, v, cu_q, cu_k, extra_q=(out, lse_t.unsqueeze(-1), dout))
+    else:
+        grads = naive.sagebwd_backward_naive(q, k, v, out, lse, dout, scale, window, k_smoothing,
+                                             q_smoothing, dkdv_block_m(cfg), cfg["dq"][1], softcap=softcap)
+    return tuple(dst.copy_(src) for dst, src in zip((dq, dk, dv), grads))
+
+
+def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
+                      q_smoothing, softcap, need_shift, sinks):
+    """The Triton or Gluon kernels' (dq, dk, dv, dsinks or None)."""
+    varlen = cu_q is not None
+    cfg = tile_configs(q.shape[-1], q.device, v.shape[-1])
+    dq, dk, dv = _poisoned(_new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen))
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
     do4, o4 = as_bhnd(dout, varlen), as_bhnd(out, varlen)
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
     lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
     # the forward's bytes again (same inputs, same deterministic quantization), plus token-major copies
     quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, transposed=True, row_shift=need_shift)
-    shift = _kernel_shift(quant, q4, cu_q, with_means=True) if need_shift else None
+    shift = _kernel_shift(quant) if need_shift else None
     if q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
         raw = quantize(q4, lay_q, natural=False, transposed=True)
         q8rt, q_scale_raw = raw["x8t"], raw["scale"]
     else:
         q8rt, q_scale_raw = quant["q8t"], quant["q_scale_raw"]
     do_q = quantize(do4, lay_q, natural=False, transposed=True, out_for_delta=o4)
-    row_ds = torch.zeros(lse.shape, device=q.device, dtype=torch.float32) if softcap else None
+    dsinks = row_ds = None
+    if sinks is not None:   # from delta = rowsum(dO * O), which dO's pass gives
+        dsinks, row_ds = sink_math.sink_grads(do_q["delta"], lse, sinks,
+                                              None if shift is None or softcap else shift.rows)
+    # dQ's K-smoothing term (the dQ kernels' epilogue; with a cap they sum their own dS)
+    term = dict(k_mean=quant["k_mean"] if need_shift else None, row_ds=row_ds)
     cap_args = dict(softcap=softcap, shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
     if q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
                                                                  lay_k.max_len, backward=True,
@@ -277,15 +279,15 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
         from .kernels.backward_hopper import launch_backward_hopper   # imports Gluon: only where it runs
         launch_backward_hopper(quant, v4, do4, do_q["x8t"], do_q["scale"], lse, do_q["delta"], as_bhnd(dq, varlen),
                                as_bhnd(dk, varlen), as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3],
-                               window, scale, row_ds=row_ds, **cap_args)
+                               window, scale, **term, **cap_args)
         dispatch.count("bwd_gluon")
-        return dq, dk, dv, row_ds, shift, do_q["delta"]
-    launch_backward(quant, q8rt, q_scale_raw, quant["k8t"], v4, do4, do_q["x8t"], do_q["scale"], lse,
-                    do_q["delta"], as_bhnd(dq, varlen), as_bhnd(dk, varlen), as_bhnd(dv, varlen), lay_q, lay_k,
-                    q4.shape[1], k4.shape[1], q4.shape[3], window, scale, cfg["dkdv"], cfg["dq"],
-                    split_dkdv=cfg["split_dkdv"], row_ds=row_ds, **cap_args)
-    dispatch.count("bwd_triton")
-    return dq, dk, dv, row_ds, shift, do_q["delta"]
+    else:
+        launch_backward(quant, q8rt, q_scale_raw, quant["k8t"], v4, do4, do_q["x8t"], do_q["scale"], lse,
+                        do_q["delta"], as_bhnd(dq, varlen), as_bhnd(dk, varlen), as_bhnd(dv, varlen), lay_q, lay_k,
+                        q4.shape[1], k4.shape[1], q4.shape[3], window, scale, cfg["dkdv"], cfg["dq"],
+                        split_dkdv=cfg["split_dkdv"], **term, **cap_args)
+        dispatch.count("bwd_triton")
+    return dq, dk, dv, dsinks
 
 
 def _per_sequence(fn, q, k, v, cu_q, cu_k, extra_q=()):

@@ -503,8 +503,8 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, s
         x = p * (gl.convert_layout(dp, s_layout) - delta[:, None])
         if SOFTCAP:   # dS with respect to the uncapped score; its row sums for K-smoothing's term
             x = x * (1.0 - th * th)
-            if ROW_TERM:
-                row_ds += gl.sum(gl.where((start_n + offs_n < seqlen_k)[None, :], x, 0.0), 1)
+            if ROW_TERM:   # (no key past the end here: P is masked to 0 or the tile is inside the sequence)
+                row_ds += gl.sum(x, 1)
         x_max = gl.max(gl.abs(x), 1)
         acc, acc2 = _quantized_product(acc, acc2, x, x_max, ks, kt_smem.index(s), kt2_smem.index(s), empty.index(s),
                                        QK_SPLIT, p_layout, o_layout)

@@ -11,15 +11,20 @@ from sagebwd_hf.naive import attention_exact
 from sagebwd_hf.testing import error_stats, make_qkv
 
 # Measured (fp16, these shapes): under the interpreter, one seed, vs exact O/dK/dV cos >= 0.9997, dQ >= 0.9992;
-# kernels vs reference rel L2 <= 2.8e-3. The sinks' gradient, -sum_i p_sink,i rowsum(dO_i O_i), is a sum with
-# cancellation over rows that inherits O's INT8 error through delta: over 60 seeds of the reference its cos
-# against exact went down to 0.9977 (CPU), and one fresh-input GPU run gave 0.9974 (H100). Without the sink's
-# dQ term dQ falls to cos 0.963; a missing or misplaced sink gives dSinks cos < 0.8. dQ of the short causal
+# kernels vs reference rel L2 <= 2.8e-3. Without the sink's dQ term dQ falls to cos 0.963. dQ of the short causal
 # case (17 queries, D=128, cap 30) over 60 seeds (CPU, kernels under the interpreter and the reference alike):
 # down to 0.9978; a fresh-input H100 run gave 0.99800 against the former bound 0.998. Every other case and
-# tensor stayed >= 0.9993 over 20 seeds (dSinks >= 0.9987).
-EXACT_MIN_COS = {"O": 0.999, "dQ": 0.997, "dK": 0.998, "dV": 0.999, "dSinks": 0.995}
+# tensor stayed >= 0.9993 over 20 seeds.
+EXACT_MIN_COS = {"O": 0.999, "dQ": 0.997, "dK": 0.998, "dV": 0.999}
 ORACLE_REL = 2e-2
+# The sinks' gradient, -sum_i p_sink,i (dO_i . O_i), is a 4-vector (one per head) and each entry a sum over rows
+# with cancellation, so O's INT8 error reaches it amplified: over 5,000 fresh inputs per case the reference's cos
+# against exact attention had a heavy tail (below 0.995 in 0.1-0.8% of draws, down to 0.942; a session-19 H100
+# run failed the former bound 0.995 at 0.9899). It is checked three ways instead: exactly, against the formula on
+# the op's own O and lse (rel to sum_i |term_i|: <= 7e-7 measured, reference and kernels); the lse against exact
+# attention, which places the sink (|error| - 0.01 |lse|: <= 0.061 over 1,000 draws per case); and a coarse cos
+# against exact (a sink dropped or misplaced gives < 0.8).
+DSINKS_FORMULA_REL, LSE_ATOL, DSINKS_MIN_COS = 1e-4, 0.2, 0.9
 
 # (heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, window, softcap, sinks)
 CASES = [
@@ -39,14 +44,30 @@ def _name(case):
 
 
 def _grads(fn, q, k, v, do, sinks):
+    """O, the gradients and (when ``fn`` returns ``(out, lse)``) the lse, in a dict."""
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     s = sinks.detach().clone().requires_grad_() if sinks is not None else None
     out = fn(*leaves, s)
+    out, lse = out if isinstance(out, tuple) else (out, None)
     out.backward(do.to(out.dtype))
     result = {"O": out.detach(), "dQ": leaves[0].grad, "dK": leaves[1].grad, "dV": leaves[2].grad}
     if s is not None:
         result["dSinks"] = s.grad
+    if lse is not None:
+        result["lse"] = lse.detach()
     return result
+
+
+def _check_sinks(label, result, exact, sinks, do):
+    """dSinks as the comment above the cases says: the formula on the op's own O and lse, the lse, a coarse cos."""
+    terms = torch.exp(sinks.double().view(1, -1, 1) - result["lse"].double()) * (
+        do.double() * result["O"].double()).sum(-1)
+    err = (result["dSinks"].double() + terms.sum((0, 2))).abs() / terms.abs().sum((0, 2))
+    assert err.max() <= DSINKS_FORMULA_REL, f"{label} dSinks against -sum p_sink (dO . O): {err.tolist()}"
+    torch.testing.assert_close(result["lse"].double(), exact["lse"], atol=LSE_ATOL, rtol=0.01,
+                               msg=lambda m: f"{label} lse against exact attention: {m}")
+    cos = error_stats(result["dSinks"], exact["dSinks"])[0]
+    assert cos >= DSINKS_MIN_COS, f"{label} dSinks: cos {cos:.5f} against exact attention"
 
 
 def _window(causal, window):
@@ -61,18 +82,23 @@ def test_sinks_and_softcap_match_exact(device, case):
     q = q * 2.0   # larger scores, so that a cap of 5 bends them
     sinks = torch.randn(h, device=device) * 2.0 if with_sinks else None
     fn = lambda backend: (lambda x, y, z, s: sagebwd_attn_func(  # noqa: E731
-        x, y, z, causal=causal, window_size=window, softcap=softcap, sinks=s, backend=backend))
+        x, y, z, causal=causal, window_size=window, softcap=softcap, sinks=s, backend=backend, return_lse=True))
     kern = _grads(fn("triton"), q, k, v, do, sinks)
     ref = _grads(fn("naive"), q, k, v, do, sinks)
     exact = _grads(lambda x, y, z, s: attention_exact(x, y, z, window_size=_window(causal, window), softcap=softcap,
-                                                      sinks=s)[0],
+                                                      sinks=s),
                    q.double(), k.double(), v.double(), do.double(), None if sinks is None else sinks.double())
     for name, t in kern.items():
         assert torch.isfinite(t).all(), f"{name} has NaN/inf (or an element the kernel never wrote)"
+        if name not in EXACT_MIN_COS:
+            continue
         assert error_stats(t, ref[name])[1] <= ORACLE_REL, f"{name}: kernels vs reference {error_stats(t, ref[name])}"
         for label, result in (("kernels", kern), ("reference", ref)):
             cos, rel = error_stats(result[name], exact[name])
             assert cos >= EXACT_MIN_COS[name], f"{label} {name}: cos {cos:.5f} against exact attention"
+    if with_sinks:
+        for label, result in (("kernels", kern), ("reference", ref)):
+            _check_sinks(label, result, exact, sinks, do)
 
 
 @pytest.mark.parametrize("device", kernel_devices())

@@ -11,7 +11,8 @@ A sink is one learned logit per head that joins every row's softmax denominator 
 One subtlety: the kernels score K - mean(k) (K-smoothing), which moves row i by ``-q_i . mean(k) * scale``.
 The sink does not move, so in the kernels' frame it sits at ``sink - shift_i``; and since the rows' dS no
 longer sum to zero (the sink takes its share), dQ gets back the ``rowsum(dS) * mean(k)`` that the smoothed
-keys left out.
+keys left out: the dQ kernels add it in their epilogue from ``sink_grads``' row sums, the PyTorch path with
+``add_row_ds_term``.
 """
 import math
 
@@ -68,7 +69,8 @@ def sink_grads(delta, lse2, sinks, shift):
 
 
 def add_row_ds_term(dq, row_ds, k_mean, varlen, scale):
-    """dQ += scale * rowsum(dS) * mean(k), in place on the op's dq (whose layout as_bhnd maps), in one pass."""
+    """dQ += scale * rowsum(dS) * mean(k), in place on the op's dq (whose layout as_bhnd maps), in one pass (the
+    PyTorch path's; the kernels do it in dQ's epilogue)."""
     as_bhnd(dq, varlen).addcmul_(row_ds.unsqueeze(-1), k_mean, value=scale)
     return dq
 

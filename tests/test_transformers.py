@@ -662,21 +662,22 @@ def _llama4(chunk=8):
 @pytest.mark.parametrize("chunk", [8, 10], ids=["whole_chunks", "short_last_chunk"])
 def test_chunked_attention_runs_chunks_as_sequences(chunk, monkeypatch):
     """Llama 4's chunked layers (query i sees keys of its own chunk, causally): each chunk runs on the kernels as
-    a sequence of its own (the pattern the kernel skips, not a dense mask); gradients too. Whole chunks (24
-    tokens, chunks of 8) run as a padded batch of chunks, the same numbers as the packed run they replace; a
-    shorter last chunk (chunks of 10) runs packed."""
+    a sequence of its own (the pattern the kernel skips, not a dense mask); gradients too. The chunks run as a
+    padded batch of chunks (24 tokens in chunks of 8), a shorter last chunk as one more call (chunks of 10: two
+    whole ones and 4 tokens), the same numbers as the packed run they replace."""
     model = _llama4(chunk)
     assert set(model.config.layer_types) == {"chunked_attention"}
     ids = ti.sagebwd_mask(2, 24, 24, mask_function=masking_utils.chunked_causal_mask_function(
         chunk, torch.zeros(2, dtype=torch.long)))
     assert ids.tolist() == [[i // chunk for i in range(24)]] * 2
-    assert ti._whole_chunks(ids) == (8 if chunk == 8 else None)
-    logits, _ = assert_close_to_sdpa(model, batch())
+    assert ti._whole_chunks(ids) == chunk
+    assert_close_to_sdpa(model, batch())
     assert sagebwd_hf.attention_stats()["paths"] == {"chunked": 2}
-    if chunk == 8:
-        monkeypatch.setattr(ti, "_whole_chunks", lambda ids: None)     # the packed run instead
-        packed, _, _ = run(model, "sagebwd", batch())
-        torch.testing.assert_close(logits, packed, atol=1e-5, rtol=1e-5)
+    logits, grads, _ = run(model, "sagebwd", batch())
+    monkeypatch.setattr(ti, "_whole_chunks", lambda ids: None)     # the packed run instead
+    packed, packed_grads, _ = run(model, "sagebwd", batch())
+    torch.testing.assert_close(logits, packed, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads, packed_grads, atol=1e-5, rtol=1e-4)
 
 
 def test_chunked_attention_with_padding_falls_back(fresh_warnings):

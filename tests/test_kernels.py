@@ -21,6 +21,10 @@ from sagebwd_hf.testing import compare, exact_reference, make_qkv, run_with_grad
 # test_dtypes_and_smoothing (K outliers, H100) the worst kernel-vs-reference rel L2 was 7.3e-3 (dK, bf16) and
 # 4.3e-3 (dK, fp16); the former bf16 bound, 6e-3, failed one full GPU run here (6.35e-3).
 ORACLE_REL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
+# Tensors of ~512 elements (the one-token decode, 4 rows x 128; 33 rows x 2 heads x D=8): one flipped INT8
+# rounding moves them by 2-3e-3, two by ~6e-3. Session 19's audit (interpreter, fresh seeds): the decode case
+# reached 6.15e-3 in 2 of 220 draws, the D=8 case 4.79e-3 over 791; this bound is 2.4x the worst.
+ORACLE_REL_TINY = 1.5e-2
 ORACLE_REL_GPU = {torch.float16: 7e-3, torch.bfloat16: 1.2e-2}
 # Against exact attention on Gaussian inputs (the measured error is ~1.5e-2; these catch real bugs).
 EXACT_MIN_COS = {"O": 0.999, "dQ": 0.998, "dK": 0.998, "dV": 0.999}
@@ -59,8 +63,9 @@ def _check_exact(stats, label=""):
         assert rel <= EXACT_MAX_REL[name], f"{label}{name}: rel L2 {rel:.4f} > {EXACT_MAX_REL[name]}"
 
 
-def _check_oracle(stats, dtype, device, label=""):
+def _check_oracle(stats, dtype, device, label="", tiny=False):
     bound = (ORACLE_REL if device == "cpu" else ORACLE_REL_GPU)[dtype]
+    bound = max(bound, ORACLE_REL_TINY) if tiny else bound
     for name, (cos, rel) in stats.items():
         assert rel <= bound, f"{label}{name}: kernel vs reference rel L2 {rel:.2e} > {bound}"
 
@@ -78,7 +83,7 @@ def test_kernel_matches_reference_and_exact(device, case):
         assert torch.isfinite(t).all(), f"{name} has NaN/inf (or an element the kernel never wrote)"
     ref = run_with_grads(fn("naive"), q, k, v, do)
     exact = exact_reference(q, k, v, do, window_size=_effective_window(causal, window))
-    _check_oracle(compare(kern, ref), dtype, device)
+    _check_oracle(compare(kern, ref), dtype, device, tiny=b * h * nq * min(d, 128) <= 1024)
     _check_exact(compare(kern, exact))
 
 
@@ -218,7 +223,9 @@ def test_lse_matches_exact(device):
     _, lse = sagebwd_attn_func(q, k, v, causal=True, return_lse=True)
     _, lse_exact = attention_exact(q, k, v, window_size=(-1, 0))
     assert lse.dtype == torch.float32 and lse.shape == (1, 2, 100)
-    assert torch.allclose(lse.double(), lse_exact, atol=2e-2)
+    # rtol as the sink tests': the INT8 score error grows with the scores (atol alone failed 17 of 20,000 draws
+    # of the reference, worst 0.030; with rtol 0.01 none came within 0.019 of the bound; session 19's audit)
+    assert torch.allclose(lse.double(), lse_exact, atol=2e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("device", kernel_devices())

@@ -1,0 +1,207 @@
+"""Compile the Gluon Hopper forward kernel for sm_90 on a machine without a GPU, and dump what it became.
+
+Triton asks its active driver for the target, the device and the stream before it compiles; a stand-in driver
+answers ``GPUTarget("cuda", 90, 32)``, device 0 and stream 0, and the kernel is compiled through
+``JITFunction.warmup`` (nothing is launched) from CPU tensors of the shapes, dtypes and strides the real call
+passes (``forward_hopper_args`` builds the grid, arguments and constexprs). Written to ``--out``: the TTGIR,
+LLVM IR, PTX, cubin, ptxas's ``-v`` log, the SASS (``nvdisasm`` with line info: Triton's own SASS reader stops
+at address 0xffff) and ``summary.json`` (registers, spills, opcode counts, where the STL / LDL spill traffic
+comes from in the source, and the innermost loop of each). Needs torch (a CPU build will do) and Triton 3.6.0's
+wheel, which bundles ptxas / nvdisasm / cuobjdump (CUDA 12.8), the ones Triton uses on the GPU machines too::
+
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0 && /tmp/t36/bin/pip install --no-deps triton==3.6.0
+    /tmp/t36/bin/python benchmarks/compile_offline.py --head-dim 128 --causal --out /tmp/sass_fwd \\
+        [--kernel-file other_forward_hopper.py] [--kw '{"consumers": 3}']
+
+``--kw``: extra ``forward_hopper_args`` keywords (``consumers``, ``named_barriers``, ``loader_regs``, ...);
+``--kernel-file``: another copy of the module, loaded as ``sagebwd_hf.kernels.<stem>``. ``n_regs`` / ``n_spills``
+are what ``CompiledKernel`` reports on a GPU (``n_spills``: stack + local bytes / 4), and the SASS is the one
+an H100 compiles (both checked on one, Triton 3.6.0); ``spill_stores`` / ``spill_loads`` are ptxas's bytes.
+"""
+import argparse
+import collections
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")   # a CPU-only venv needs no NumPy
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton import knobs  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+
+class OfflineDriver:
+    """What ``JITFunction.run`` / ``warmup`` and the compiler ask of the active driver, without a GPU."""
+    target = GPUTarget("cuda", 90, 32)
+    is_active = staticmethod(lambda: True)
+    get_current_target = lambda self: self.target  # noqa: E731
+    get_current_device = lambda self: 0  # noqa: E731
+    get_current_stream = lambda self, device=None: 0  # noqa: E731
+    get_device_capability = lambda self, device=None: divmod(self.target.arch, 10)  # noqa: E731
+    get_active_torch_device = lambda self: torch.device("cpu")  # noqa: E731
+
+    def map_python_to_cpp_type(self, ty):
+        from triton.backends.nvidia.driver import ty_to_cpp
+        return ty_to_cpp(ty)
+
+    def get_benchmarker(self):
+        raise RuntimeError("offline driver: nothing can run")
+
+
+def load_module(kernel_file):
+    """The repo's forward_hopper, or another copy of it loaded inside sagebwd_hf.kernels (relative imports work)."""
+    if "sagebwd_hf" not in sys.modules:   # its __init__ imports transformers: only its package path is needed
+        pkg = types.ModuleType("sagebwd_hf")
+        pkg.__path__ = [os.path.join(ROOT, "sagebwd_hf"), ROOT]    # kernels/ resolves as sagebwd_hf.kernels
+        sys.modules["sagebwd_hf"] = pkg
+    if kernel_file is None:
+        return importlib.import_module("sagebwd_hf.kernels.forward_hopper")
+    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(kernel_file))[0])
+    name = f"sagebwd_hf.kernels.{stem}"
+    spec = importlib.util.spec_from_file_location(name, os.path.abspath(kernel_file))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def make_inputs(mod, a):
+    """CPU tensors laid out as quantize_qk / quantize_v lay them out for a padded batch."""
+    from sagebwd_hf.kernels.layout import SeqLayout
+    b, h, hk, n, d, dv = a.batch, a.heads, a.kv_heads or a.heads, a.seqlen, a.head_dim, a.head_dim_v or a.head_dim
+    npad = -(-n // 16) * 16
+    quant = dict(q8=torch.empty(b, h, n, d, dtype=torch.int8), k8=torch.empty(b, hk, n, d, dtype=torch.int8),
+                 q_scale=torch.empty(b, h, n), k_scale=torch.empty(b, hk, n), q_mean=None)
+    v8t = torch.empty(b, hk, dv, npad, dtype=torch.int8)
+    v_scale = torch.empty(hk, b, dv).transpose(0, 1)          # [S, Hk, Dv] view of [Hk, S, Dv]
+    out4 = torch.empty(b, h, n, dv, dtype=torch.bfloat16)
+    lse = torch.empty(b, h, n)
+    layout = SeqLayout(b, n, None)
+    window = (-1, 0) if a.causal else (-1, -1)
+    return mod.forward_hopper_args(quant, v8t, v_scale, out4, lse, layout, layout, h, h // hk, d, window,
+                                   **json.loads(a.kw))
+
+
+SASS_RE = re.compile(r"^\s*(?:/\*([0-9a-f]+)\*/)?\s*(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;]*;")
+LINE_RE = re.compile(r'//## File "([^"]+)", line (\d+)')
+
+
+def sass_summary(sass_text, src_lines):
+    """Opcode counts; each STL / LDL with the source line it carries (innermost function: Triton's PTX has no
+    inlining info) and the innermost loop (a backward branch's span) it sits in, if any."""
+    ops, spills, where, labels, pending, branches, exits = collections.Counter(), [], None, {}, [], [], []
+    for i, line in enumerate(sass_text.splitlines()):
+        m = LINE_RE.search(line)
+        if m:
+            f, ln = os.path.basename(m.group(1)), int(m.group(2))
+            where = f"{f}:{ln} {src_lines.get((f, ln), '')}".strip()
+            continue
+        if re.match(r"^\.L_x_\d+:", line):
+            pending.append(line[:-1])
+            continue
+        m = SASS_RE.match(line)
+        if not m or m.group(1) is None:
+            continue
+        addr, op = int(m.group(1), 16), m.group(3).split(".")[0]
+        labels.update((lab, addr) for lab in pending)
+        pending = []
+        ops[op] += 1
+        if op == "EXIT":
+            exits.append(addr)
+        if op == "BRA" and (t := re.search(r"\(\.L_x_\d+\)", line)):
+            branches.append((addr, t.group(0)[1:-1]))
+        if op in ("STL", "LDL"):
+            spills.append(dict(sass_line=i + 1, addr=addr, op=op, text=" ".join(line.split()), source=where))
+    last_exit = max(exits, default=1 << 62)   # past it: out-of-line mbarrier-wait retries branching back, no loops
+    loops = [(labels[t], a) for a, t in branches if labels.get(t, a + 1) <= a <= last_exit]
+    for sp in spills:
+        inner = min((lp for lp in loops if lp[0] <= sp["addr"] <= lp[1]), key=lambda lp: lp[1] - lp[0], default=None)
+        sp["loop"] = f"{inner[0]:#x}-{inner[1]:#x} ({(inner[1] - inner[0]) // 16 + 1} instr)" if inner else None
+        sp["addr"] = hex(sp["addr"])
+    by_src = collections.Counter((sp["op"], sp["source"], sp["loop"]) for sp in spills)
+    return ops, spills, by_src, [f"{a:#x}-{b:#x} ({(b - a) // 16 + 1} instr)" for a, b in sorted(set(loops))]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--head-dim-v", type=int, default=None)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--kernel-file", default=None)
+    p.add_argument("--kw", default="{}", help="JSON dict of extra forward_hopper_args keywords")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+
+    driver.set_active(OfflineDriver())
+    mod = load_module(a.kernel_file)
+    grid, args, kwargs = make_inputs(mod, a)
+    knobs.nvidia.dump_ptxas_log = True        # ptxas's -v log (spill bytes) is printed: captured below
+    knobs.compilation.always_compile = True   # a cache hit would skip ptxas and its log
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        ck = mod._attn_fwd_hopper_kernel.warmup(*args, grid=grid, **kwargs)
+    ptxas_log = buf.getvalue()
+
+    os.makedirs(a.out, exist_ok=True)
+    for ext in ("ttir", "ttgir", "llir", "ptx"):
+        if ext in ck.asm:
+            with open(os.path.join(a.out, f"kernel.{ext}"), "w") as f:
+                f.write(ck.asm[ext])
+    cubin = os.path.join(a.out, "kernel.cubin")
+    with open(cubin, "wb") as f:
+        f.write(ck.asm["cubin"])
+    with open(os.path.join(a.out, "ptxas.log"), "w") as f:
+        f.write(ptxas_log)
+    nvdisasm = knobs.nvidia.nvdisasm.path
+    sass = subprocess.check_output([nvdisasm, "-c", "-gi", cubin], text=True)
+    with open(os.path.join(a.out, "kernel.sass"), "w") as f:
+        f.write(sass)
+    res = subprocess.check_output([knobs.nvidia.cuobjdump.path, "-res-usage", cubin], text=True)
+    # CompiledKernel.n_spills is CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES / 4: the stack frame (where spills go) + LOCAL
+    local = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
+
+    src_file = mod.__file__
+    src_lines, fn = {}, "?"
+    with open(src_file) as f:
+        for i, t in enumerate(f):
+            fn = t.split("def ", 1)[1].split("(")[0] if t.startswith("def ") else fn
+            src_lines[(os.path.basename(src_file), i + 1)] = f"[{fn}] {t.strip()[:70]}"
+    ops, spills, by_src, loops = sass_summary(sass, src_lines)
+    summary = dict(
+        kernel_file=src_file, triton=triton.__version__, grid=list(grid),
+        constexprs=kwargs, shared=ck.metadata.shared,
+        n_regs=regs, n_spills=local // 4, local_bytes=local,
+        stack_frame=int(m.group(1)) if m else None, spill_stores=int(m.group(2)) if m else None,
+        spill_loads=int(m.group(3)) if m else None,
+        instructions=sum(ops.values()), STL=ops["STL"], LDL=ops["LDL"],
+        opcodes=dict(ops.most_common()),
+        spills_by_source=[dict(op=k[0], source=k[1], loop=k[2], count=c) for k, c in by_src.most_common()],
+        spills=spills, loops=loops)
+    with open(os.path.join(a.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    print(f"{os.path.basename(src_file)} D={a.head_dim} causal={a.causal} kw={a.kw}: n_regs {regs}, "
+          f"n_spills {local // 4} (ptxas: {m.group(0) if m else '?'}), shared {ck.metadata.shared} B, "
+          f"{summary['instructions']} SASS instructions, STL {ops['STL']}, LDL {ops['LDL']} -> {a.out}")
+    for s in summary["spills_by_source"][:12]:
+        print(f"  {s['count']:4d} {s['op']}  {s['source']}  [loop {s['loop']}]")
+
+
+if __name__ == "__main__":
+    main()

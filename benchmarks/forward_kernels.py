@@ -89,7 +89,11 @@ def main():
                 "gluon_3c": dict(consumers=3),
                 # hardware named barriers for the turns and the buffer releases (no partition-wide bar.sync
                 # before each mbarrier arrival)
-                "gluon_named": dict(named_barriers=True), "gluon_3c_named": dict(consumers=3, named_barriers=True)}
+                "gluon_named": dict(named_barriers=True), "gluon_3c_named": dict(consumers=3, named_barriers=True),
+                # one program per SM walking work items (a persistent kernel)
+                "gluon_persistent": dict(programs=torch.cuda.get_device_properties(0).multi_processor_count),
+                "gluon_3c_persistent": dict(consumers=3,
+                                            programs=torch.cuda.get_device_properties(0).multi_processor_count)}
     variants = {k: v for k, v in variants.items() if args.variants is None or k in args.variants}
     print_versions()
 

@@ -16,6 +16,7 @@
 ``kernel_counts()`` says which ran (``sagebwd_hf.attention_stats()["kernels"]`` too).
 """
 import collections
+import functools
 import os
 import warnings
 from typing import Optional
@@ -51,6 +52,13 @@ GLUON_SOFTCAP_FORWARD = True
 # Soft-capped (session 18, cap 50, 2K/4K/16K keys): 1.09 / 1.06 / 1.04x at D=64, 1.01 / 0.98 / 0.97x at D=128.
 # So unmasked, from this many query rows (the longest sequence's), and capped only at D=64.
 GLUON_THREE_CONSUMERS_MIN_QUERIES = 2048
+# A persistent Gluon forward: one program per SM taking work items (the query tiles of a sequence and head) from an
+# atomic counter, so the next item's Q and first K / V tiles load while this one's epilogue runs, and causal
+# calls' uneven items balance (forward_hopper_args's ``programs``). Kernels alone on an H100 against one program an
+# item (session 20, B*N = 32K, H*D = 2048): 1.02-1.08x at 1K-4K query rows without a mask, 1.00-1.05x causal
+# (0.98x at D=64 1K), 1.01-1.05x at 16K but 0.95x at D=64 16K without a mask. A static round-robin schedule was
+# 0.82-0.96x causal (unbalanced).
+GLUON_FORWARD_PERSISTENT = True
 
 _counts = collections.Counter()    # "fwd_gluon", "fwd_triton", ... -> launches
 _warned = set()
@@ -104,6 +112,12 @@ def _gluon_unavailable_on(device: torch.device):
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device: the grid of a persistent launch (one program per SM)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _is_hopper(device: torch.device) -> bool:
     return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
             and torch.cuda.get_device_capability(device) == (9, 0))
@@ -133,6 +147,12 @@ def gluon_forward_consumers(head_dim: int, masked: bool, softcap: bool, max_len_
     three = (head_dim in (64, 128, 192) and not masked and (not softcap or head_dim == 64)
              and max_len_q >= GLUON_THREE_CONSUMERS_MIN_QUERIES)
     return 3 if three else 2
+
+
+def gluon_forward_programs(device: torch.device) -> Optional[int]:
+    """Programs of a Gluon forward launch (``forward_hopper_args``'s ``programs``): one per SM, or None (one per
+    work item) without GLUON_FORWARD_PERSISTENT."""
+    return sm_count(device) if GLUON_FORWARD_PERSISTENT else None
 
 
 def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bool = False,

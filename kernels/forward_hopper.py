@@ -5,10 +5,12 @@ scales, one K scale per 128 keys (``quantize.K_SCALE_BLOCK``, this kernel's key 
 into each row's constant), P quantized per row of every BLOCK_N-key tile with that tile's row maximum mapped to
 127, per-channel V scales applied at the end. Only the schedule differs, FlashAttention 3's:
 
-* one program per 128 query rows of one (sequence, head), in three partitions: a loader warp that brings Q
-  once and the K / V^T int8 tiles through a ring of ``STAGES`` shared-memory buffers by TMA (an mbarrier
-  pair per buffer: ``ready`` when the bytes landed, ``empty`` when both consumers are done with it; or, with
-  ``NAMED_BARRIERS``, a hardware barrier per buffer that every consumer thread arrives at), and two
+* a work item is 128 query rows of one (sequence, head) (192 with three consumers); one program per SM takes
+  items from an atomic counter (``programs``; FlashAttention 3's persistent schedule, longest causal items first)
+  or one program runs one item. A program has three partitions: a loader warp that picks the items and brings
+  each item's Q once and its K / V^T int8 tiles through a ring of ``STAGES`` shared-memory buffers by TMA (an
+  mbarrier pair per buffer: ``ready`` when the bytes landed, ``empty`` when both consumers are done with it; or,
+  with ``NAMED_BARRIERS``, a hardware barrier per buffer that every consumer thread arrives at), and two
   consumer warpgroups of 64 query rows each. Each consumer runs ``S = Q K^T`` and ``O += P V`` as async
   wgmma; while one warpgroup does its softmax the other's products can use the tensor cores.
 * ``P`` goes to ``P V`` from registers (wgmma's A operand); V^T tiles are token-contiguous, as 8-bit wgmma
@@ -22,8 +24,8 @@ into each row's constant), P quantized per row of every BLOCK_N-key tile with th
 Status (docs/speed_notes.md, session 4, H100): kernel-only 1.16-1.26x the portable kernel at D=128 (4K-16K
 keys), 1.02-1.09x at D=64; the default on Hopper through ``dispatch.py`` (at D=128 a causal or windowed
 call from ``GLUON_MIN_KEYS_D128`` keys). Packed batches: TMA needs a 16-byte aligned innermost tile coordinate, so
-this kernel reads V^T laid out by ``quantize.aligned_starts`` there; and programs past a short sequence's end
-run no tiles (tests/test_dispatch.py and the Transformers packing tests on an H100, session 5).
+this kernel reads V^T laid out by ``quantize.aligned_starts`` there; and items past a short sequence's end run
+no tiles (tests/test_dispatch.py and the Transformers packing tests on an H100, session 5).
 
 ``SOFTCAP``: the scores capped as in forward.py (the K-smoothing shift added back, then ``cap * tanh(s / cap)``
 with PTX's ``tanh.approx``), a compile-time option of the same kernel.
@@ -33,6 +35,8 @@ power-of-two blocks, ``qk_blocks``); no Q-smoothing. Gluon's API moves between T
 tested on the versions listed in ``dispatch.GLUON_TESTED``.
 """
 import functools
+
+import torch
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -179,34 +183,109 @@ def _named_barrier(ARRIVE: gl.constexpr, bar_id, threads, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_bar, ready,
-            empty, q_row, k_row, v_row, v0, lo, hi, QK_SPLIT: gl.constexpr, NAMED_BARRIERS: gl.constexpr):
-    """One warp: every consumer's Q rows once, then every K / V^T tile of ``[lo, hi)`` into the ring (with
-    ``QK_SPLIT``, Q's and K's channels past the first block as tiles of their own: qk_blocks)."""
+def _work_item(t, num_items, num_m, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, group, window_left, window_right,
+               IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, ROWS: gl.constexpr):
+    """Work item ``t``: ``ROWS`` query rows of one (sequence, head). Items are numbered query tile fastest, so the
+    programs running at once share a few heads' K and V in L2; with a causal (right) mask the last query tiles,
+    which see the most keys, come first (FlashAttention 3's order: handed out in order, the long items start
+    early and the short ones fill the tail). Returns its sequence, head, token starts, lengths and key-tile
+    bounds (forward._key_tiles)."""
+    valid = t < num_items
+    pid_m = t % num_m
+    if MASK_RIGHT:
+        pid_m = num_m - 1 - pid_m
+    pid_bh = t // num_m
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    if IS_VARLEN:
+        bc = gl.where(valid, b, 0)
+        q0 = gl.load(CU_Q + bc)
+        seqlen_q = gl.load(CU_Q + bc + 1) - q0
+        k0 = gl.load(CU_K + bc)
+        seqlen_k = gl.load(CU_K + bc + 1) - k0
+        v0 = gl.load(CU_VT + bc)        # V^T's own, 16-aligned, sequence starts (quantize.aligned_starts)
+        bq = b * 0
+        bk = b * 0
+    else:
+        q0 = b * 0            # tensors, not constants: both branches must give one type
+        seqlen_q = n_q + q0
+        k0 = b * 0
+        seqlen_k = n_k + k0
+        v0 = k0
+        bq = b
+        bk = b
+    start_m = pid_m * ROWS
+    lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                          ROWS, MASK_LEFT, MASK_RIGHT, BLOCK_N)
+    # An item past the end of its sequence (packed batches) runs no tiles. All four bounds go to 0: with a
+    # window, such an item's lo can pass its hi, and then the loader (lo..hi) and the consumers' loops disagreed:
+    # a hang.
+    has_rows = (start_m < seqlen_q).to(gl.int32)
+    return (b, h, h // group, bq, bk, q0, k0, v0, seqlen_q, seqlen_k, start_m,
+            lo * has_rows, full_lo * has_rows, full_hi * has_rows, hi * has_rows)
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_ready, q_empty,
+            ready, empty, item_smem, item_bar, COUNTER, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, num_kv_heads, group,
+            window_left, window_right, num_items, num_m, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr,
+            MASK_RIGHT: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
+            NAMED_BARRIERS: gl.constexpr, DYNAMIC: gl.constexpr):
+    """One warp: picks the program's work items (its program id first, then the next from ``COUNTER``, an atomic
+    count of items handed out, with ``DYNAMIC``; else every ``num_programs``-th), tells the consumers which
+    (``item_smem``, ``item_bar``), loads every consumer's Q rows once they are done with the last item's (the
+    next Q lands while their epilogue runs), then every K / V^T tile of the item's ``[lo, hi)`` into the ring,
+    whose count runs on across items (with ``QK_SPLIT``, Q's and K's channels past the first block as tiles of
+    their own: qk_blocks). An item index past the last tells the consumers to stop. One Q buffer, indexed by
+    constants: with two, picked by the item's parity, wgmma read the wrong Q rows on Triton 3.6 (a run-time index
+    of the A operand's shared memory; masked calls gave relative L2 0.5, H100, session 20)."""
     CONSUMERS: gl.constexpr = q_smem.shape[0]
+    ROWS: gl.constexpr = CONSUMERS * HALF_M
     D1: gl.constexpr = q_desc.block_type.shape[1]
     q_bytes: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if QK_SPLIT else 0)
-    mbarrier.expect(q_bar, CONSUMERS * q_bytes)
-    for c in gl.static_range(CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [q_row + c * HALF_M, 0], q_bar, q_smem.index(c))
-        if QK_SPLIT:
-            tma.async_copy_global_to_shared(q2_desc, [q_row + c * HALF_M, D1], q_bar, q2_smem.index(c))
     nbytes: gl.constexpr = (k_desc.block_type.nbytes + vt_desc.block_type.nbytes
                             + (k2_desc.block_type.nbytes if QK_SPLIT else 0))
-    i = 0
-    for start_n in range(lo, hi, BLOCK_N):
-        s = i % STAGES
-        if NAMED_BARRIERS:   # every consumer thread arrived when done with the buffer's last contents
-            if i >= STAGES:
-                _named_barrier(False, RELEASE_BARRIER + s, 32 + CONSUMERS * 128, 1)
-        else:   # a fresh barrier's "previous phase" counts as complete: the first STAGES waits pass at once
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
-        if QK_SPLIT:
-            tma.async_copy_global_to_shared(k2_desc, [k_row + start_n, D1], ready.index(s), k2_smem.index(s))
-        tma.async_copy_global_to_shared(vt_desc, [v_row, v0 + start_n], ready.index(s), v_smem.index(s))
-        i += 1
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    i = num_items * 0
+    j = num_items * 0
+    t = gl.program_id(0) + j
+    while t < num_items:
+        (b, h, hk, bq, bk, q0, k0, v0, seqlen_q, seqlen_k, start_m, lo, full_lo, full_hi,
+         hi) = _work_item(t, num_items, num_m, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, group, window_left,
+                          window_right, IS_VARLEN, MASK_LEFT, MASK_RIGHT, ROWS)
+        # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], K8 [B*Hk*Nk, D], V8T [B*Hk*D, Nk_pad]
+        q_row = (bq * num_heads + h) * n_q + q0 + start_m
+        k_row = (bk * num_kv_heads + hk) * n_k + k0
+        v_row = (bk * num_kv_heads + hk) * HEAD_DIM_V
+        mbarrier.wait(q_empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
+        item_smem.store(gl.full([1], 0, gl.int32, one) + t)
+        mbarrier.arrive(item_bar, count=1)
+        mbarrier.expect(q_ready, CONSUMERS * q_bytes)
+        for c in gl.static_range(CONSUMERS):
+            tma.async_copy_global_to_shared(q_desc, [q_row + c * HALF_M, 0], q_ready, q_smem.index(c))
+            if QK_SPLIT:
+                tma.async_copy_global_to_shared(q2_desc, [q_row + c * HALF_M, D1], q_ready, q2_smem.index(c))
+        for start_n in range(lo, hi, BLOCK_N):
+            s = i % STAGES
+            if NAMED_BARRIERS:   # every consumer thread arrived when done with the buffer's last contents
+                if i >= STAGES:
+                    _named_barrier(False, RELEASE_BARRIER + s, 32 + CONSUMERS * 128, 1)
+            else:   # a fresh barrier's "previous phase" counts as complete: the first STAGES waits pass at once
+                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
+            if QK_SPLIT:
+                tma.async_copy_global_to_shared(k2_desc, [k_row + start_n, D1], ready.index(s), k2_smem.index(s))
+            tma.async_copy_global_to_shared(vt_desc, [v_row, v0 + start_n], ready.index(s), v_smem.index(s))
+            i += 1
+        j += 1
+        if DYNAMIC:
+            t = gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
+        else:
+            t = t + gl.num_programs(0)
+    mbarrier.wait(q_empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be written
+    item_smem.store(gl.full([1], 0, gl.int32, one) + t)
+    mbarrier.arrive(item_bar, count=1)
 
 
 @gluon.jit
@@ -289,126 +368,112 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
 
 
 @gluon.jit
-def _consumer(q, q2, first, k_smem, k2_smem, v_smem, q_bar, ready, empty, turn_me, turn_other, QS, KS, VS, O, LSE,
-              qs_off, ks_off, vs_off, o_off, lse_off, s_ot,
-              seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink, SINK_SHIFT,
-              SHIFT, softcap2, HEAD_DIM_V: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+def _consumer(q_smem, q2_smem, C: gl.constexpr, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
+              item_bar, turn_me, turn_other, QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS, SINK_SHIFT, SHIFT,
+              s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
+              n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
+              IS_VARLEN: gl.constexpr, HEAD_DIM_V: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
               PINGPONG: gl.constexpr, FIRST: gl.constexpr, SINK_MODE: gl.constexpr, EXP_POLY: gl.constexpr,
               SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr, NAMED_BARRIERS: gl.constexpr, CONSUMERS: gl.constexpr):
-    """One warpgroup: query rows ``[first, first + 64)`` (their int8 Q in ``q``) against all key tiles."""
+    """One warpgroup: rows ``[C * 64, C * 64 + 64)`` of each of the program's work items against all their key
+    tiles, then the item's epilogue (its Q buffer released first, so the loader refills it meanwhile)."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N, 32)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V, 32)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    ROWS: gl.constexpr = CONSUMERS * HALF_M
 
-    rows = first + gl.arange(0, HALF_M, layout=row_layout)
-    m_ok = rows < seqlen_q
-    # kept above zero: masked (-inf) scores are scaled by it, and an all-zero row has scale 0
-    q_scale = gl.maximum(gl.load(QS + qs_off + rows, mask=m_ok, other=0.0), 1e-30)
-    cap_a = q_scale     # unused unless SOFTCAP
-    cap_b = q_scale
-    if SOFTCAP:   # the score's dequantization and the shift back to the caller's scores, both over the cap
-        inv_cap = 1.0 / softcap2
-        cap_a = q_scale * inv_cap
-        cap_b = gl.load(SHIFT + lse_off + rows, mask=m_ok, other=0.0) * inv_cap
-        q_scale = gl.full([HALF_M], 0.0, gl.float32, row_layout) + softcap2
-    m_i = gl.full([HALF_M], float("-inf"), gl.float32, row_layout)
-    l_i = gl.zeros([HALF_M], gl.float32, row_layout)
-    acc = gl.zeros([HALF_M, HEAD_DIM_V], gl.float32, o_layout)
-
-    mbarrier.wait(q_bar, 0)
     if PINGPONG and NAMED_BARRIERS and FIRST == 0:   # the other warpgroup's first turn
         _named_barrier(True, TURN_BARRIER + 1, 256, 4)
-    it = lo * 0
-    ks = gl.load(KS + ks_off + lo, mask=lo < hi, other=0.0)
-    # masked left edge, unmasked middle, masked right edge
-    acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
-                                     turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, lo, full_lo,
-                                 seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
-                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT, NAMED_BARRIERS, CONSUMERS,
-                                 s_layout, o_layout, p_layout)
-    acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
-                                     turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_lo, full_hi,
-                                 seqlen_q, seqlen_k, window_left, window_right, False, MASK_LEFT, MASK_RIGHT,
-                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT, NAMED_BARRIERS, CONSUMERS,
-                                 s_layout, o_layout, p_layout)
-    acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
-                                     turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_hi, hi,
-                                 seqlen_q, seqlen_k, window_left, window_right, True, MASK_LEFT, MASK_RIGHT,
-                                 PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT, NAMED_BARRIERS, CONSUMERS,
-                                 s_layout, o_layout, p_layout)
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    it = num_items * 0      # the ring's tile count, run on across items as the loader's
+    j = num_items * 0
+    mbarrier.wait(item_bar, 0)
+    t = gl.max(item_smem.load(one), 0)      # the loader's pick: past the last item means stop
+    while t < num_items:
+        (b, h, hk, bq, bk, q0, k0, v0, seqlen_q, seqlen_k, start_m, lo, full_lo, full_hi,
+         hi) = _work_item(t, num_items, num_m, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, group, window_left,
+                          window_right, IS_VARLEN, MASK_LEFT, MASK_RIGHT, ROWS)
+        qs_off = bq.to(gl.int64) * s_qsb + h * s_qsh + q0
+        ks_off = bk.to(gl.int64) * s_ksb + hk * s_ksh + k0
+        vs_off = b.to(gl.int64) * s_vsb + hk * s_vsh
+        o_off = bq.to(gl.int64) * s_ob + h.to(gl.int64) * s_oh + q0.to(gl.int64) * s_ot
+        lse_off = bq.to(gl.int64) * s_lb + h * s_lh + q0
+        rows = start_m + C * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
+        m_ok = rows < seqlen_q
+        # kept above zero: masked (-inf) scores are scaled by it, and an all-zero row has scale 0
+        q_scale = gl.maximum(gl.load(QS + qs_off + rows, mask=m_ok, other=0.0), 1e-30)
+        cap_a = q_scale     # unused unless SOFTCAP
+        cap_b = q_scale
+        if SOFTCAP:   # the score's dequantization and the shift back to the caller's scores, both over the cap
+            inv_cap = 1.0 / softcap2
+            cap_a = q_scale * inv_cap
+            cap_b = gl.load(SHIFT + lse_off + rows, mask=m_ok, other=0.0) * inv_cap
+            q_scale = gl.full([HALF_M], 0.0, gl.float32, row_layout) + softcap2
+        m_i = gl.full([HALF_M], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([HALF_M], gl.float32, row_layout)
+        acc = gl.zeros([HALF_M, HEAD_DIM_V], gl.float32, o_layout)
+        ks = gl.load(KS + ks_off + lo, mask=lo < hi, other=0.0)
 
-    has_keys = l_i > 0
-    lse = gl.where(has_keys, m_i + gl.log2(l_i), float("inf"))   # +inf: the backward's exp2(s - lse) is 0
-    inv_l = gl.where(has_keys, 1.0 / l_i, 0.0)
-    if SINK_MODE > 0:   # the head's sink joins the denominator, as in forward.py's epilogue
-        sink_row = gl.full([HALF_M], 0.0, gl.float32, row_layout) + sink
-        if SINK_MODE == 2:
-            sink_row = sink_row - gl.load(SINK_SHIFT + lse_off + rows, mask=m_ok, other=0.0)
-        sink2 = sink_row * 1.4426950408889634
-        top = gl.maximum(lse, sink2)
-        new_lse = top + gl.log2(gl.exp2(lse - top) + gl.exp2(sink2 - top))
-        inv_l = gl.where(has_keys, gl.exp2(lse - new_lse) / l_i, 0.0)
-        lse = gl.where(has_keys, new_lse, lse)
-    gl.store(LSE + lse_off + rows, lse, mask=m_ok)
-    inv_l = gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))
-    offs_d = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
-    v_scale = gl.load(VS + vs_off + offs_d)
-    out = acc * inv_l[:, None] * v_scale[None, :]
-    rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
-    # 64-bit token offsets: a [B, H, N, D] output can pass 2^31 elements
-    ptrs = O + o_off + rows_o.to(gl.int64)[:, None] * s_ot + offs_d[None, :]
-    gl.store(ptrs, out.to(O.dtype.element_ty), mask=(rows_o < seqlen_q)[:, None])
+        mbarrier.wait(q_ready, j & 1)
+        q = q_smem.index(C)
+        q2 = q2_smem.index(C)
+        # masked left edge, unmasked middle, masked right edge
+        acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
+                                         turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, lo,
+                                         full_lo, seqlen_q, seqlen_k, window_left, window_right, True,
+                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT,
+                                         NAMED_BARRIERS, CONSUMERS, s_layout, o_layout, p_layout)
+        acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
+                                         turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_lo,
+                                         full_hi, seqlen_q, seqlen_k, window_left, window_right, False,
+                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT,
+                                         NAMED_BARRIERS, CONSUMERS, s_layout, o_layout, p_layout)
+        acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
+                                         turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_hi,
+                                         hi, seqlen_q, seqlen_k, window_left, window_right, True,
+                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT,
+                                         NAMED_BARRIERS, CONSUMERS, s_layout, o_layout, p_layout)
+        mbarrier.arrive(q_empty, count=1)     # every S of the item was waited for: the next Q may land
+
+        has_keys = l_i > 0
+        lse = gl.where(has_keys, m_i + gl.log2(l_i), float("inf"))   # +inf: the backward's exp2(s - lse) is 0
+        inv_l = gl.where(has_keys, 1.0 / l_i, 0.0)
+        if SINK_MODE > 0:   # the head's sink joins the denominator, as in forward.py's epilogue
+            sink_row = gl.full([HALF_M], 0.0, gl.float32, row_layout) + gl.load(SINKS + h).to(gl.float32)
+            if SINK_MODE == 2:
+                sink_row = sink_row - gl.load(SINK_SHIFT + lse_off + rows, mask=m_ok, other=0.0)
+            sink2 = sink_row * 1.4426950408889634
+            top = gl.maximum(lse, sink2)
+            new_lse = top + gl.log2(gl.exp2(lse - top) + gl.exp2(sink2 - top))
+            inv_l = gl.where(has_keys, gl.exp2(lse - new_lse) / l_i, 0.0)
+            lse = gl.where(has_keys, new_lse, lse)
+        gl.store(LSE + lse_off + rows, lse, mask=m_ok)
+        inv_l = gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
+        v_scale = gl.load(VS + vs_off + offs_d)
+        out = acc * inv_l[:, None] * v_scale[None, :]
+        rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
+        # 64-bit token offsets: a [B, H, N, D] output can pass 2^31 elements
+        ptrs = O + o_off + rows_o.to(gl.int64)[:, None] * s_ot + offs_d[None, :]
+        gl.store(ptrs, out.to(O.dtype.element_ty), mask=(rows_o < seqlen_q)[:, None])
+        j += 1
+        mbarrier.wait(item_bar, j & 1)
+        t = gl.max(item_smem.load(one), 0)
 
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(
     q_desc, k_desc, vt_desc, q2_desc, k2_desc, QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS, SINK_SHIFT, SHIFT,
+    COUNTER,
     s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
-    n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softcap2,
+    n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softcap2, num_items, num_m,
     IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     QK_SPLIT: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     PINGPONG: gl.constexpr, SINK_MODE: gl.constexpr, EXP_POLY: gl.constexpr, SOFTCAP: gl.constexpr,
-    NAMED_BARRIERS: gl.constexpr,
+    NAMED_BARRIERS: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
-    pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
-    hk = h // group
-    if IS_VARLEN:
-        q0 = gl.load(CU_Q + b)
-        seqlen_q = gl.load(CU_Q + b + 1) - q0
-        k0 = gl.load(CU_K + b)
-        seqlen_k = gl.load(CU_K + b + 1) - k0
-        v0 = gl.load(CU_VT + b)        # V^T's own, 16-aligned, sequence starts (quantize.aligned_starts)
-        bq = b * 0
-        bk = b * 0
-    else:
-        q0 = b * 0            # tensors, not constants: both branches must give one type
-        seqlen_q = n_q + q0
-        k0 = b * 0
-        seqlen_k = n_k + k0
-        v0 = k0
-        bq = b
-        bk = b
-    ROWS: gl.constexpr = CONSUMERS * HALF_M
-    start_m = pid_m * ROWS
-    lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                          ROWS, MASK_LEFT, MASK_RIGHT, BLOCK_N)
-    # A program past the end of its sequence (packed batches) runs no tiles, but it must still enter
-    # warp_specialize (the worker warps wait for it there). All four bounds go to 0: with a window, such a
-    # program's lo can pass its hi, and then the loader (lo..hi) and the consumers' loops disagreed: a hang.
-    has_rows = (start_m < seqlen_q).to(gl.int32)
-    lo = lo * has_rows
-    full_lo = full_lo * has_rows
-    full_hi = full_hi * has_rows
-    hi = hi * has_rows
-    # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], K8 [B*Hk*Nk, D], V8T [B*Hk*D, Nk_pad]
-    q_row = (bq * num_heads + h) * n_q + q0 + start_m
-    k_row = (bk * num_kv_heads + hk) * n_k + k0
-    v_row = (bk * num_kv_heads + hk) * HEAD_DIM_V
-
+    # each consumer's Q rows, the K / V^T ring
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES] + vt_desc.block_type.shape, vt_desc.layout)
@@ -418,63 +483,69 @@ def _attn_fwd_hopper_kernel(
     else:   # unused: buffers that exist stand in
         q2_smem = q_smem
         k2_smem = k_smem
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    item_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
+    mbarrier.init(q_ready, count=1)      # the TMA bytes
+    mbarrier.init(q_empty, count=CONSUMERS)     # every consumer releases Q
+    mbarrier.init(item_bar, count=1)      # the loader posted the next item's index in item_smem
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)      # the TMA bytes
         mbarrier.init(empty.index(i), count=CONSUMERS)     # every consumer releases a buffer
 
-    qs_off = bq.to(gl.int64) * s_qsb + h * s_qsh + q0
-    ks_off = bk.to(gl.int64) * s_ksb + hk * s_ksh + k0
-    vs_off = b.to(gl.int64) * s_vsb + hk * s_vsh
-    o_off = bq.to(gl.int64) * s_ob + h.to(gl.int64) * s_oh + q0.to(gl.int64) * s_ot
-    lse_off = bq.to(gl.int64) * s_lb + h * s_lh + q0
-    sink = (h * 0).to(gl.float32)
-    if SINK_MODE > 0:
-        sink = gl.load(SINKS + h).to(gl.float32)
     # (constexprs go into each tuple literally: a tuple built beforehand turns them into tensors; and the partition
     # list must be written in the call: one built beforehand and extended for a third consumer does not compile
     # on Triton 3.6, "cannot convert JITFunction to tensor", hence one call per consumer count)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (q_smem.index(0), q2_smem.index(0), start_m, k_smem, k2_smem, v_smem, q_bar, ready,
-                         empty, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off,
-                         lse_off, s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
-                         SINK_SHIFT, SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE,
-                         EXP_POLY, SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 2)),
-            (_consumer, (q_smem.index(1), q2_smem.index(1), start_m + HALF_M, k_smem, k2_smem, v_smem, q_bar, ready,
-                         empty, turn.index(1), turn.index(0), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off,
-                         lse_off, s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
-                         SINK_SHIFT, SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE,
-                         EXP_POLY, SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 2)),
-            (_loader, (q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_bar,
-                       ready, empty, q_row, k_row, v_row, v0, lo, hi, QK_SPLIT, NAMED_BARRIERS)),
+            (_consumer, (q_smem, q2_smem, 0, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
+                         item_bar, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
+                         SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
+                         n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
+                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE, EXP_POLY, SOFTCAP,
+                         QK_SPLIT, NAMED_BARRIERS, 2)),
+            (_consumer, (q_smem, q2_smem, 1, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
+                         item_bar, turn.index(1), turn.index(0), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
+                         SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
+                         n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
+                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE, EXP_POLY, SOFTCAP,
+                         QK_SPLIT, NAMED_BARRIERS, 2)),
+            (_loader, (q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_ready,
+                       q_empty, ready, empty, item_smem, item_bar, COUNTER, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads,
+                       num_kv_heads, group, window_left, window_right, num_items, num_m, IS_VARLEN, MASK_LEFT,
+                       MASK_RIGHT, HEAD_DIM_V, QK_SPLIT, NAMED_BARRIERS, DYNAMIC)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:   # three: 192 rows a program, no turns (FlashAttention 3's head-dim-64 tile)
         gl.static_assert(CONSUMERS == 3 and not PINGPONG, "2 consumer warpgroups, or 3 without ping-pong")
         gl.warp_specialize([
-            (_consumer, (q_smem.index(0), q2_smem.index(0), start_m, k_smem, k2_smem, v_smem, q_bar, ready,
-                         empty, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off,
-                         lse_off, s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
-                         SINK_SHIFT, SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 1, SINK_MODE,
-                         EXP_POLY, SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 3)),
-            (_consumer, (q_smem.index(1), q2_smem.index(1), start_m + HALF_M, k_smem, k2_smem, v_smem, q_bar, ready,
-                         empty, turn.index(1), turn.index(0), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off,
-                         lse_off, s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
-                         SINK_SHIFT, SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE,
-                         EXP_POLY, SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 3)),
-            (_consumer, (q_smem.index(2), q2_smem.index(2), start_m + 2 * HALF_M, k_smem, k2_smem, v_smem, q_bar, ready,
-                         empty, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, qs_off, ks_off, vs_off, o_off,
-                         lse_off, s_ot, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi, sink,
-                         SINK_SHIFT, SHIFT, softcap2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE,
-                         EXP_POLY, SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 3)),
-            (_loader, (q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_bar,
-                       ready, empty, q_row, k_row, v_row, v0, lo, hi, QK_SPLIT, NAMED_BARRIERS)),
+            (_consumer, (q_smem, q2_smem, 0, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
+                         item_bar, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
+                         SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
+                         n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
+                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 1, SINK_MODE, EXP_POLY, SOFTCAP,
+                         QK_SPLIT, NAMED_BARRIERS, 3)),
+            (_consumer, (q_smem, q2_smem, 1, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
+                         item_bar, turn.index(1), turn.index(0), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
+                         SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
+                         n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
+                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE, EXP_POLY, SOFTCAP,
+                         QK_SPLIT, NAMED_BARRIERS, 3)),
+            (_consumer, (q_smem, q2_smem, 2, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
+                         item_bar, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
+                         SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
+                         n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
+                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE, EXP_POLY, SOFTCAP,
+                         QK_SPLIT, NAMED_BARRIERS, 3)),
+            (_loader, (q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_ready,
+                       q_empty, ready, empty, item_smem, item_bar, COUNTER, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads,
+                       num_kv_heads, group, window_left, window_right, num_items, num_m, IS_VARLEN, MASK_LEFT,
+                       MASK_RIGHT, HEAD_DIM_V, QK_SPLIT, NAMED_BARRIERS, DYNAMIC)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 
@@ -515,7 +586,8 @@ def qk_blocks(head_dim):
 
 def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
                         window, v_starts=None, consumers=2, consumer_regs=None, loader_regs=24, pingpong=None,
-                        sinks=None, sink_shift=None, exp_poly=0, softcap=0.0, shift=None, named_barriers=None):
+                        sinks=None, sink_shift=None, exp_poly=0, softcap=0.0, shift=None, named_barriers=None,
+                        programs=None):
     """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift``,
     ``softcap``, ``shift`` as there). ``pingpong`` defaults to on at head dim 128 (faster there on an H100) and
     off at 64 (slower there).
@@ -523,7 +595,11 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     ``named_barriers``: the turns and the buffer releases on hardware named barriers, each thread arriving for
     itself, instead of mbarriers (whose one-thread arrivals Gluon precedes with a ``bar.sync`` of the warpgroup:
     three of a tile's four go); default on at V's head dim 128, where kernels alone ran 1.00-1.05x faster with two
-    consumers and 1.01-1.04x with three (H100, session 18), off at 64 (0.98-1.03x)."""
+    consumers and 1.01-1.04x with three (H100, session 18), off at 64 (0.98-1.03x).
+    ``programs``: launch this many programs (``dispatch.gluon_forward_programs``: one per SM), each taking work
+    items (the query rows of one sequence and head) from an atomic counter until none is left, so the next item's
+    Q and first K / V tiles load while this one's epilogue runs, and causal calls' items of unequal length balance
+    (a static round-robin did not: session 20); None (or at least one per item): one program per work item."""
     if exp_poly not in (0, 2, 4):
         raise ValueError(f"exp_poly must be 0, 2 or 4, got {exp_poly!r}")
     assert sink_shift is None or (sinks is not None and sink_shift.stride() == lse.stride())
@@ -553,19 +629,24 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     cu_k = layout_k.cu_seqlens if layout_k.is_varlen else q_scale
     if layout_k.is_varlen and v_starts is None:
         raise ValueError("packed batches need v8t laid out with quantize.aligned_starts, passed as v_starts")
-    grid = (cdiv(layout_q.max_len, consumers * HALF_M.value), layout_q.num_seqs * num_heads)
+    num_m = cdiv(layout_q.max_len, consumers * HALF_M.value)
+    num_items = num_m * layout_q.num_seqs * num_heads
+    dynamic = bool(programs) and programs < num_items
+    grid = (programs if dynamic else num_items, )
+    # items handed out past the first of each program (an atomic count; zero at each launch)
+    counter = torch.zeros(1, dtype=torch.int32, device=out4.device) if dynamic else lse
     return grid, (
         q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_scale, k_scale, v_scale, out4, lse, cu_q, cu_k,
         v_starts if v_starts is not None else cu_k, sinks if sinks is not None else lse,
-        sink_shift if sink_shift is not None else lse, shift if softcap else lse,
+        sink_shift if sink_shift is not None else lse, shift if softcap else lse, counter,
         q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
         v_scale.stride(0), v_scale.stride(1), *out4.stride()[:3], lse.stride(0), lse.stride(1),
-        n_q, n_k, num_heads, hk, group, window[0], window[1], float(softcap) * LOG2E,
+        n_q, n_k, num_heads, hk, group, window[0], window[1], float(softcap) * LOG2E, num_items, num_m,
     ), dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
             HEAD_DIM_V=head_dim_v, QK_SPLIT=bool(d2), CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
             LOADER_REGS=loader_regs, PINGPONG=pingpong,
             SINK_MODE=0 if sinks is None else 2 if sink_shift is not None else 1, EXP_POLY=exp_poly,
-            SOFTCAP=bool(softcap), NAMED_BARRIERS=bool(named_barriers), num_warps=4)
+            SOFTCAP=bool(softcap), NAMED_BARRIERS=bool(named_barriers), DYNAMIC=dynamic, num_warps=4)
 
 
 def launch_forward_hopper(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim, window,

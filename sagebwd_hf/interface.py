@@ -196,7 +196,8 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
         from .kernels.forward_hopper import launch_forward_hopper   # imports Gluon: only where it runs
         consumers = dispatch.gluon_forward_consumers(q4.shape[3], tuple(window) != (-1, -1), bool(softcap),
                                                      lay_q.max_len)
-        launch_forward_hopper(*args, v_starts=v_starts, consumers=consumers, **cap_args, **sink_args)
+        launch_forward_hopper(*args, v_starts=v_starts, consumers=consumers,
+                              programs=dispatch.gluon_forward_programs(q.device), **cap_args, **sink_args)
         dispatch.count("fwd_gluon")
     else:
         launch_forward(*args, cfg["fwd"], **cap_args, **sink_args)

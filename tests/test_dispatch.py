@@ -118,6 +118,16 @@ def test_three_consumer_warpgroups_only_where_measured_faster():
     assert consumers(96, False, False, 8 * long_enough) == 2        # not a Gluon head dim: as the default
 
 
+def test_persistent_forward_takes_one_program_per_sm(monkeypatch):
+    """The Gluon forward launches one program per SM (each taking work items from a counter), or one program a
+    work item with the persistent schedule off."""
+    monkeypatch.setattr(dispatch, "sm_count", lambda device: 132)
+    dev = torch.device("cuda", 0)
+    assert dispatch.gluon_forward_programs(dev) == 132
+    monkeypatch.setattr(dispatch, "GLUON_FORWARD_PERSISTENT", False)
+    assert dispatch.gluon_forward_programs(dev) is None
+
+
 def test_stats_say_which_kernels_ran():
     reset_attention_stats()
     q, k, v, do = (x.requires_grad_() for x in make_qkv(1, 2, 2, 9, 9, 16, torch.bfloat16, "cpu"))
@@ -243,9 +253,10 @@ def test_gluon_forward_exp2_split(case, exp_poly):
 @pytest.mark.parametrize("softcap", [0.0, 5.0], ids=["plain", "cap5"])
 @pytest.mark.parametrize("case", [GLUON_CASES[i] for i in (0, 5, 6, 9, 10)], ids=_case_id)
 def test_gluon_forward_schedules_agree(case, softcap):
-    """The synchronization schedules (mbarrier or named-barrier turns and releases, two or three consumers) run
-    the same arithmetic on the same INT8 inputs: bit-identical outputs and lse, over padded tiles, rows that see
-    no key, a window, GQA and MLA, with and without a soft cap."""
+    """The synchronization schedules (mbarrier or named-barrier turns and releases, two or three consumers, one
+    program a work item or 3 programs taking every item from the atomic counter, their ring and Q buffer running on
+    across items) run the same arithmetic on the same INT8 inputs: bit-identical outputs and lse, over padded tiles, rows
+    that see no key, a window, GQA and MLA, with and without a soft cap."""
     from sagebwd_hf.kernels.forward_hopper import launch_forward_hopper
     from sagebwd_hf.kernels.layout import SeqLayout
     from sagebwd_hf.kernels.quantize import quantize_qk, quantize_v
@@ -260,12 +271,13 @@ def test_gluon_forward_schedules_agree(case, softcap):
     runs = {}
     for consumers in (2, 3):
         for named in (False, True):
-            out = torch.full((b, h, nq, dv), float("nan"), device="cuda", dtype=q.dtype)
-            lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-            launch_forward_hopper(quant, v8t, v_scale, out, lse, lay_q, lay_k, h, h // hk, d, window,
-                                  consumers=consumers, named_barriers=named, **cap)
-            runs[consumers, named] = (out, lse)
-    out0, lse0 = runs[2, False]
+            for programs in (None, 3):    # one program a work item, or 3 persistent programs
+                out = torch.full((b, h, nq, dv), float("nan"), device="cuda", dtype=q.dtype)
+                lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+                launch_forward_hopper(quant, v8t, v_scale, out, lse, lay_q, lay_k, h, h // hk, d, window,
+                                      consumers=consumers, named_barriers=named, programs=programs, **cap)
+                runs[consumers, named, programs] = (out, lse)
+    out0, lse0 = runs[2, False, None]
     assert not out0.isnan().any() and not lse0.isnan().any()
     for key, (out, lse) in runs.items():
         assert torch.equal(out, out0) and torch.equal(lse, lse0), key
@@ -394,12 +406,14 @@ def test_gluon_softcap_matches_reference(case, monkeypatch):
 @pytest.mark.parametrize("head_dims", [(128, 128), (64, 64), (192, 128)], ids=["d128", "d64", "d192v128"])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 0)], ids=["full", "causal", "window"])
 def test_gluon_forward_on_packed_batches(head_dims, window, monkeypatch):
-    # at D=64 without a mask: three consumer warpgroups (from any length here)
-    monkeypatch.setattr(dispatch, "GLUON_THREE_CONSUMERS_MIN_QUERIES", 1)
     """Uneven and empty sequences in one packed batch on the Gluon forward. Two faults lived here: TMA needs each tile's innermost
     coordinate 16-byte aligned (V^T is laid out with aligned sequence starts, quantize.aligned_starts), and a
     program past a short sequence's end must still enter the warp-specialized region, with no tiles (with a
     window its bounds crossed and the loader and consumers disagreed: a hang)."""
+    # at D=64 without a mask: three consumer warpgroups (from any length here); 5 programs walk the work items
+    # (past a sequence's end too), more than one each
+    monkeypatch.setattr(dispatch, "GLUON_THREE_CONSUMERS_MIN_QUERIES", 1)
+    monkeypatch.setattr(dispatch, "gluon_forward_programs", lambda device: 5)
     lengths = [300, 0, 1, 129, 128, 517]
     h, hk = 4, 2
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)

@@ -1,4 +1,5 @@
-"""Compile the Gluon Hopper forward kernel for sm_90 on a machine without a GPU, and dump what it became.
+"""Compile a Gluon Hopper kernel (the forward, or the backward's dV, dK or dQ launch) for sm_90 on a machine
+without a GPU, and dump what it became.
 
 Triton asks its active driver for the target, the device and the stream before it compiles; a stand-in driver
 answers ``GPUTarget("cuda", 90, 32)``, device 0 and stream 0, and the kernel is compiled through
@@ -59,14 +60,14 @@ class OfflineDriver:
         raise RuntimeError("offline driver: nothing can run")
 
 
-def load_module(kernel_file):
+def load_module(kernel_file, stem_of_default="forward_hopper"):
     """The repo's forward_hopper, or another copy of it loaded inside sagebwd_hf.kernels (relative imports work)."""
     if "sagebwd_hf" not in sys.modules:   # its __init__ imports transformers: only its package path is needed
         pkg = types.ModuleType("sagebwd_hf")
         pkg.__path__ = [os.path.join(ROOT, "sagebwd_hf"), ROOT]    # kernels/ resolves as sagebwd_hf.kernels
         sys.modules["sagebwd_hf"] = pkg
     if kernel_file is None:
-        return importlib.import_module("sagebwd_hf.kernels.forward_hopper")
+        return importlib.import_module(f"sagebwd_hf.kernels.{stem_of_default}")
     stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(kernel_file))[0])
     name = f"sagebwd_hf.kernels.{stem}"
     spec = importlib.util.spec_from_file_location(name, os.path.abspath(kernel_file))
@@ -77,7 +78,8 @@ def load_module(kernel_file):
 
 
 def make_inputs(mod, a):
-    """CPU tensors laid out as quantize_qk / quantize_v lay them out for a padded batch."""
+    """CPU tensors laid out as quantize_qk / quantize_v lay them out for a padded batch: the forward's launch
+    arguments, or with ``--kernel dv | dk | dq`` the backward's (``mod`` is then backward_hopper)."""
     from sagebwd_hf.kernels.layout import SeqLayout
     b, h, hk, n, d, dv = a.batch, a.heads, a.kv_heads or a.heads, a.seqlen, a.head_dim, a.head_dim_v or a.head_dim
     npad = -(-n // 16) * 16
@@ -89,8 +91,21 @@ def make_inputs(mod, a):
     lse = torch.empty(b, h, n)
     layout = SeqLayout(b, n, None)
     window = (-1, 0) if a.causal else (-1, -1)
-    return mod.forward_hopper_args(quant, v8t, v_scale, out4, lse, layout, layout, h, h // hk, d, window,
-                                   **json.loads(a.kw))
+    kw = json.loads(a.kw)
+    if a.kernel == "fwd":
+        return mod.forward_hopper_args(quant, v8t, v_scale, out4, lse, layout, layout, h, h // hk, d, window, **kw)
+    quant.update(q8t=torch.empty(b, h, d, npad, dtype=torch.int8), k8t=torch.empty(b, hk, d, npad, dtype=torch.int8),
+                 q_scale_raw=torch.empty(b, h, n))
+    do4 = torch.empty(b, h, n, dv, dtype=torch.bfloat16)
+    v4 = torch.empty(b, hk, n, dv, dtype=torch.bfloat16)
+    vec = lambda: torch.empty(b, h, n)  # noqa: E731   per-query vectors, q_scale's layout
+    if a.kernel == "dq":
+        return mod.dq_hopper_args(quant, lse, do4, vec(), v4, torch.empty(b, h, n, d, dtype=torch.bfloat16), h,
+                                  h // hk, d, window, d ** -0.5, **kw)
+    do8t = torch.empty(b, h, dv, npad, dtype=torch.int8)
+    grads = torch.empty(b, hk, n, dv, dtype=torch.bfloat16), torch.empty(b, hk, n, d, dtype=torch.bfloat16)
+    return mod.dkdv_hopper_args(a.kernel, quant, lse, do4, do8t, vec(), vec(), v4, grads[0], grads[1], h, h // hk, d,
+                                window, d ** -0.5, **kw)
 
 
 SASS_RE = re.compile(r"^\s*(?:/\*([0-9a-f]+)\*/)?\s*(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;]*;")
@@ -142,19 +157,23 @@ def main():
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--kernel", choices=["fwd", "dv", "dk", "dq"], default="fwd",
+                   help="the forward, or one backward launch (backward_hopper)")
     p.add_argument("--kernel-file", default=None)
     p.add_argument("--kw", default="{}", help="JSON dict of extra forward_hopper_args keywords")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
     driver.set_active(OfflineDriver())
-    mod = load_module(a.kernel_file)
+    mod = load_module(a.kernel_file, "forward_hopper" if a.kernel == "fwd" else "backward_hopper")
     grid, args, kwargs = make_inputs(mod, a)
     knobs.nvidia.dump_ptxas_log = True        # ptxas's -v log (spill bytes) is printed: captured below
     knobs.compilation.always_compile = True   # a cache hit would skip ptxas and its log
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        ck = mod._attn_fwd_hopper_kernel.warmup(*args, grid=grid, **kwargs)
+        fn = {"fwd": "_attn_fwd_hopper_kernel", "dq": "_attn_bwd_dq_hopper_kernel"}.get(a.kernel,
+                                                                                        "_attn_bwd_dkdv_hopper_kernel")
+        ck = getattr(mod, fn).warmup(*args, grid=grid, **kwargs)
     ptxas_log = buf.getvalue()
 
     os.makedirs(a.out, exist_ok=True)
@@ -196,7 +215,7 @@ def main():
         spills=spills, loops=loops)
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
-    print(f"{os.path.basename(src_file)} D={a.head_dim} causal={a.causal} kw={a.kw}: n_regs {regs}, "
+    print(f"{os.path.basename(src_file)} {a.kernel} D={a.head_dim} causal={a.causal} kw={a.kw}: n_regs {regs}, "
           f"n_spills {local // 4} (ptxas: {m.group(0) if m else '?'}), shared {ck.metadata.shared} B, "
           f"{summary['instructions']} SASS instructions, STL {ops['STL']}, LDL {ops['LDL']} -> {a.out}")
     for s in summary["spills_by_source"][:12]:

@@ -14,9 +14,11 @@ Same numerics as the portable kernels (``backward.py``) at their GPU tiles: the 
   ``dQ += dS K`` in INT8 (dS quantized per query over each 128-key tile; that tile's one K scale joins the
   row's dequantization scale, so it costs nothing per score).
 
-The schedule is the Gluon forward's (``forward_hopper.py``): one program per 128 keys (dV, dK) or 128 queries
-(dQ) of one (sequence, head); a loader warp brings the program's own tile once and streams the other side's
-operands and per-token vectors through a two-stage TMA ring; two consumer warpgroups of 64 rows each.
+The schedule is the Gluon forward's (``forward_hopper.py``): a work item is 128 keys (dV, dK) or 128 queries (dQ)
+of one (sequence, head); one program per SM takes items from an atomic counter (``programs``; causal items
+longest first), or one program runs one item. A loader warp posts each item to the consumers, brings its own
+tile once they released the last one and streams the other side's operands and per-token vectors through a
+two-stage TMA ring whose count runs on across items; two consumer warpgroups of 64 rows each.
 No atomics: every gradient is written once, so the backward is deterministic run to run.
 
 Why three launches and not FlashAttention 3's one: INT8 wgmma accumulates in int32 and the quantization
@@ -54,7 +56,7 @@ from .layout import cdiv, tma_addressable, token_rows
 from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
 from .forward_hopper import (HEAD_DIMS, _band_mask, _ceil_to, _floor_to, _key_tiles, _round_to_int8, _tanh_scores,
-                             _tma_desc, qk_blocks, tma_descriptor, wgmma_layout)
+                             _tma_desc, persistent_grid, qk_blocks, tma_descriptor, wgmma_layout)
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
@@ -105,13 +107,50 @@ def _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @gluon.jit
+def _dkdv_item(t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, MASK_LEFT: gl.constexpr,
+               MASK_RIGHT: gl.constexpr, BLOCK_Q: gl.constexpr):
+    """Work item ``t`` of the key-tile launches: 128 keys of one (sequence, KV head), key tile fastest (with a
+    causal mask the first key tiles, which the most queries see, come first: the longest items start early).
+    Returns its sequence, KV head, first key, lengths and query-tile bounds (_query_tiles)."""
+    pid_n = t % num_n
+    pid_bh = t // num_n
+    b = pid_bh // num_kv_heads
+    hk = pid_bh % num_kv_heads
+    seqlen_q = n_q + b * 0
+    seqlen_k = n_k + b * 0
+    start_n = pid_n * BLOCK_N
+    lo, full_lo, full_hi, hi = _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                            MASK_LEFT, MASK_RIGHT, BLOCK_Q)
+    return b, hk, start_n, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi
+
+
+@gluon.jit
+def _post_item(item_smem, item_bar, t):
+    """The loader tells the consumers which work item comes next (past the last: stop)."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    item_smem.store(gl.full([1], 0, gl.int32, one) + t)
+    mbarrier.arrive(item_bar, count=1)
+
+
+@gluon.jit
+def _next_item(item_smem, item_bar, j):
+    """A consumer warpgroup waits for the loader's ``j``-th posted item and reads its index."""
+    mbarrier.wait(item_bar, j & 1)
+    return gl.max(item_smem.load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+
+
+@gluon.jit
 def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, q_smem, qt_smem, do_smem,
-            dot_smem, k_smem, v_smem, q2_smem, qt2_smem, k2_smem, vec_smem, k_bar, ready, empty, QS, LSE, DOS, DELTA,
-            QSR, SHIFT, inv_cap, k_row, v_row, v_col, q_head0, do_row0, do_col0, do_rh, do_ch, vec_head0, s_vech,
-            n_q, group, seqlen_q, lo, hi, DO_DK: gl.constexpr, DO_DV: gl.constexpr, FOLD: gl.constexpr,
-            SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr, HEAD_DIM: gl.constexpr,
-            HEAD_DIM_V: gl.constexpr):
-    """One warp: K (and V for dK) once; then per query head of the group and query tile in ``[lo, hi)``: Q8
+            dot_smem, k_smem, v_smem, q2_smem, qt2_smem, k2_smem, vec_smem, k_ready, k_empty, ready, empty,
+            item_smem, item_bar, COUNTER, QS, LSE, DOS, DELTA, QSR, SHIFT, inv_cap, s_qsb, s_qsh, do_rb, do_rh, do_ch,
+            v_rb, v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, num_items, num_n,
+            MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
+            FOLD: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr,
+            HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, DYNAMIC: gl.constexpr):
+    """One warp, per work item (its program id first, then the next from ``COUNTER``, an atomic count of items
+    handed out, with ``DYNAMIC``; else every ``num_programs``-th): posts the item to the consumers, loads K (and
+    V for dK) once they are done with the last item's; then per query head of the group and query tile in
+    ``[lo, hi)``, through the ring whose count runs on across items: Q8
     (for S^T), dO8^T (dV's operand), dO (dK's dP^T) and Q8^T (dK's operand), with the per-query vectors
     (q_scale, lse (+inf past the end), and dO's scale, delta, the raw Q scale as the products need them; with
     ``SOFTCAP`` q_scale and the row shift over the cap). ``QK_SPLIT``: Q's and K's channels past the first
@@ -119,60 +158,83 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
     D1: gl.constexpr = q_desc.block_type.shape[1]
     k_bytes: gl.constexpr = k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if QK_SPLIT else 0)
     kv_bytes: gl.constexpr = k_bytes + (v_desc.block_type.nbytes if DO_DK else 0)
-    mbarrier.expect(k_bar, 2 * kv_bytes)
-    for c in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [k_row + c * HALF_N, 0], k_bar, k_smem.index(c))
-        if QK_SPLIT:
-            tma.async_copy_global_to_shared(k2_desc, [k_row + c * HALF_N, D1], k_bar, k2_smem.index(c))
-        if DO_DK:
-            tma.async_copy_global_to_shared(v_desc, [v_row + c * HALF_N, v_col], k_bar, v_smem.index(c))
     q_bytes: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if QK_SPLIT else 0)
     qt_bytes: gl.constexpr = qt_desc.block_type.nbytes + (qt2_desc.block_type.nbytes if QK_SPLIT else 0)
     nbytes: gl.constexpr = (q_bytes + (dot_desc.block_type.nbytes if DO_DV else 0)
                             + (do_desc.block_type.nbytes + qt_bytes if DO_DK else 0))
     vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_Q // 32], [32], [1], [0])
     offs = gl.arange(0, BLOCK_Q, layout=vec_layout)
-    i = 0
-    for g in range(group):
-        for start_m in range(lo, hi, BLOCK_Q):
-            s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), nbytes)
-            q_row = (q_head0 + g) * n_q + start_m
-            t_row = (q_head0 + g) * HEAD_DIM        # Q8^T's rows: [B*H*D, Nq_pad]; dO8^T's: [B*H*Dv, Nq_pad]
-            tma.async_copy_global_to_shared(q_desc, [q_row, 0], ready.index(s), q_smem.index(s))
+    i = num_items * 0
+    j = num_items * 0
+    t = gl.program_id(0) + j
+    while t < num_items:
+        b, hk, start_n, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dkdv_item(
+            t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, MASK_LEFT, MASK_RIGHT, BLOCK_Q)
+        # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], Q8^T [B*H*D, Nq_pad], dO8^T [B*H*Dv, Nq_pad],
+        # K8 [B*Hk*Nk, D]; dO and V in the caller's memory (token_rows: row b*rb + h*rh + n, column h*ch)
+        q_head0 = b * num_heads + hk * group
+        k_row = (b * num_kv_heads + hk) * n_k + start_n
+        do_row0 = b * do_rb + (hk * group) * do_rh
+        do_col0 = (hk * group) * do_ch
+        v_row = b * v_rb + hk * v_rh + start_n
+        v_col = hk * v_ch
+        vec_head0 = b.to(gl.int64) * s_qsb + (hk * group) * s_qsh
+        mbarrier.wait(k_empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
+        _post_item(item_smem, item_bar, t)
+        mbarrier.expect(k_ready, 2 * kv_bytes)
+        for c in gl.static_range(2):
+            tma.async_copy_global_to_shared(k_desc, [k_row + c * HALF_N, 0], k_ready, k_smem.index(c))
             if QK_SPLIT:
-                tma.async_copy_global_to_shared(q2_desc, [q_row, D1], ready.index(s), q2_smem.index(s))
-            if DO_DV:
-                tma.async_copy_global_to_shared(dot_desc, [(q_head0 + g) * HEAD_DIM_V, start_m], ready.index(s),
-                                                dot_smem.index(s))
+                tma.async_copy_global_to_shared(k2_desc, [k_row + c * HALF_N, D1], k_ready, k2_smem.index(c))
             if DO_DK:
-                tma.async_copy_global_to_shared(do_desc, [do_row0 + g * do_rh + start_m, do_col0 + g * do_ch],
-                                                ready.index(s), do_smem.index(s))
-                tma.async_copy_global_to_shared(qt_desc, [t_row, start_m], ready.index(s), qt_smem.index(s))
+                tma.async_copy_global_to_shared(v_desc, [v_row + c * HALF_N, v_col], k_ready, v_smem.index(c))
+        for g in range(group):
+            for start_m in range(lo, hi, BLOCK_Q):
+                s = i % STAGES
+                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), nbytes)
+                q_row = (q_head0 + g) * n_q + start_m
+                t_row = (q_head0 + g) * HEAD_DIM    # Q8^T's rows: [B*H*D, Nq_pad]; dO8^T's: [B*H*Dv, Nq_pad]
+                tma.async_copy_global_to_shared(q_desc, [q_row, 0], ready.index(s), q_smem.index(s))
                 if QK_SPLIT:
-                    tma.async_copy_global_to_shared(qt2_desc, [t_row + D1, start_m], ready.index(s),
-                                                    qt2_smem.index(s))
-            rows = start_m + offs
-            ok = rows < seqlen_q
-            base = vec_head0 + g * s_vech + rows
-            if SOFTCAP:   # the cap's argument: (s + shift) / cap, both terms over the cap
-                vec_smem.index(NVEC * s + VQS).store(gl.load(QS + base, mask=ok, other=0.0) * inv_cap)
-                vec_smem.index(NVEC * s + VSHIFT).store(gl.load(SHIFT + base, mask=ok, other=0.0) * inv_cap)
-            else:
-                vec_smem.index(NVEC * s + VQS).store(gl.load(QS + base, mask=ok, other=0.0))
-            lse = gl.load(LSE + base, mask=ok, other=float("inf"))
-            if DO_DV:
-                do_scale = gl.load(DOS + base, mask=ok, other=0.0)
-                vec_smem.index(NVEC * s + VDOS).store(do_scale)
-                if FOLD:    # log2 of dO's scale folded into P^T's exponent (log2(0) - lse = -inf: P^T 0)
-                    lse = lse - gl.log2(do_scale)
-            if DO_DK:
-                vec_smem.index(NVEC * s + VDELTA).store(gl.load(DELTA + base, mask=ok, other=0.0))
-                vec_smem.index(NVEC * s + VQSR).store(gl.load(QSR + base, mask=ok, other=0.0))
-            vec_smem.index(NVEC * s + VLSE).store(lse)
-            mbarrier.arrive(ready.index(s), count=1)     # the second of ready's two arrivals
-            i += 1
+                    tma.async_copy_global_to_shared(q2_desc, [q_row, D1], ready.index(s), q2_smem.index(s))
+                if DO_DV:
+                    tma.async_copy_global_to_shared(dot_desc, [(q_head0 + g) * HEAD_DIM_V, start_m],
+                                                    ready.index(s), dot_smem.index(s))
+                if DO_DK:
+                    tma.async_copy_global_to_shared(do_desc, [do_row0 + g * do_rh + start_m, do_col0 + g * do_ch],
+                                                    ready.index(s), do_smem.index(s))
+                    tma.async_copy_global_to_shared(qt_desc, [t_row, start_m], ready.index(s), qt_smem.index(s))
+                    if QK_SPLIT:
+                        tma.async_copy_global_to_shared(qt2_desc, [t_row + D1, start_m], ready.index(s),
+                                                        qt2_smem.index(s))
+                rows = start_m + offs
+                ok = rows < seqlen_q
+                base = vec_head0 + g * s_qsh + rows
+                if SOFTCAP:   # the cap's argument: (s + shift) / cap, both terms over the cap
+                    vec_smem.index(NVEC * s + VQS).store(gl.load(QS + base, mask=ok, other=0.0) * inv_cap)
+                    vec_smem.index(NVEC * s + VSHIFT).store(gl.load(SHIFT + base, mask=ok, other=0.0) * inv_cap)
+                else:
+                    vec_smem.index(NVEC * s + VQS).store(gl.load(QS + base, mask=ok, other=0.0))
+                lse = gl.load(LSE + base, mask=ok, other=float("inf"))
+                if DO_DV:
+                    do_scale = gl.load(DOS + base, mask=ok, other=0.0)
+                    vec_smem.index(NVEC * s + VDOS).store(do_scale)
+                    if FOLD:    # log2 of dO's scale folded into P^T's exponent (log2(0) - lse = -inf: P^T 0)
+                        lse = lse - gl.log2(do_scale)
+                if DO_DK:
+                    vec_smem.index(NVEC * s + VDELTA).store(gl.load(DELTA + base, mask=ok, other=0.0))
+                    vec_smem.index(NVEC * s + VQSR).store(gl.load(QSR + base, mask=ok, other=0.0))
+                vec_smem.index(NVEC * s + VLSE).store(lse)
+                mbarrier.arrive(ready.index(s), count=1)     # the second of ready's two arrivals
+                i += 1
+        j += 1
+        if DYNAMIC:
+            t = gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
+        else:
+            t = t + gl.num_programs(0)
+    mbarrier.wait(k_empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
+    _post_item(item_smem, item_bar, t)
 
 
 @gluon.jit
@@ -286,81 +348,74 @@ def _store_rows(acc, rows, seqlen, OUT, out_off, s_ot, out_scale, COL0: gl.const
 
 
 @gluon.jit
-def _bwd_consumer(k8, k8b, v16, first, q_smem, q2_smem, qt_smem, qt2_smem, do_smem, dot_smem, vec_smem, k_bar, ready,
-                  empty, KS, DV, DK, ks_off, dv_off, s_dvt, dk_off, s_dkt, seqlen_q, seqlen_k, window_left,
-                  window_right, group, lo, full_lo, full_hi, hi, softmax_scale, softcap2, D1: gl.constexpr,
-                  D2: gl.constexpr, HEAD_DIM_V: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                  DO_DK: gl.constexpr, DO_DV: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr,
-                  BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr):
-    """One warpgroup: keys ``[first, first + 64)`` (their int8 K in ``k8``, and ``k8b`` past the first ``D1``
-    channels with ``QK_SPLIT``; V in ``v16``) against every query tile of every query head of the group;
-    writes their dV and/or dK rows."""
+def _bwd_consumer(k8, k8b, v16, C: gl.constexpr, q_smem, q2_smem, qt_smem, qt2_smem, do_smem, dot_smem, vec_smem,
+                  k_ready, k_empty, ready, empty, item_smem, item_bar, KS, DV, DK, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt,
+                  s_dkb, s_dkh, s_dkt, n_q, n_k, num_kv_heads, window_left, window_right, group, num_items, num_n,
+                  softmax_scale, softcap2, D1: gl.constexpr, D2: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
+                  FOLD: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr):
+    """One warpgroup, per work item the loader posts: keys ``[start_n + C * 64, ... + 64)`` (their int8 K in
+    ``k8``, and ``k8b`` past the first ``D1`` channels with ``QK_SPLIT``; V in ``v16``) against every query tile
+    of every query head of the group; writes their dV and/or dK rows (K released first, so the loader brings the
+    next item's meanwhile)."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_Q, 32)
     dp_layout: gl.constexpr = wgmma_layout(BLOCK_Q, 16)
     dv_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V, 32)
     dk_layout: gl.constexpr = wgmma_layout(D1, 32)
     dk2_layout: gl.constexpr = wgmma_layout(D2, 32)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=4)
-    keys = first + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
-    k_scale = gl.load(KS + ks_off + keys, mask=keys < seqlen_k, other=0.0)
-    k_bias = k_scale * -12582912.0
-    dv_acc = gl.zeros([HALF_N, HEAD_DIM_V], gl.float32, dv_layout)
-    dk_acc = gl.zeros([HALF_N, D1], gl.float32, dk_layout)
-    dk2_acc = gl.zeros([HALF_N, D2], gl.float32, dk2_layout)
-    mbarrier.wait(k_bar, 0)
-    it = lo * 0
-    for g in range(group):
-        dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
-            dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem, do_smem,
-            dot_smem, vec_smem, ready, empty, keys, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right,
-            softcap2, True, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT, s_layout,
-            dp_layout, dk_layout, p_layout)
-        dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
-            dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem, do_smem,
-            dot_smem, vec_smem, ready, empty, keys, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right,
-            softcap2, False, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT, s_layout,
-            dp_layout, dk_layout, p_layout)
-        dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
-            dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem, do_smem,
-            dot_smem, vec_smem, ready, empty, keys, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right,
-            softcap2, True, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT, s_layout,
-            dp_layout, dk_layout, p_layout)
-    if DO_DV:
-        _store_rows(dv_acc, keys, seqlen_k, DV, dv_off, s_dvt, 1.0, 0)
-    if DO_DK:
-        _store_rows(dk_acc, keys, seqlen_k, DK, dk_off, s_dkt, softmax_scale, 0)
-        if QK_SPLIT:
-            _store_rows(dk2_acc, keys, seqlen_k, DK, dk_off, s_dkt, softmax_scale, D1)
+    it = num_items * 0      # the ring's tile count, run on across items as the loader's
+    j = num_items * 0
+    t = _next_item(item_smem, item_bar, j)
+    while t < num_items:
+        b, hk, start_n, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dkdv_item(
+            t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, MASK_LEFT, MASK_RIGHT, BLOCK_Q)
+        ks_off = b.to(gl.int64) * s_ksb + hk * s_ksh
+        keys = start_n + C * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+        k_scale = gl.load(KS + ks_off + keys, mask=keys < seqlen_k, other=0.0)
+        k_bias = k_scale * -12582912.0
+        dv_acc = gl.zeros([HALF_N, HEAD_DIM_V], gl.float32, dv_layout)
+        dk_acc = gl.zeros([HALF_N, D1], gl.float32, dk_layout)
+        dk2_acc = gl.zeros([HALF_N, D2], gl.float32, dk2_layout)
+        mbarrier.wait(k_ready, j & 1)
+        for g in range(group):
+            dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
+                dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem,
+                do_smem, dot_smem, vec_smem, ready, empty, keys, lo, full_lo, seqlen_q, seqlen_k, window_left,
+                window_right, softcap2, True, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT,
+                s_layout, dp_layout, dk_layout, p_layout)
+            dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
+                dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem,
+                do_smem, dot_smem, vec_smem, ready, empty, keys, full_lo, full_hi, seqlen_q, seqlen_k, window_left,
+                window_right, softcap2, False, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT,
+                s_layout, dp_layout, dk_layout, p_layout)
+            dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
+                dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem,
+                do_smem, dot_smem, vec_smem, ready, empty, keys, full_hi, hi, seqlen_q, seqlen_k, window_left,
+                window_right, softcap2, True, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT,
+                s_layout, dp_layout, dk_layout, p_layout)
+        mbarrier.arrive(k_empty, count=1)     # every product with this item's K and V was waited for
+        if DO_DV:
+            _store_rows(dv_acc, keys, seqlen_k, DV, b.to(gl.int64) * s_dvb + hk.to(gl.int64) * s_dvh, s_dvt, 1.0, 0)
+        if DO_DK:
+            dk_off = b.to(gl.int64) * s_dkb + hk.to(gl.int64) * s_dkh
+            _store_rows(dk_acc, keys, seqlen_k, DK, dk_off, s_dkt, softmax_scale, 0)
+            if QK_SPLIT:
+                _store_rows(dk2_acc, keys, seqlen_k, DK, dk_off, s_dkt, softmax_scale, D1)
+        j += 1
+        t = _next_item(item_smem, item_bar, j)
 
 
 @gluon.jit
 def _attn_bwd_dkdv_hopper_kernel(
     q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, QS, LSE, DOS, DELTA, QSR, SHIFT,
-    KS, DV, DK, s_qsb, s_qsh, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, do_rb, do_rh, do_ch, v_rb,
-    v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softmax_scale, softcap2,
-    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-    QK_SPLIT: gl.constexpr, DO_DK: gl.constexpr,
-    DO_DV: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FOLD: gl.constexpr,
-    SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr,
+    KS, DV, DK, COUNTER, s_qsb, s_qsh, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, do_rb, do_rh, do_ch,
+    v_rb, v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softmax_scale, softcap2,
+    num_items, num_n, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr,
+    BLOCK_Q: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
-    pid_n = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // num_kv_heads
-    hk = pid_bh % num_kv_heads
-    seqlen_q = n_q + b * 0
-    seqlen_k = n_k + b * 0
-    start_n = pid_n * BLOCK_N
-    lo, full_lo, full_hi, hi = _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
-                                            MASK_LEFT, MASK_RIGHT, BLOCK_Q)
-    # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], Q8^T [B*H*D, Nq_pad], dO8^T [B*H*Dv, Nq_pad],
-    # K8 [B*Hk*Nk, D]; dO and V in the caller's memory (token_rows: row b*rb + h*rh + n, column h*ch)
-    q_head0 = b * num_heads + hk * group
-    k_row = (b * num_kv_heads + hk) * n_k + start_n
-    do_row0 = b * do_rb + (hk * group) * do_rh
-    do_col0 = (hk * group) * do_ch
-    v_row = b * v_rb + hk * v_rh + start_n
-    v_col = hk * v_ch
-
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     if DO_DV:
@@ -391,35 +446,38 @@ def _attn_bwd_dkdv_hopper_kernel(
     D2: gl.constexpr = q2_desc.block_type.shape[1] if QK_SPLIT else D1    # (unused without the split)
     vec_smem = gl.allocate_shared_memory(gl.float32, [NVEC * STAGES, BLOCK_Q],
                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    item_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(k_bar, count=1)
+    mbarrier.init(k_ready, count=1)     # the TMA bytes
+    mbarrier.init(k_empty, count=2)     # both consumers release K and V
+    mbarrier.init(item_bar, count=1)    # the loader posted the next item in item_smem
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=2)      # the TMA bytes and the per-query vectors
         mbarrier.init(empty.index(i), count=2)      # both consumers release a buffer
 
-    vec_head0 = b.to(gl.int64) * s_qsb + (hk * group) * s_qsh
-    ks_off = b.to(gl.int64) * s_ksb + hk * s_ksh
-    dv_off = b.to(gl.int64) * s_dvb + hk.to(gl.int64) * s_dvh
-    dk_off = b.to(gl.int64) * s_dkb + hk.to(gl.int64) * s_dkh
-    # (each argument written out: a tuple built with + would turn the constexprs into runtime values)
+    # (each argument written out: a tuple built with + would turn the constexprs into runtime values; K and V
+    # by constant indices: a run-time index of a wgmma operand's shared memory read wrong rows, forward_hopper)
     gl.warp_specialize([
-        (_bwd_consumer, (k_smem.index(0), k2_smem.index(0), v_smem.index(0), start_n, q_smem, q2_smem, qt_smem,
-                         qt2_smem, do_smem, dot_smem, vec_smem, k_bar, ready, empty, KS, DV, DK, ks_off, dv_off, s_dvt,
-                         dk_off, s_dkt, seqlen_q, seqlen_k, window_left, window_right, group, lo, full_lo, full_hi,
-                         hi, softmax_scale, softcap2, D1, D2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD,
-                         SOFTCAP, BLOCK_Q, QK_SPLIT)),
-        (_bwd_consumer, (k_smem.index(1), k2_smem.index(1), v_smem.index(1), start_n + HALF_N, q_smem, q2_smem,
-                         qt_smem, qt2_smem, do_smem, dot_smem, vec_smem, k_bar, ready, empty, KS, DV, DK, ks_off,
-                         dv_off, s_dvt, dk_off, s_dkt, seqlen_q, seqlen_k, window_left, window_right, group, lo,
-                         full_lo, full_hi, hi, softmax_scale, softcap2, D1, D2, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT,
-                         DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT)),
+        (_bwd_consumer, (k_smem.index(0), k2_smem.index(0), v_smem.index(0), 0, q_smem, q2_smem, qt_smem, qt2_smem,
+                         do_smem, dot_smem, vec_smem, k_ready, k_empty, ready, empty, item_smem, item_bar, KS, DV, DK,
+                         s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, n_q, n_k, num_kv_heads, window_left,
+                         window_right, group, num_items, num_n, softmax_scale, softcap2, D1, D2, HEAD_DIM_V,
+                         MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT)),
+        (_bwd_consumer, (k_smem.index(1), k2_smem.index(1), v_smem.index(1), 1, q_smem, q2_smem, qt_smem, qt2_smem,
+                         do_smem, dot_smem, vec_smem, k_ready, k_empty, ready, empty, item_smem, item_bar, KS, DV, DK,
+                         s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, n_q, n_k, num_kv_heads, window_left,
+                         window_right, group, num_items, num_n, softmax_scale, softcap2, D1, D2, HEAD_DIM_V,
+                         MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT)),
         (_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, q_smem, qt_smem,
-                   do_smem, dot_smem, k_smem, v_smem, q2_smem, qt2_smem, k2_smem, vec_smem, k_bar, ready, empty, QS,
-                   LSE, DOS, DELTA, QSR, SHIFT, 1.0 / softcap2, k_row, v_row, v_col, q_head0, do_row0, do_col0,
-                   do_rh, do_ch, vec_head0, s_qsh, n_q, group, seqlen_q, lo, hi, DO_DK, DO_DV, FOLD, SOFTCAP,
-                   BLOCK_Q, QK_SPLIT, HEAD_DIM, HEAD_DIM_V)),
+                   do_smem, dot_smem, k_smem, v_smem, q2_smem, qt2_smem, k2_smem, vec_smem, k_ready, k_empty, ready,
+                   empty, item_smem, item_bar, COUNTER, QS, LSE, DOS, DELTA, QSR, SHIFT, 1.0 / softcap2, s_qsb, s_qsh,
+                   do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group, window_left,
+                   window_right, num_items, num_n, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q,
+                   QK_SPLIT, HEAD_DIM, HEAD_DIM_V, DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -428,36 +486,81 @@ def _attn_bwd_dkdv_hopper_kernel(
 # ---------------------------------------------------------------------------------------------------
 
 @gluon.jit
+def _dq_item(t, num_m, n_q, n_k, num_heads, group, window_left, window_right, MASK_LEFT: gl.constexpr,
+             MASK_RIGHT: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Work item ``t`` of the dQ launch: 128 queries of one (sequence, head), query tile fastest; with a causal
+    mask the last query tiles, which see the most keys, come first (forward_hopper._work_item's order). Returns
+    its sequence, head, KV head, first query, lengths and key-tile bounds (forward_hopper._key_tiles)."""
+    pid_m = t % num_m
+    if MASK_RIGHT:
+        pid_m = num_m - 1 - pid_m
+    pid_bh = t // num_m
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    seqlen_q = n_q + b * 0
+    seqlen_k = n_k + b * 0
+    start_m = pid_m * BLOCK_M
+    lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                          BLOCK_M, MASK_LEFT, MASK_RIGHT, BLOCK_K)
+    return b, h, h // group, start_m, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi
+
+
+@gluon.jit
 def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, q_smem, do_smem, k_smem, v_smem,
-               kt_smem, q2_smem, k2_smem, kt2_smem, q_bar, ready, empty, q_row, do_row, do_col, k_row, v_row, v_col,
-               kt_row, lo, hi, QK_SPLIT: gl.constexpr):
-    """One warp: Q8 and dO (both halves) once; then per key tile of ``[lo, hi)``: K8 (for S), V (for dP) and
-    K8^T (dQ's B operand, token-contiguous as 8-bit wgmma wants it); ``QK_SPLIT``: Q8's, K8's and K8^T's
-    channels past the first block as tiles of their own."""
+               kt_smem, q2_smem, k2_smem, kt2_smem, q_ready, q_empty, ready, empty, item_smem, item_bar, COUNTER,
+               n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, do_rb, do_rh, do_ch, v_rb, v_rh,
+               v_ch, num_items, num_m, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+               QK_SPLIT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """One warp, per work item (picked as the key-tile launches' loader picks them): posts it to the consumers,
+    loads Q8 and dO (both halves) once they are done with the last item's; then per key tile of ``[lo, hi)``,
+    through the ring whose count runs on across items: K8 (for S), V (for dP) and K8^T (dQ's B operand,
+    token-contiguous as 8-bit wgmma wants it); ``QK_SPLIT``: Q8's, K8's and K8^T's channels past the first block
+    as tiles of their own."""
     BLOCK_K: gl.constexpr = k_desc.block_type.shape[0]
     D1: gl.constexpr = q_desc.block_type.shape[1]
     q_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
                              + (q2_desc.block_type.nbytes if QK_SPLIT else 0))
-    mbarrier.expect(q_bar, 2 * q_bytes)
-    for i in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [q_row + i * HALF_N, 0], q_bar, q_smem.index(i))
-        if QK_SPLIT:
-            tma.async_copy_global_to_shared(q2_desc, [q_row + i * HALF_N, D1], q_bar, q2_smem.index(i))
-        tma.async_copy_global_to_shared(do_desc, [do_row + i * HALF_N, do_col], q_bar, do_smem.index(i))
     nbytes: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes
                             + (k2_desc.block_type.nbytes + kt2_desc.block_type.nbytes if QK_SPLIT else 0))
-    i = 0
-    for start_n in range(lo, hi, BLOCK_K):
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
-        tma.async_copy_global_to_shared(v_desc, [v_row + start_n, v_col], ready.index(s), v_smem.index(s))
-        tma.async_copy_global_to_shared(kt_desc, [kt_row, start_n], ready.index(s), kt_smem.index(s))
-        if QK_SPLIT:
-            tma.async_copy_global_to_shared(k2_desc, [k_row + start_n, D1], ready.index(s), k2_smem.index(s))
-            tma.async_copy_global_to_shared(kt2_desc, [kt_row + D1, start_n], ready.index(s), kt2_smem.index(s))
-        i += 1
+    i = num_items * 0
+    j = num_items * 0
+    t = gl.program_id(0) + j
+    while t < num_items:
+        b, h, hk, start_m, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dq_item(
+            t, num_m, n_q, n_k, num_heads, group, window_left, window_right, MASK_LEFT, MASK_RIGHT, BLOCK_K)
+        # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], K8 [B*Hk*Nk, D], K8^T [B*Hk*D, Nk_pad];
+        # dO and V in the caller's memory (token_rows: row b*rb + h*rh + n, column h*ch)
+        q_row = (b * num_heads + h) * n_q + start_m
+        k_row = (b * num_kv_heads + hk) * n_k
+        kt_row = (b * num_kv_heads + hk) * HEAD_DIM
+        do_row = b * do_rb + h * do_rh + start_m
+        v_row = b * v_rb + hk * v_rh
+        mbarrier.wait(q_empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
+        _post_item(item_smem, item_bar, t)
+        mbarrier.expect(q_ready, 2 * q_bytes)
+        for c in gl.static_range(2):
+            tma.async_copy_global_to_shared(q_desc, [q_row + c * HALF_N, 0], q_ready, q_smem.index(c))
+            if QK_SPLIT:
+                tma.async_copy_global_to_shared(q2_desc, [q_row + c * HALF_N, D1], q_ready, q2_smem.index(c))
+            tma.async_copy_global_to_shared(do_desc, [do_row + c * HALF_N, h * do_ch], q_ready, do_smem.index(c))
+        for start_n in range(lo, hi, BLOCK_K):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
+            tma.async_copy_global_to_shared(v_desc, [v_row + start_n, hk * v_ch], ready.index(s), v_smem.index(s))
+            tma.async_copy_global_to_shared(kt_desc, [kt_row, start_n], ready.index(s), kt_smem.index(s))
+            if QK_SPLIT:
+                tma.async_copy_global_to_shared(k2_desc, [k_row + start_n, D1], ready.index(s), k2_smem.index(s))
+                tma.async_copy_global_to_shared(kt2_desc, [kt_row + D1, start_n], ready.index(s), kt2_smem.index(s))
+            i += 1
+        j += 1
+        if DYNAMIC:
+            t = gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
+        else:
+            t = t + gl.num_programs(0)
+    mbarrier.wait(q_empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
+    _post_item(item_smem, item_bar, t)
 
 
 @gluon.jit
@@ -522,12 +625,13 @@ def _add_row_term(acc, row_ds, KMEAN, COL0: gl.constexpr):
 
 
 @gluon.jit
-def _dq_consumer(q8, q8b, do16, first, k_smem, k2_smem, v_smem, kt_smem, kt2_smem, q_bar, ready, empty, QS, LSE,
-                 DELTA, SHIFT, ROW_DS, KMEAN, KS, DQ, vec_off, km_off, ks_off, dq_off, s_dqt, seqlen_q, seqlen_k,
-                 window_left, window_right, lo, full_lo, full_hi, hi, out_scale, softcap2, D1: gl.constexpr,
-                 D2: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                 ROW_TERM: gl.constexpr, QK_SPLIT: gl.constexpr):
-    """One warpgroup: queries ``[first, first + 64)`` against every key tile; writes their dQ rows."""
+def _dq_consumer(q8, q8b, do16, C: gl.constexpr, k_smem, k2_smem, v_smem, kt_smem, kt2_smem, q_ready, q_empty, ready,
+                 empty, item_smem, item_bar, QS, LSE, DELTA, SHIFT, ROW_DS, KMEAN, KS, DQ, s_qsb, s_qsh, s_ksb, s_ksh,
+                 s_kmh, s_kmb, s_dqb, s_dqh, s_dqt, n_q, n_k, num_heads, group, window_left, window_right, num_items,
+                 num_m, out_scale, softcap2, D1: gl.constexpr, D2: gl.constexpr, MASK_LEFT: gl.constexpr,
+                 MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ROW_TERM: gl.constexpr, QK_SPLIT: gl.constexpr):
+    """One warpgroup, per work item the loader posts: queries ``[start_m + C * 64, ... + 64)`` against every key
+    tile; writes their dQ rows (Q and dO released first, so the loader brings the next item's meanwhile)."""
     BLOCK_K: gl.constexpr = k_smem.shape[1]
     s_layout: gl.constexpr = wgmma_layout(BLOCK_K, 32)
     dp_layout: gl.constexpr = wgmma_layout(BLOCK_K, 16)
@@ -535,78 +639,70 @@ def _dq_consumer(q8, q8b, do16, first, k_smem, k2_smem, v_smem, kt_smem, kt2_sme
     o2_layout: gl.constexpr = wgmma_layout(D2, 32)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    rows = first + gl.arange(0, HALF_N, layout=row_layout)
-    m_ok = rows < seqlen_q
-    q_scale = gl.load(QS + vec_off + rows, mask=m_ok, other=0.0)
-    lse = gl.load(LSE + vec_off + rows, mask=m_ok, other=float("inf"))
-    delta = gl.load(DELTA + vec_off + rows, mask=m_ok, other=0.0)
-    cap_a = q_scale     # unused unless SOFTCAP
-    cap_b = q_scale
-    if SOFTCAP:
-        inv_cap = 1.0 / softcap2
-        cap_a = q_scale * inv_cap
-        cap_b = gl.load(SHIFT + vec_off + rows, mask=m_ok, other=0.0) * inv_cap
-    row_ds = gl.zeros([HALF_N], gl.float32, row_layout)
-    acc = gl.zeros([HALF_N, D1], gl.float32, o_layout)
-    acc2 = gl.zeros([HALF_N, D2], gl.float32, o2_layout)
-    mbarrier.wait(q_bar, 0)
-    it = lo * 0
-    ks = gl.load(KS + ks_off + lo, mask=lo < hi, other=0.0)
-    acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, softcap2,
-                                          lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem, KS, ks_off,
-                                          ready, empty, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right,
-                                          True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT, s_layout, dp_layout,
-                                          o_layout, p_layout)
-    acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, softcap2,
-                                          lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem, KS, ks_off,
-                                          ready, empty, full_lo, full_hi, seqlen_q, seqlen_k, window_left,
-                                          window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT, s_layout,
-                                          dp_layout, o_layout, p_layout)
-    acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, softcap2,
-                                          lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem, KS, ks_off,
-                                          ready, empty, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right,
-                                          True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT, s_layout, dp_layout,
-                                          o_layout, p_layout)
-    if ROW_TERM:   # dQ += rowsum(dS) mean(k): the kernel's own row sums with a cap, else the sinks' (given)
-        if not SOFTCAP:
-            row_ds = gl.load(ROW_DS + vec_off + rows, mask=m_ok, other=0.0)
-        acc = _add_row_term(acc, row_ds, KMEAN + km_off, 0)
+    it = num_items * 0      # the ring's tile count, run on across items as the loader's
+    j = num_items * 0
+    t = _next_item(item_smem, item_bar, j)
+    while t < num_items:
+        b, h, hk, start_m, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dq_item(
+            t, num_m, n_q, n_k, num_heads, group, window_left, window_right, MASK_LEFT, MASK_RIGHT, BLOCK_K)
+        vec_off = b.to(gl.int64) * s_qsb + h * s_qsh
+        ks_off = b.to(gl.int64) * s_ksb + hk * s_ksh
+        rows = start_m + C * HALF_N + gl.arange(0, HALF_N, layout=row_layout)
+        m_ok = rows < seqlen_q
+        q_scale = gl.load(QS + vec_off + rows, mask=m_ok, other=0.0)
+        lse = gl.load(LSE + vec_off + rows, mask=m_ok, other=float("inf"))
+        delta = gl.load(DELTA + vec_off + rows, mask=m_ok, other=0.0)
+        cap_a = q_scale     # unused unless SOFTCAP
+        cap_b = q_scale
+        if SOFTCAP:
+            inv_cap = 1.0 / softcap2
+            cap_a = q_scale * inv_cap
+            cap_b = gl.load(SHIFT + vec_off + rows, mask=m_ok, other=0.0) * inv_cap
+        row_ds = gl.zeros([HALF_N], gl.float32, row_layout)
+        acc = gl.zeros([HALF_N, D1], gl.float32, o_layout)
+        acc2 = gl.zeros([HALF_N, D2], gl.float32, o2_layout)
+        ks = gl.load(KS + ks_off + lo, mask=lo < hi, other=0.0)
+        mbarrier.wait(q_ready, j & 1)
+        acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b,
+                                              softcap2, lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem,
+                                              KS, ks_off, ready, empty, lo, full_lo, seqlen_q, seqlen_k, window_left,
+                                              window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT,
+                                              s_layout, dp_layout, o_layout, p_layout)
+        acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b,
+                                              softcap2, lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem,
+                                              KS, ks_off, ready, empty, full_lo, full_hi, seqlen_q, seqlen_k,
+                                              window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                                              ROW_TERM, QK_SPLIT, s_layout, dp_layout, o_layout, p_layout)
+        acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b,
+                                              softcap2, lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem,
+                                              KS, ks_off, ready, empty, full_hi, hi, seqlen_q, seqlen_k, window_left,
+                                              window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT,
+                                              s_layout, dp_layout, o_layout, p_layout)
+        mbarrier.arrive(q_empty, count=1)     # every product with this item's Q and dO was waited for
+        if ROW_TERM:   # dQ += rowsum(dS) mean(k): the kernel's own row sums with a cap, else the sinks' (given)
+            if not SOFTCAP:
+                row_ds = gl.load(ROW_DS + vec_off + rows, mask=m_ok, other=0.0)
+            km_off = hk * s_kmh + b * s_kmb
+            acc = _add_row_term(acc, row_ds, KMEAN + km_off, 0)
+            if QK_SPLIT:
+                acc2 = _add_row_term(acc2, row_ds, KMEAN + km_off, D1)
+        dq_off = b.to(gl.int64) * s_dqb + h.to(gl.int64) * s_dqh
+        _store_rows(acc, rows, seqlen_q, DQ, dq_off, s_dqt, out_scale, 0)
         if QK_SPLIT:
-            acc2 = _add_row_term(acc2, row_ds, KMEAN + km_off, D1)
-    _store_rows(acc, rows, seqlen_q, DQ, dq_off, s_dqt, out_scale, 0)
-    if QK_SPLIT:
-        _store_rows(acc2, rows, seqlen_q, DQ, dq_off, s_dqt, out_scale, D1)
+            _store_rows(acc2, rows, seqlen_q, DQ, dq_off, s_dqt, out_scale, D1)
+        j += 1
+        t = _next_item(item_smem, item_bar, j)
 
 
 @gluon.jit
 def _attn_bwd_dq_hopper_kernel(
     q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, QS, LSE, DELTA, SHIFT, ROW_DS, KMEAN, KS,
-    DQ, s_qsb, s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh, s_dqt, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch,
-    n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, out_scale, softcap2,
+    DQ, COUNTER, s_qsb, s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh, s_dqt, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch,
+    n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, out_scale, softcap2, num_items, num_m,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr, QK_SPLIT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, SOFTCAP: gl.constexpr, ROW_TERM: gl.constexpr,
+    DYNAMIC: gl.constexpr,
 ):
-    pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
-    hk = h // group
-    seqlen_q = n_q + b * 0
-    seqlen_k = n_k + b * 0
-    start_m = pid_m * BLOCK_M
-    BLOCK_K: gl.constexpr = k_desc.block_type.shape[0]
-    lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                          BLOCK_M, MASK_LEFT, MASK_RIGHT, BLOCK_K)
-    # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], K8 [B*Hk*Nk, D], K8^T [B*Hk*D, Nk_pad];
-    # dO and V in the caller's memory (token_rows: row b*rb + h*rh + n, column h*ch)
-    q_row = pid_bh * n_q + start_m
-    k_row = (b * num_kv_heads + hk) * n_k
-    kt_row = (b * num_kv_heads + hk) * HEAD_DIM
-    do_row = b * do_rb + h * do_rh + start_m
-    do_col = h * do_ch
-    v_row = b * v_rb + hk * v_rh
-    v_col = hk * v_ch
-
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -622,31 +718,35 @@ def _attn_bwd_dq_hopper_kernel(
         kt2_smem = kt_smem
     D1: gl.constexpr = q_desc.block_type.shape[1]
     D2: gl.constexpr = q2_desc.block_type.shape[1] if QK_SPLIT else D1    # (unused without the split)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    item_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_ready, count=1)     # the TMA bytes
+    mbarrier.init(q_empty, count=2)     # both consumers release Q and dO
+    mbarrier.init(item_bar, count=1)    # the loader posted the next item in item_smem
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)      # the TMA bytes
         mbarrier.init(empty.index(i), count=2)      # both consumers release a buffer
 
-    vec_off = b.to(gl.int64) * s_qsb + h * s_qsh
-    ks_off = b.to(gl.int64) * s_ksb + hk * s_ksh
-    km_off = hk * s_kmh + b * s_kmb
-    dq_off = b.to(gl.int64) * s_dqb + h.to(gl.int64) * s_dqh
     gl.warp_specialize([
-        (_dq_consumer, (q_smem.index(0), q2_smem.index(0), do_smem.index(0), start_m, k_smem, k2_smem, v_smem, kt_smem,
-                        kt2_smem, q_bar, ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, KMEAN, KS, DQ, vec_off, km_off,
-                        ks_off, dq_off, s_dqt, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo, full_hi, hi,
-                        out_scale, softcap2, D1, D2, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT)),
-        (_dq_consumer, (q_smem.index(1), q2_smem.index(1), do_smem.index(1), start_m + HALF_N, k_smem, k2_smem, v_smem,
-                        kt_smem, kt2_smem, q_bar, ready, empty, QS, LSE, DELTA, SHIFT, ROW_DS, KMEAN, KS, DQ, vec_off,
-                        km_off, ks_off, dq_off, s_dqt, seqlen_q, seqlen_k, window_left, window_right, lo, full_lo,
-                        full_hi, hi, out_scale, softcap2, D1, D2, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM,
-                        QK_SPLIT)),
+        (_dq_consumer, (q_smem.index(0), q2_smem.index(0), do_smem.index(0), 0, k_smem, k2_smem, v_smem, kt_smem,
+                        kt2_smem, q_ready, q_empty, ready, empty, item_smem, item_bar, QS, LSE, DELTA, SHIFT, ROW_DS,
+                        KMEAN, KS, DQ, s_qsb, s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh, s_dqt, n_q, n_k,
+                        num_heads, group, window_left, window_right, num_items, num_m, out_scale, softcap2, D1, D2,
+                        MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT)),
+        (_dq_consumer, (q_smem.index(1), q2_smem.index(1), do_smem.index(1), 1, k_smem, k2_smem, v_smem, kt_smem,
+                        kt2_smem, q_ready, q_empty, ready, empty, item_smem, item_bar, QS, LSE, DELTA, SHIFT, ROW_DS,
+                        KMEAN, KS, DQ, s_qsb, s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh, s_dqt, n_q, n_k,
+                        num_heads, group, window_left, window_right, num_items, num_m, out_scale, softcap2, D1, D2,
+                        MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT)),
         (_dq_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, q_smem, do_smem, k_smem,
-                      v_smem, kt_smem, q2_smem, k2_smem, kt2_smem, q_bar, ready, empty, q_row, do_row, do_col, k_row,
-                      v_row, v_col, kt_row, lo, hi, QK_SPLIT)),
+                      v_smem, kt_smem, q2_smem, k2_smem, kt2_smem, q_ready, q_empty, ready, empty, item_smem,
+                      item_bar, COUNTER, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, do_rb,
+                      do_rh, do_ch, v_rb, v_rh, v_ch, num_items, num_m, HEAD_DIM, MASK_LEFT, MASK_RIGHT, QK_SPLIT,
+                      DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -665,7 +765,7 @@ def _caller_desc(x4, block_shape, dtype):
 
 def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
                      window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None, block_q=None, softcap=0.0,
-                     shift=None):
+                     shift=None, programs=None):
     """(grid, args, kwargs) of one launch, ``part`` "dv", "dk" or "dkdv" (both in one program): padded
     ``[B, H, N, D]`` tensors as ``backward.launch_backward`` takes them (``quant`` from
     ``quantize_qk(..., transposed=True)``; ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None
@@ -704,17 +804,19 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     dv4 = dv4 if do_dv else dk4
     dk4 = dk4 if do_dk else dv4
     assert dv4.stride(3) == 1 and dk4.stride(3) == 1
-    grid = (cdiv(n_k, BLOCK_N.value), bsz * hk)
+    num_n = cdiv(n_k, BLOCK_N.value)
+    num_items = num_n * bsz * hk
+    grid, counter, dynamic = persistent_grid(num_items, programs, lse)
     return grid, (
         q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, q_scale, lse, do_scale,
-        delta, q_scale_raw, shift, k_scale, dv4, dk4, q_scale.stride(0), q_scale.stride(1), k_scale.stride(0),
-        k_scale.stride(1),
+        delta, q_scale_raw, shift, k_scale, dv4, dk4, counter, q_scale.stride(0), q_scale.stride(1),
+        k_scale.stride(0), k_scale.stride(1),
         *dv4.stride()[:3], *dk4.stride()[:3], *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1],
-        softmax_scale, float(softcap) * LOG2E if softcap else 1.0,
+        softmax_scale, float(softcap) * LOG2E if softcap else 1.0, num_items, num_n,
     ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
             QK_SPLIT=bool(d2), DO_DK=do_dk, DO_DV=do_dv,
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, SOFTCAP=bool(softcap),
-            BLOCK_Q=block_q, num_warps=4)
+            BLOCK_Q=block_q, DYNAMIC=dynamic, num_warps=4)
 
 
 def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
@@ -726,7 +828,8 @@ def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk
 
 
 def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale,
-                   consumer_regs=240, loader_regs=32, softcap=0.0, shift=None, row_ds=None, k_mean=None):
+                   consumer_regs=240, loader_regs=32, softcap=0.0, shift=None, row_ds=None, k_mean=None,
+                   programs=None):
     """(grid, args, kwargs) of the dQ launch: padded ``[B, H, N, D]`` tensors as ``backward.launch_backward``
     takes them (``quant`` from ``quantize_qk(..., transposed=True)``, whose ``k8t`` is dQ's B operand;
     ``softcap``, ``shift``, ``row_ds``, ``k_mean`` as there)."""
@@ -756,17 +859,19 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
     kt2_desc = _tma_desc(k8t.reshape(-1, k8t.shape[-1]), [d2, block_k], gl.int8) if d2 else kt_desc
     if k_mean is not None:
         assert k_mean.shape == (hk, bsz, d) and k_mean.stride(2) == 1 and k_mean.dtype == torch.float32
-    grid = (cdiv(n_q, BLOCK_M.value), bsz * hq)
+    num_m = cdiv(n_q, BLOCK_M.value)
+    num_items = num_m * bsz * hq
+    grid, counter, dynamic = persistent_grid(num_items, programs, lse)
     return grid, (
         q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, q_scale, lse, delta, shift, row_ds,
-        lse if k_mean is None else k_mean, k_scale, dq4,
+        lse if k_mean is None else k_mean, k_scale, dq4, counter,
         q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
         *((0, 0) if k_mean is None else k_mean.stride()[:2]), *dq4.stride()[:3],
         *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1], softmax_scale,
-        float(softcap) * LOG2E if softcap else 1.0,
+        float(softcap) * LOG2E if softcap else 1.0, num_items, num_m,
     ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim, QK_SPLIT=bool(d2),
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, SOFTCAP=bool(softcap),
-            ROW_TERM=k_mean is not None, num_warps=4)
+            ROW_TERM=k_mean is not None, DYNAMIC=dynamic, num_warps=4)
 
 
 def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale, **tuning):

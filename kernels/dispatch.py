@@ -59,6 +59,9 @@ GLUON_THREE_CONSUMERS_MIN_QUERIES = 2048
 # (0.98x at D=64 1K), 1.01-1.05x at 16K but 0.95x at D=64 16K without a mask. A static round-robin schedule was
 # 0.82-0.96x causal (unbalanced).
 GLUON_FORWARD_PERSISTENT = True
+# The Gluon backward's dV, dK and dQ launches on the same schedule (session 20, same shapes, all three launches
+# against the previous kernels): 1.01-1.03x at D=128, 1.03-1.08x at D=64 without a mask, 0.98-1.00x D=64 causal.
+GLUON_BACKWARD_PERSISTENT = True
 
 _counts = collections.Counter()    # "fwd_gluon", "fwd_triton", ... -> launches
 _warned = set()
@@ -149,10 +152,10 @@ def gluon_forward_consumers(head_dim: int, masked: bool, softcap: bool, max_len_
     return 3 if three else 2
 
 
-def gluon_forward_programs(device: torch.device) -> Optional[int]:
-    """Programs of a Gluon forward launch (``forward_hopper_args``'s ``programs``): one per SM, or None (one per
-    work item) without GLUON_FORWARD_PERSISTENT."""
-    return sm_count(device) if GLUON_FORWARD_PERSISTENT else None
+def gluon_programs(device: torch.device, backward: bool = False) -> Optional[int]:
+    """Programs of a Gluon launch (``forward_hopper_args``'s and the backward's ``programs``): one per SM, or
+    None (one per work item) without GLUON_FORWARD_PERSISTENT / GLUON_BACKWARD_PERSISTENT."""
+    return sm_count(device) if (GLUON_BACKWARD_PERSISTENT if backward else GLUON_FORWARD_PERSISTENT) else None
 
 
 def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bool = False,

@@ -584,6 +584,15 @@ def qk_blocks(head_dim):
     return first, head_dim - first
 
 
+def persistent_grid(num_items, programs, stand_in):
+    """(grid, counter, dynamic) of a launch over ``num_items`` work items: ``programs`` persistent programs that
+    take items from a zeroed int32 counter of the items handed out past each program's first (``dynamic``), when
+    that is fewer than the items; else one program an item (``stand_in``: a tensor passed as the unused counter)."""
+    if not (programs and programs < num_items):
+        return (num_items, ), stand_in, False
+    return (programs, ), torch.zeros(1, dtype=torch.int32, device=stand_in.device), True
+
+
 def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
                         window, v_starts=None, consumers=2, consumer_regs=None, loader_regs=24, pingpong=None,
                         sinks=None, sink_shift=None, exp_poly=0, softcap=0.0, shift=None, named_barriers=None,
@@ -596,7 +605,7 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     itself, instead of mbarriers (whose one-thread arrivals Gluon precedes with a ``bar.sync`` of the warpgroup:
     three of a tile's four go); default on at V's head dim 128, where kernels alone ran 1.00-1.05x faster with two
     consumers and 1.01-1.04x with three (H100, session 18), off at 64 (0.98-1.03x).
-    ``programs``: launch this many programs (``dispatch.gluon_forward_programs``: one per SM), each taking work
+    ``programs``: launch this many programs (``dispatch.gluon_programs``: one per SM), each taking work
     items (the query rows of one sequence and head) from an atomic counter until none is left, so the next item's
     Q and first K / V tiles load while this one's epilogue runs, and causal calls' items of unequal length balance
     (a static round-robin did not: session 20); None (or at least one per item): one program per work item."""
@@ -631,10 +640,7 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
         raise ValueError("packed batches need v8t laid out with quantize.aligned_starts, passed as v_starts")
     num_m = cdiv(layout_q.max_len, consumers * HALF_M.value)
     num_items = num_m * layout_q.num_seqs * num_heads
-    dynamic = bool(programs) and programs < num_items
-    grid = (programs if dynamic else num_items, )
-    # items handed out past the first of each program (an atomic count; zero at each launch)
-    counter = torch.zeros(1, dtype=torch.int32, device=out4.device) if dynamic else lse
+    grid, counter, dynamic = persistent_grid(num_items, programs, lse)
     return grid, (
         q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_scale, k_scale, v_scale, out4, lse, cu_q, cu_k,
         v_starts if v_starts is not None else cu_k, sinks if sinks is not None else lse,

@@ -197,7 +197,7 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
         consumers = dispatch.gluon_forward_consumers(q4.shape[3], tuple(window) != (-1, -1), bool(softcap),
                                                      lay_q.max_len)
         launch_forward_hopper(*args, v_starts=v_starts, consumers=consumers,
-                              programs=dispatch.gluon_forward_programs(q.device), **cap_args, **sink_args)
+                              programs=dispatch.gluon_programs(q.device), **cap_args, **sink_args)
         dispatch.count("fwd_gluon")
     else:
         launch_forward(*args, cfg["fwd"], **cap_args, **sink_args)
@@ -280,7 +280,8 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
         from .kernels.backward_hopper import launch_backward_hopper   # imports Gluon: only where it runs
         launch_backward_hopper(quant, v4, do4, do_q["x8t"], do_q["scale"], lse, do_q["delta"], as_bhnd(dq, varlen),
                                as_bhnd(dk, varlen), as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3],
-                               window, scale, **term, **cap_args)
+                               window, scale, programs=dispatch.gluon_programs(q.device, backward=True), **term,
+                               **cap_args)
         dispatch.count("bwd_gluon")
     else:
         launch_backward(quant, q8rt, q_scale_raw, quant["k8t"], v4, do4, do_q["x8t"], do_q["scale"], lse,

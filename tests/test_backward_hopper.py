@@ -1,6 +1,7 @@
 """GPU (sm_90): the Gluon dV, dK and dQ kernels (kernels/backward_hopper.py), and dK with dV in one program
-("dkdv"), against the portable dV, dK and dQ launches on the same quantized inputs and query tile. Same tile rules, so they differ only by fp32 rounding order and
-exp2 (and, for dK, the bf16 dP^T product's accumulation order)."""
+("dkdv"), against the portable dV, dK and dQ launches on the same quantized inputs and query tile. Same tile
+rules, so they differ only by fp32 rounding order and exp2 (and, for dK, the bf16 dP^T product's accumulation
+order); persistent launches (a few programs taking every work item) give the same bits as one program an item."""
 import pytest
 import torch
 
@@ -54,17 +55,22 @@ def test_gluon_dkdv_matches_portable(case, part):
     launch_backward(quant, quant["q8t"], quant["q_scale_raw"], quant["k8t"], v, do, do_q["x8t"], do_q["scale"],
                     lse, do_q["delta"], want["dq"], want["dk"], want["dv"], lay, lay, h, hk, d, window,
                     scale, dkdv_cfg, cfg["dq"], kernels=("dv", "dk") if part == "dkdv" else (part,), split_dkdv=True)
-    got = {name: torch.full_like(t, float("nan")) for name, t in want.items()}
-    if part == "dq":
-        launch_dq_hopper(quant, lse, do, do_q["delta"], v, got["dq"], h, h // hk, d, window, scale)
-    else:
-        launch_dkdv_hopper(part, quant, lse, do, do_q["x8t"], do_q["scale"], do_q["delta"], v, got["dv"], got["dk"],
-                           h, h // hk, d, window, scale)
+    runs = {}
+    for programs in (None, 3):      # one program a work item, or 3 persistent programs taking them all
+        got = runs[programs] = {name: torch.full_like(t, float("nan")) for name, t in want.items()}
+        if part == "dq":
+            launch_dq_hopper(quant, lse, do, do_q["delta"], v, got["dq"], h, h // hk, d, window, scale,
+                             programs=programs)
+        else:
+            launch_dkdv_hopper(part, quant, lse, do, do_q["x8t"], do_q["scale"], do_q["delta"], v, got["dv"],
+                               got["dk"], h, h // hk, d, window, scale, programs=programs)
     for name in ("dk", "dv") if part == "dkdv" else (part,):
+        got = runs[None]
         assert torch.isfinite(got[name]).all(), f"{name}: an element the Gluon kernel never wrote"
         cos, rel = error_stats(got[name], want[name])
         print(f"{case} {part} {name}: gluon vs portable cos {cos:.6f} rel {rel:.2e}")
         assert cos >= 0.9999 and rel <= 6e-3, name
+        assert torch.equal(runs[3][name], got[name]), f"{name}: the persistent schedule changed the numbers"
 
 
 def _token_major(x):

@@ -118,14 +118,16 @@ def test_three_consumer_warpgroups_only_where_measured_faster():
     assert consumers(96, False, False, 8 * long_enough) == 2        # not a Gluon head dim: as the default
 
 
-def test_persistent_forward_takes_one_program_per_sm(monkeypatch):
-    """The Gluon forward launches one program per SM (each taking work items from a counter), or one program a
-    work item with the persistent schedule off."""
+def test_persistent_launches_take_one_program_per_sm(monkeypatch):
+    """The Gluon forward and backward launch one program per SM (each taking work items from a counter), or one
+    program a work item with the persistent schedule off."""
     monkeypatch.setattr(dispatch, "sm_count", lambda device: 132)
     dev = torch.device("cuda", 0)
-    assert dispatch.gluon_forward_programs(dev) == 132
+    assert dispatch.gluon_programs(dev) == 132 and dispatch.gluon_programs(dev, backward=True) == 132
     monkeypatch.setattr(dispatch, "GLUON_FORWARD_PERSISTENT", False)
-    assert dispatch.gluon_forward_programs(dev) is None
+    assert dispatch.gluon_programs(dev) is None and dispatch.gluon_programs(dev, backward=True) == 132
+    monkeypatch.setattr(dispatch, "GLUON_BACKWARD_PERSISTENT", False)
+    assert dispatch.gluon_programs(dev, backward=True) is None
 
 
 def test_stats_say_which_kernels_ran():
@@ -413,7 +415,7 @@ def test_gluon_forward_on_packed_batches(head_dims, window, monkeypatch):
     # at D=64 without a mask: three consumer warpgroups (from any length here); 5 programs walk the work items
     # (past a sequence's end too), more than one each
     monkeypatch.setattr(dispatch, "GLUON_THREE_CONSUMERS_MIN_QUERIES", 1)
-    monkeypatch.setattr(dispatch, "gluon_forward_programs", lambda device: 5)
+    monkeypatch.setattr(dispatch, "gluon_programs", lambda device, backward=False: 5)
     lengths = [300, 0, 1, 129, 128, 517]
     h, hk = 4, 2
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)

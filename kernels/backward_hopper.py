@@ -55,8 +55,9 @@ from .launch import launch
 from .layout import cdiv, tma_addressable, token_rows
 from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
-from .forward_hopper import (HEAD_DIMS, _band_mask, _ceil_to, _floor_to, _key_tiles, _round_to_int8, _tanh_scores,
-                             _tma_desc, persistent_grid, qk_blocks, tma_descriptor, wgmma_layout)
+from .forward_hopper import (HEAD_DIMS, _band_mask, _ceil_to, _claim_item, _floor_to, _key_tiles, _next_item,
+                             _post_item, _round_to_int8, _tanh_scores, _tma_desc, persistent_grid, qk_blocks,
+                             tma_descriptor, wgmma_layout)
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
@@ -122,21 +123,6 @@ def _dkdv_item(t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, MASK
     lo, full_lo, full_hi, hi = _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                             MASK_LEFT, MASK_RIGHT, BLOCK_Q)
     return b, hk, start_n, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi
-
-
-@gluon.jit
-def _post_item(item_smem, item_bar, t):
-    """The loader tells the consumers which work item comes next (past the last: stop)."""
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    item_smem.store(gl.full([1], 0, gl.int32, one) + t)
-    mbarrier.arrive(item_bar, count=1)
-
-
-@gluon.jit
-def _next_item(item_smem, item_bar, j):
-    """A consumer warpgroup waits for the loader's ``j``-th posted item and reads its index."""
-    mbarrier.wait(item_bar, j & 1)
-    return gl.max(item_smem.load(gl.BlockedLayout([1], [32], [4], [0])), 0)
 
 
 @gluon.jit
@@ -229,10 +215,7 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
                 mbarrier.arrive(ready.index(s), count=1)     # the second of ready's two arrivals
                 i += 1
         j += 1
-        if DYNAMIC:
-            t = gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
-        else:
-            t = t + gl.num_programs(0)
+        t = _claim_item(t, COUNTER, DYNAMIC)
     mbarrier.wait(k_empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
     _post_item(item_smem, item_bar, t)
 
@@ -555,10 +538,7 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_d
                 tma.async_copy_global_to_shared(kt2_desc, [kt_row + D1, start_n], ready.index(s), kt2_smem.index(s))
             i += 1
         j += 1
-        if DYNAMIC:
-            t = gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
-        else:
-            t = t + gl.num_programs(0)
+        t = _claim_item(t, COUNTER, DYNAMIC)
     mbarrier.wait(q_empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
     _post_item(item_smem, item_bar, t)
 

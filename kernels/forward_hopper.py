@@ -226,6 +226,30 @@ def _work_item(t, num_items, num_m, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, grou
 
 
 @gluon.jit
+def _post_item(item_smem, item_bar, t):
+    """The loader tells the consumers which work item comes next (past the last: stop)."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    item_smem.store(gl.full([1], 0, gl.int32, one) + t)
+    mbarrier.arrive(item_bar, count=1)
+
+
+@gluon.jit
+def _next_item(item_smem, item_bar, j):
+    """A consumer warpgroup waits for the loader's ``j``-th posted item and reads its index."""
+    mbarrier.wait(item_bar, j & 1)
+    return gl.max(item_smem.load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+
+
+@gluon.jit
+def _claim_item(t, COUNTER, DYNAMIC: gl.constexpr):
+    """The loader's next work item after ``t``: with ``DYNAMIC`` the next one handed out (``COUNTER`` counts the
+    items taken past each program's first, which is its program id), else ``t`` plus the number of programs."""
+    if DYNAMIC:
+        return gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
+    return t + gl.num_programs(0)
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_ready, q_empty,
             ready, empty, item_smem, item_bar, COUNTER, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, num_kv_heads, group,
             window_left, window_right, num_items, num_m, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr,
@@ -245,7 +269,6 @@ def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q
     q_bytes: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if QK_SPLIT else 0)
     nbytes: gl.constexpr = (k_desc.block_type.nbytes + vt_desc.block_type.nbytes
                             + (k2_desc.block_type.nbytes if QK_SPLIT else 0))
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     i = num_items * 0
     j = num_items * 0
     t = gl.program_id(0) + j
@@ -258,8 +281,7 @@ def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q
         k_row = (bk * num_kv_heads + hk) * n_k + k0
         v_row = (bk * num_kv_heads + hk) * HEAD_DIM_V
         mbarrier.wait(q_empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
-        item_smem.store(gl.full([1], 0, gl.int32, one) + t)
-        mbarrier.arrive(item_bar, count=1)
+        _post_item(item_smem, item_bar, t)
         mbarrier.expect(q_ready, CONSUMERS * q_bytes)
         for c in gl.static_range(CONSUMERS):
             tma.async_copy_global_to_shared(q_desc, [q_row + c * HALF_M, 0], q_ready, q_smem.index(c))
@@ -279,13 +301,9 @@ def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q
             tma.async_copy_global_to_shared(vt_desc, [v_row, v0 + start_n], ready.index(s), v_smem.index(s))
             i += 1
         j += 1
-        if DYNAMIC:
-            t = gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
-        else:
-            t = t + gl.num_programs(0)
-    mbarrier.wait(q_empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be written
-    item_smem.store(gl.full([1], 0, gl.int32, one) + t)
-    mbarrier.arrive(item_bar, count=1)
+        t = _claim_item(t, COUNTER, DYNAMIC)
+    mbarrier.wait(q_empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
+    _post_item(item_smem, item_bar, t)
 
 
 @gluon.jit
@@ -385,11 +403,9 @@ def _consumer(q_smem, q2_smem, C: gl.constexpr, k_smem, k2_smem, v_smem, q_ready
 
     if PINGPONG and NAMED_BARRIERS and FIRST == 0:   # the other warpgroup's first turn
         _named_barrier(True, TURN_BARRIER + 1, 256, 4)
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     it = num_items * 0      # the ring's tile count, run on across items as the loader's
     j = num_items * 0
-    mbarrier.wait(item_bar, 0)
-    t = gl.max(item_smem.load(one), 0)      # the loader's pick: past the last item means stop
+    t = _next_item(item_smem, item_bar, j)      # the loader's pick: past the last item means stop
     while t < num_items:
         (b, h, hk, bq, bk, q0, k0, v0, seqlen_q, seqlen_k, start_m, lo, full_lo, full_hi,
          hi) = _work_item(t, num_items, num_m, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, group, window_left,
@@ -458,8 +474,7 @@ def _consumer(q_smem, q2_smem, C: gl.constexpr, k_smem, k2_smem, v_smem, q_ready
         ptrs = O + o_off + rows_o.to(gl.int64)[:, None] * s_ot + offs_d[None, :]
         gl.store(ptrs, out.to(O.dtype.element_ty), mask=(rows_o < seqlen_q)[:, None])
         j += 1
-        mbarrier.wait(item_bar, j & 1)
-        t = gl.max(item_smem.load(one), 0)
+        t = _next_item(item_smem, item_bar, j)
 
 
 @gluon.jit

@@ -130,6 +130,21 @@ def test_persistent_launches_take_one_program_per_sm(monkeypatch):
     assert dispatch.gluon_programs(dev, backward=True) is None
 
 
+def test_persistent_grid_hands_out_every_item_once():
+    """A persistent launch gets as many programs as asked and a zeroed counter (a stale count would skip work
+    items, leaving outputs unwritten); as many programs as items or more, or none asked, is one program an item."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")   # forward_hopper imports Gluon
+    from sagebwd_hf.kernels.forward_hopper import persistent_grid
+
+    stand_in = torch.ones(3)
+    grid, counter, dynamic = persistent_grid(1000, 132, stand_in)
+    assert grid == (132, ) and dynamic and counter.dtype == torch.int32 and counter.tolist() == [0]
+    assert persistent_grid(1000, 132, stand_in)[1] is not counter       # a fresh counter each launch
+    for programs in (None, 0, 1000, 5000):
+        grid, counter, dynamic = persistent_grid(1000, programs, stand_in)
+        assert grid == (1000, ) and not dynamic and counter is stand_in
+
+
 def test_stats_say_which_kernels_ran():
     reset_attention_stats()
     q, k, v, do = (x.requires_grad_() for x in make_qkv(1, 2, 2, 9, 9, 16, torch.bfloat16, "cpu"))

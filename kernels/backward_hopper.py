@@ -56,8 +56,8 @@ from .layout import cdiv, tma_addressable, token_rows
 from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
 from .forward_hopper import (HEAD_DIMS, _band_mask, _ceil_to, _claim_item, _floor_to, _key_tiles, _next_item,
-                             _post_item, _round_to_int8, _tanh_scores, _tma_desc, persistent_grid, qk_blocks,
-                             tma_descriptor, wgmma_layout)
+                             _post_item, _round_to_int8, _split_item, _tanh_scores, _tma_desc, persistent_grid,
+                             qk_blocks, tma_descriptor, wgmma_layout)
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
@@ -113,10 +113,7 @@ def _dkdv_item(t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, MASK
     """Work item ``t`` of the key-tile launches: 128 keys of one (sequence, KV head), key tile fastest (with a
     causal mask the first key tiles, which the most queries see, come first: the longest items start early).
     Returns its sequence, KV head, first key, lengths and query-tile bounds (_query_tiles)."""
-    pid_n = t % num_n
-    pid_bh = t // num_n
-    b = pid_bh // num_kv_heads
-    hk = pid_bh % num_kv_heads
+    pid_n, b, hk = _split_item(t, num_n, num_kv_heads, False)
     seqlen_q = n_q + b * 0
     seqlen_k = n_k + b * 0
     start_n = pid_n * BLOCK_N
@@ -474,12 +471,7 @@ def _dq_item(t, num_m, n_q, n_k, num_heads, group, window_left, window_right, MA
     """Work item ``t`` of the dQ launch: 128 queries of one (sequence, head), query tile fastest; with a causal
     mask the last query tiles, which see the most keys, come first (forward_hopper._work_item's order). Returns
     its sequence, head, KV head, first query, lengths and key-tile bounds (forward_hopper._key_tiles)."""
-    pid_m = t % num_m
-    if MASK_RIGHT:
-        pid_m = num_m - 1 - pid_m
-    pid_bh = t // num_m
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
+    pid_m, b, h = _split_item(t, num_m, num_heads, MASK_RIGHT)
     seqlen_q = n_q + b * 0
     seqlen_k = n_k + b * 0
     start_m = pid_m * BLOCK_M

@@ -183,6 +183,17 @@ def _named_barrier(ARRIVE: gl.constexpr, bar_id, threads, WARPS: gl.constexpr):
 
 
 @gluon.jit
+def _split_item(t, num_tiles, num_heads, LONGEST_FIRST: gl.constexpr):
+    """Work item ``t``, numbered tile fastest, as (tile, sequence, head); ``LONGEST_FIRST`` reverses the tiles
+    (a causal call's last query tiles see the most keys)."""
+    tile = t % num_tiles
+    if LONGEST_FIRST:
+        tile = num_tiles - 1 - tile
+    bh = t // num_tiles
+    return tile, bh // num_heads, bh % num_heads
+
+
+@gluon.jit
 def _work_item(t, num_items, num_m, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, group, window_left, window_right,
                IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, ROWS: gl.constexpr):
     """Work item ``t``: ``ROWS`` query rows of one (sequence, head). Items are numbered query tile fastest, so the
@@ -191,12 +202,7 @@ def _work_item(t, num_items, num_m, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, grou
     early and the short ones fill the tail). Returns its sequence, head, token starts, lengths and key-tile
     bounds (forward._key_tiles)."""
     valid = t < num_items
-    pid_m = t % num_m
-    if MASK_RIGHT:
-        pid_m = num_m - 1 - pid_m
-    pid_bh = t // num_m
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
+    pid_m, b, h = _split_item(t, num_m, num_heads, MASK_RIGHT)
     if IS_VARLEN:
         bc = gl.where(valid, b, 0)
         q0 = gl.load(CU_Q + bc)

@@ -7,7 +7,10 @@ program, against the portable dV and dK launches) 4, dQ 3 (S, dP, dQ), the whole
 (relative L2) before it is timed.
 
     python benchmarks/backward_kernels.py [--seqlens 4096 16384] [--head-dims 128 64] [--parts dv dk dkdv dq bwd]
-        [--variant block_q=64 --variant split_dkdv=0,block_q=64]
+        [--variant block_q=64 --variant split_dkdv=0,block_q=64 --variant programs=0]
+
+The Gluon launches run the op's schedule (one persistent program per SM); ``--variant programs=0`` times one
+program a work item.
 
 A variant with other tile rules (block_q) has other numerics: its relL2 against the portable kernels grows.
 """
@@ -16,6 +19,7 @@ import argparse
 import torch
 
 from sagebwd_hf.interface import tile_configs
+from sagebwd_hf.kernels import dispatch
 from sagebwd_hf.kernels.backward import launch_backward
 from sagebwd_hf.kernels.forward import launch_forward
 from sagebwd_hf.kernels.layout import SeqLayout
@@ -66,6 +70,8 @@ def main():
                     port_ms = median_ms(port)
                     got = {name: torch.full_like(t, float("nan")) for name, t in grads.items()}
                     def gluon(**tuning):
+                        # the op's schedule (persistent programs) unless a variant says programs=0: one an item
+                        tuning.setdefault("programs", dispatch.gluon_programs(q.device, backward=True))
                         if part != "bwd":
                             tuning.pop("split_dkdv", None)      # a whole-backward option
                         if part == "bwd":

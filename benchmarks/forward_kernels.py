@@ -14,6 +14,7 @@ import statistics
 import torch
 
 from sagebwd_hf.interface import tile_configs
+from sagebwd_hf.kernels import dispatch
 from sagebwd_hf.kernels.forward import launch_forward
 from sagebwd_hf.kernels.layout import SeqLayout
 from sagebwd_hf.kernels.quantize import aligned_starts, quantize_qk, quantize_v
@@ -90,11 +91,12 @@ def main():
                 # hardware named barriers for the turns and the buffer releases (no partition-wide bar.sync
                 # before each mbarrier arrival)
                 "gluon_named": dict(named_barriers=True), "gluon_3c_named": dict(consumers=3, named_barriers=True),
-                # one program per SM walking work items (a persistent kernel)
-                "gluon_persistent": dict(programs=torch.cuda.get_device_properties(0).multi_processor_count),
-                "gluon_3c_persistent": dict(consumers=3,
-                                            programs=torch.cuda.get_device_properties(0).multi_processor_count)}
-    variants = {k: v for k, v in variants.items() if args.variants is None or k in args.variants}
+                # one program a work item instead of the op's persistent programs (one per SM)
+                "gluon_per_item": dict(programs=None)}
+    # every variant on the op's schedule unless it says otherwise
+    programs = dispatch.gluon_programs(torch.device("cuda"))
+    variants = {k: dict(dict(programs=programs), **v) for k, v in variants.items()
+                if args.variants is None or k in args.variants}
     print_versions()
 
     if args.varlen != "skip":

@@ -7,7 +7,7 @@ program, against the portable dV and dK launches) 4, dQ 3 (S, dP, dQ), the whole
 (relative L2) before it is timed.
 
     python benchmarks/backward_kernels.py [--seqlens 4096 16384] [--head-dims 128 64] [--parts dv dk dkdv dq bwd]
-        [--variant block_q=64 --variant split_dkdv=0,block_q=64 --variant programs=0]
+        [--variant block_q=64 --variant split_dkdv=0,block_q=64 --variant programs=0 --variant operand_order=1]
 
 The Gluon launches run the op's schedule (one persistent program per SM); ``--variant programs=0`` times one
 program a work item.
@@ -55,6 +55,9 @@ def main():
                 out, lse = torch.empty_like(q), torch.empty(b, h, n, device="cuda")
                 launch_forward(quant, v8t, v_scale, out, lse, lay, lay, h, 1, d, window, cfg["fwd"])
                 do_q = quantize(do, lay, natural=False, transposed=True, out_for_delta=out)
+                # the token-major copies in the operand order the op gives its Gluon launches (operand_order=1)
+                quant_ordered = quantize_qk(q, k, lay, lay, scale, True, False, transposed=True, operand_order=True)
+                do8t_ordered = quantize(do, lay, natural=False, transposed=True, operand_order=True)["x8t"]
                 grads = {"dq": torch.empty_like(q), "dk": torch.empty_like(k), "dv": torch.empty_like(v)}
                 shape = f"d{d}_n{n // 1024}k_{'causal' if causal else 'full'}"
                 # "bwd": all launches as the op runs them (portable: its configured split), 5 products
@@ -72,19 +75,21 @@ def main():
                     def gluon(**tuning):
                         # the op's schedule (persistent programs) unless a variant says programs=0: one an item
                         tuning.setdefault("programs", dispatch.gluon_programs(q.device, backward=True))
+                        tuning["operand_order"] = order = bool(tuning.get("operand_order", 0))
+                        qx, do8t = (quant_ordered, do8t_ordered) if order else (quant, do_q["x8t"])
                         if part != "bwd":
                             tuning.pop("split_dkdv", None)      # a whole-backward option
                         if part == "bwd":
                             return lambda: launch_backward_hopper(
-                                quant, v, do, do_q["x8t"], do_q["scale"], lse, do_q["delta"], got["dq"], got["dk"],
+                                qx, v, do, do8t, do_q["scale"], lse, do_q["delta"], got["dq"], got["dk"],
                                 got["dv"], h, h, d, window, scale, **tuning)
                         if part == "dq":
                             tuning.pop("fold", None)        # dV/dK options
                             tuning.pop("block_q", None)
                             return lambda: launch_dq_hopper(
-                                quant, lse, do, do_q["delta"], v, got["dq"], h, 1, d, window, scale, **tuning)
+                                qx, lse, do, do_q["delta"], v, got["dq"], h, 1, d, window, scale, **tuning)
                         return lambda: launch_dkdv_hopper(
-                            part, quant, lse, do, do_q["x8t"], do_q["scale"], do_q["delta"], v, got["dv"], got["dk"],
+                            part, qx, lse, do, do8t, do_q["scale"], do_q["delta"], v, got["dv"], got["dk"],
                             h, 1, d, window, scale, **tuning)
                     run = gluon()
                     run()

@@ -45,9 +45,9 @@ def median_ms(fn, reps=30, warmup=3):
     return statistics.median(a.elapsed_time(b) for a, b in ev)
 
 
-def prepare(q, k, v, layout_q, layout_k):
+def prepare(q, k, v, layout_q, layout_k, operand_order=False):
     quant = quantize_qk(q, k, layout_q, layout_k, q.shape[-1] ** -0.5, True, False, v4=v)   # as the op does
-    v8t, v_scale = quantize_v(v, layout_k, v_scale=quant["v_scale"])
+    v8t, v_scale = quantize_v(v, layout_k, v_scale=quant["v_scale"], operand_order=operand_order)
     return quant, v8t, v_scale
 
 
@@ -65,10 +65,11 @@ def check_varlen(variants):
     lse = torch.empty(q.shape[:3], device="cuda")
     launch_forward(quant, v8t, v_scale, ref, lse, lay, lay, h, h // hk, d, (-1, 0), tile_configs(d, q.device)["fwd"])
     starts = aligned_starts(lay)            # the Gluon kernel's V^T layout for packed batches
-    v8t_aligned, _ = quantize_v(v, lay, starts)
+    v8t_aligned = {order: quantize_v(v, lay, starts, operand_order=order)[0] for order in (False, True)}
     for name, kw in variants.items():
         out = torch.full_like(q, float("nan"))
-        fh.launch_forward_hopper(quant, v8t_aligned, v_scale, out, lse, lay, lay, h, h // hk, d, (-1, 0),
+        fh.launch_forward_hopper(quant, v8t_aligned[kw.get("v_operand_order", False)], v_scale, out, lse, lay, lay,
+                                 h, h // hk, d, (-1, 0),
                                  v_starts=starts, **kw)
         torch.cuda.synchronize()
         print(f"varlen {name}: rel L2 vs portable {error_stats(out, ref)[1]:.2e}")
@@ -92,7 +93,9 @@ def main():
                 # before each mbarrier arrival)
                 "gluon_named": dict(named_barriers=True), "gluon_3c_named": dict(consumers=3, named_barriers=True),
                 # one program a work item instead of the op's persistent programs (one per SM)
-                "gluon_per_item": dict(programs=None)}
+                "gluon_per_item": dict(programs=None),
+                # P V's keys in the order P's registers hold them (V^T permuted to match: no shuffles)
+                "gluon_order": dict(v_operand_order=True), "gluon_3c_order": dict(consumers=3, v_operand_order=True)}
     # every variant on the op's schedule unless it says otherwise
     programs = dispatch.gluon_programs(torch.device("cuda"))
     variants = {k: dict(dict(programs=programs), **v) for k, v in variants.items()
@@ -114,6 +117,7 @@ def main():
                 lay = SeqLayout(b, n, None)
                 quant_ms = median_ms(lambda: prepare(q, k, v, lay, lay))
                 quant, v8t, v_scale = prepare(q, k, v, lay, lay)
+                v8t_ordered = quantize_v(v, lay, v_scale=quant["v_scale"], operand_order=True)[0]
                 lse = torch.empty(b, h, n, device="cuda")
                 window = (-1, 0) if causal else (-1, -1)
                 flops = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
@@ -126,7 +130,8 @@ def main():
                 first = first_ms = None
                 for name, kw in variants.items():
                     out = torch.full_like(q, float("nan"))
-                    run = lambda: fh.launch_forward_hopper(quant, v8t, v_scale, out, lse, lay, lay, h, 1, d,  # noqa
+                    v8t_kw = v8t_ordered if kw.get("v_operand_order") else v8t
+                    run = lambda: fh.launch_forward_hopper(quant, v8t_kw, v_scale, out, lse, lay, lay, h, 1, d,  # noqa
                                                            window, **kw)
                     run()
                     rel = error_stats(out, ref)[1]

@@ -56,6 +56,7 @@ from .layout import cdiv, tma_addressable, token_rows
 from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
 from .forward_hopper import (HEAD_DIMS, _band_mask, _ceil_to, _claim_item, _floor_to, _key_tiles, _next_item,
+                             _operand_order,
                              _post_item, _round_to_int8, _split_item, _tanh_scores, _tma_desc, persistent_grid,
                              qk_blocks, tma_descriptor, wgmma_layout)
 
@@ -218,10 +219,16 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
 
 
 @gluon.jit
-def _quantize_rows(x, x_max, p_layout: gl.constexpr, o_layout: gl.constexpr):
+def _quantize_rows(x, x_max, ORDER: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
     """``x`` quantized per row (``x_max`` its row maxima of |x|, mapped to 127; backward._quantize_rows) as an
-    int8 wgmma A operand, and the row scales in the product's row layout."""
-    x8 = gl.convert_layout(_round_to_int8(x * gl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None]), p_layout)
+    int8 wgmma A operand, and the row scales in the product's row layout. ``ORDER``: the operand read from the
+    registers as they are, its columns in forward_hopper._operand_order's order (the B operand's token-major copy
+    permuted to match: quantize's ``operand_order``); else moved by shuffles."""
+    x8 = _round_to_int8(x * gl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None])
+    if ORDER:
+        x8 = gl.convert_layout(_operand_order(x8), p_layout, assert_trivial=True)
+    else:
+        x8 = gl.convert_layout(x8, p_layout)
     return x8, gl.convert_layout(x_max * (1.0 / 127.0), gl.SliceLayout(1, o_layout))
 
 
@@ -240,10 +247,10 @@ def _accumulate_product(acc, x8, x_scale, b_smem):
 
 @gluon.jit
 def _quantized_product(acc, acc2, x, x_max, factor, b_smem, b2_smem, empty_bar, SPLIT: gl.constexpr,
-                       p_layout: gl.constexpr, o_layout: gl.constexpr):
+                       ORDER: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
     """``acc += factor * (x @ B)`` with ``x`` quantized per row, then ``B``'s ring stage released (``empty_bar``).
     ``SPLIT``: B's columns past the first block in ``b2_smem``, their product in ``acc2``."""
-    x8, x_scale = _quantize_rows(x, x_max, p_layout, o_layout)
+    x8, x_scale = _quantize_rows(x, x_max, ORDER, p_layout, o_layout)
     acc = _accumulate_product(acc, x8, x_scale * factor, b_smem)
     if SPLIT:
         acc2 = _accumulate_product(acc2, x8, x_scale * factor, b2_smem)
@@ -256,7 +263,7 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
                    do_smem, dot_smem, vec_smem, ready, empty, keys, lo, hi, seqlen_q, seqlen_k, window_left,
                    window_right, softcap2, MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                    DO_DK: gl.constexpr, DO_DV: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr,
-                   BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr, s_layout: gl.constexpr,
+                   BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr, ORDER: gl.constexpr, s_layout: gl.constexpr,
                    dp_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Query tiles ``[lo, hi)`` of one head for one warpgroup's 64 keys: dV += P^T dO and/or dK += dS^T Q
     (``QK_SPLIT``: Q's channels past the first block into ``dk2_acc``)."""
@@ -297,7 +304,7 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
             xv = pt
             if not FOLD:
                 xv = xv * vec_smem.index(NVEC * s + VDOS).load(col_layout)[None, :]
-            pv8, pv_scale = _quantize_rows(xv, gl.max(xv, 1), p_layout, o_layout)
+            pv8, pv_scale = _quantize_rows(xv, gl.max(xv, 1), ORDER, p_layout, o_layout)
         if DO_DK:
             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_tok, ))
             delta = vec_smem.index(NVEC * s + VDELTA).load(col_layout)
@@ -305,7 +312,7 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
             xk = pt * (gl.convert_layout(dpt, s_layout) - delta[None, :]) * qr_scale[None, :]
             if SOFTCAP:   # dS^T with respect to the uncapped score: times 1 - tanh^2
                 xk = xk * (1.0 - tht * tht)
-            ds8, ds_scale = _quantize_rows(xk, gl.max(gl.abs(xk), 1), p_layout, o_layout)
+            ds8, ds_scale = _quantize_rows(xk, gl.max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
         if DO_DV:
             dv_acc = _accumulate_product(dv_acc, pv8, pv_scale, dot_smem.index(s))
         if DO_DK:
@@ -333,7 +340,8 @@ def _bwd_consumer(k8, k8b, v16, C: gl.constexpr, q_smem, q2_smem, qt_smem, qt2_s
                   s_dkb, s_dkh, s_dkt, n_q, n_k, num_kv_heads, window_left, window_right, group, num_items, num_n,
                   softmax_scale, softcap2, D1: gl.constexpr, D2: gl.constexpr, HEAD_DIM_V: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
-                  FOLD: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr):
+                  FOLD: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr,
+                  ORDER: gl.constexpr):
     """One warpgroup, per work item the loader posts: keys ``[start_n + C * 64, ... + 64)`` (their int8 K in
     ``k8``, and ``k8b`` past the first ``D1`` channels with ``QK_SPLIT``; V in ``v16``) against every query tile
     of every query head of the group; writes their dV and/or dK rows (K released first, so the loader brings the
@@ -363,17 +371,17 @@ def _bwd_consumer(k8, k8b, v16, C: gl.constexpr, q_smem, q2_smem, qt_smem, qt2_s
                 dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem,
                 do_smem, dot_smem, vec_smem, ready, empty, keys, lo, full_lo, seqlen_q, seqlen_k, window_left,
                 window_right, softcap2, True, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT,
-                s_layout, dp_layout, dk_layout, p_layout)
+                ORDER, s_layout, dp_layout, dk_layout, p_layout)
             dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
                 dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem,
                 do_smem, dot_smem, vec_smem, ready, empty, keys, full_lo, full_hi, seqlen_q, seqlen_k, window_left,
                 window_right, softcap2, False, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT,
-                s_layout, dp_layout, dk_layout, p_layout)
+                ORDER, s_layout, dp_layout, dk_layout, p_layout)
             dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
                 dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem,
                 do_smem, dot_smem, vec_smem, ready, empty, keys, full_hi, hi, seqlen_q, seqlen_k, window_left,
                 window_right, softcap2, True, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT,
-                s_layout, dp_layout, dk_layout, p_layout)
+                ORDER, s_layout, dp_layout, dk_layout, p_layout)
         mbarrier.arrive(k_empty, count=1)     # every product with this item's K and V was waited for
         if DO_DV:
             _store_rows(dv_acc, keys, seqlen_k, DV, b.to(gl.int64) * s_dvb + hk.to(gl.int64) * s_dvh, s_dvt, 1.0, 0)
@@ -394,7 +402,7 @@ def _attn_bwd_dkdv_hopper_kernel(
     num_items, num_n, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr,
-    BLOCK_Q: gl.constexpr, DYNAMIC: gl.constexpr,
+    BLOCK_Q: gl.constexpr, DYNAMIC: gl.constexpr, ORDER: gl.constexpr,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
@@ -446,12 +454,12 @@ def _attn_bwd_dkdv_hopper_kernel(
                          do_smem, dot_smem, vec_smem, k_ready, k_empty, ready, empty, item_smem, item_bar, KS, DV, DK,
                          s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, n_q, n_k, num_kv_heads, window_left,
                          window_right, group, num_items, num_n, softmax_scale, softcap2, D1, D2, HEAD_DIM_V,
-                         MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT)),
+                         MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT, ORDER)),
         (_bwd_consumer, (k_smem.index(1), k2_smem.index(1), v_smem.index(1), 1, q_smem, q2_smem, qt_smem, qt2_smem,
                          do_smem, dot_smem, vec_smem, k_ready, k_empty, ready, empty, item_smem, item_bar, KS, DV, DK,
                          s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, n_q, n_k, num_kv_heads, window_left,
                          window_right, group, num_items, num_n, softmax_scale, softcap2, D1, D2, HEAD_DIM_V,
-                         MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT)),
+                         MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT, ORDER)),
         (_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, q_smem, qt_smem,
                    do_smem, dot_smem, k_smem, v_smem, q2_smem, qt2_smem, k2_smem, vec_smem, k_ready, k_empty, ready,
                    empty, item_smem, item_bar, COUNTER, QS, LSE, DOS, DELTA, QSR, SHIFT, 1.0 / softcap2, s_qsb, s_qsh,
@@ -539,7 +547,8 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_d
 def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, softcap2, lse, delta, rows, k_smem,
               k2_smem, v_smem, kt_smem, kt2_smem, KS, ks_off, ready, empty, lo, hi, seqlen_q, seqlen_k, window_left,
               window_right, MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-              SOFTCAP: gl.constexpr, ROW_TERM: gl.constexpr, QK_SPLIT: gl.constexpr, s_layout: gl.constexpr,
+              SOFTCAP: gl.constexpr, ROW_TERM: gl.constexpr, QK_SPLIT: gl.constexpr, ORDER: gl.constexpr,
+              s_layout: gl.constexpr,
               dp_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key tiles ``[lo, hi)`` for one warpgroup's 64 queries: ``dQ += dS K`` (backward._dq_tile's numerics;
     ``QK_SPLIT``: K's channels past the first block into ``acc2``); with ``SOFTCAP`` and ``ROW_TERM`` also
@@ -582,7 +591,7 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, s
                 row_ds += gl.sum(x, 1)
         x_max = gl.max(gl.abs(x), 1)
         acc, acc2 = _quantized_product(acc, acc2, x, x_max, ks, kt_smem.index(s), kt2_smem.index(s), empty.index(s),
-                                       QK_SPLIT, p_layout, o_layout)
+                                       QK_SPLIT, ORDER, p_layout, o_layout)
         it += 1
         ks = ks_next
     return acc, acc2, row_ds, it, ks
@@ -601,7 +610,8 @@ def _dq_consumer(q8, q8b, do16, C: gl.constexpr, k_smem, k2_smem, v_smem, kt_sme
                  empty, item_smem, item_bar, QS, LSE, DELTA, SHIFT, ROW_DS, KMEAN, KS, DQ, s_qsb, s_qsh, s_ksb, s_ksh,
                  s_kmh, s_kmb, s_dqb, s_dqh, s_dqt, n_q, n_k, num_heads, group, window_left, window_right, num_items,
                  num_m, out_scale, softcap2, D1: gl.constexpr, D2: gl.constexpr, MASK_LEFT: gl.constexpr,
-                 MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ROW_TERM: gl.constexpr, QK_SPLIT: gl.constexpr):
+                 MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ROW_TERM: gl.constexpr, QK_SPLIT: gl.constexpr,
+                 ORDER: gl.constexpr):
     """One warpgroup, per work item the loader posts: queries ``[start_m + C * 64, ... + 64)`` against every key
     tile; writes their dQ rows (Q and dO released first, so the loader brings the next item's meanwhile)."""
     BLOCK_K: gl.constexpr = k_smem.shape[1]
@@ -639,17 +649,17 @@ def _dq_consumer(q8, q8b, do16, C: gl.constexpr, k_smem, k2_smem, v_smem, kt_sme
                                               softcap2, lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem,
                                               KS, ks_off, ready, empty, lo, full_lo, seqlen_q, seqlen_k, window_left,
                                               window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT,
-                                              s_layout, dp_layout, o_layout, p_layout)
+                                              ORDER, s_layout, dp_layout, o_layout, p_layout)
         acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b,
                                               softcap2, lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem,
                                               KS, ks_off, ready, empty, full_lo, full_hi, seqlen_q, seqlen_k,
                                               window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                              ROW_TERM, QK_SPLIT, s_layout, dp_layout, o_layout, p_layout)
+                                              ROW_TERM, QK_SPLIT, ORDER, s_layout, dp_layout, o_layout, p_layout)
         acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b,
                                               softcap2, lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem,
                                               KS, ks_off, ready, empty, full_hi, hi, seqlen_q, seqlen_k, window_left,
                                               window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT,
-                                              s_layout, dp_layout, o_layout, p_layout)
+                                              ORDER, s_layout, dp_layout, o_layout, p_layout)
         mbarrier.arrive(q_empty, count=1)     # every product with this item's Q and dO was waited for
         if ROW_TERM:   # dQ += rowsum(dS) mean(k): the kernel's own row sums with a cap, else the sinks' (given)
             if not SOFTCAP:
@@ -673,7 +683,7 @@ def _attn_bwd_dq_hopper_kernel(
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, out_scale, softcap2, num_items, num_m,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr, QK_SPLIT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, SOFTCAP: gl.constexpr, ROW_TERM: gl.constexpr,
-    DYNAMIC: gl.constexpr,
+    DYNAMIC: gl.constexpr, ORDER: gl.constexpr,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
@@ -708,12 +718,12 @@ def _attn_bwd_dq_hopper_kernel(
                         kt2_smem, q_ready, q_empty, ready, empty, item_smem, item_bar, QS, LSE, DELTA, SHIFT, ROW_DS,
                         KMEAN, KS, DQ, s_qsb, s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh, s_dqt, n_q, n_k,
                         num_heads, group, window_left, window_right, num_items, num_m, out_scale, softcap2, D1, D2,
-                        MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT)),
+                        MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT, ORDER)),
         (_dq_consumer, (q_smem.index(1), q2_smem.index(1), do_smem.index(1), 1, k_smem, k2_smem, v_smem, kt_smem,
                         kt2_smem, q_ready, q_empty, ready, empty, item_smem, item_bar, QS, LSE, DELTA, SHIFT, ROW_DS,
                         KMEAN, KS, DQ, s_qsb, s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh, s_dqt, n_q, n_k,
                         num_heads, group, window_left, window_right, num_items, num_m, out_scale, softcap2, D1, D2,
-                        MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT)),
+                        MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT, ORDER)),
         (_dq_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, q_smem, do_smem, k_smem,
                       v_smem, kt_smem, q2_smem, k2_smem, kt2_smem, q_ready, q_empty, ready, empty, item_smem,
                       item_bar, COUNTER, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, do_rb,
@@ -737,11 +747,12 @@ def _caller_desc(x4, block_shape, dtype):
 
 def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
                      window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None, block_q=None, softcap=0.0,
-                     shift=None, programs=None):
+                     shift=None, programs=None, operand_order=False):
     """(grid, args, kwargs) of one launch, ``part`` "dv", "dk" or "dkdv" (both in one program): padded
     ``[B, H, N, D]`` tensors as ``backward.launch_backward`` takes them (``quant`` from
     ``quantize_qk(..., transposed=True)``; ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None
-    where not written."""
+    where not written. ``operand_order``: ``do8t`` and ``quant["q8t"]`` hold each 16 queries in quantize's operand
+    order, so P^T and dS^T feed their products from the registers as they are (no shuffles)."""
     head_dim_v = v4.shape[3]
     assert part in ("dv", "dk", "dkdv") and (head_dim, head_dim_v) in HEAD_DIMS
     do_dv, do_dk = part in ("dv", "dkdv"), part in ("dk", "dkdv")
@@ -788,7 +799,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
             QK_SPLIT=bool(d2), DO_DK=do_dk, DO_DV=do_dv,
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, SOFTCAP=bool(softcap),
-            BLOCK_Q=block_q, DYNAMIC=dynamic, num_warps=4)
+            BLOCK_Q=block_q, DYNAMIC=dynamic, ORDER=operand_order, num_warps=4)
 
 
 def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
@@ -801,10 +812,11 @@ def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk
 
 def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale,
                    consumer_regs=240, loader_regs=32, softcap=0.0, shift=None, row_ds=None, k_mean=None,
-                   programs=None):
+                   programs=None, operand_order=False):
     """(grid, args, kwargs) of the dQ launch: padded ``[B, H, N, D]`` tensors as ``backward.launch_backward``
     takes them (``quant`` from ``quantize_qk(..., transposed=True)``, whose ``k8t`` is dQ's B operand;
-    ``softcap``, ``shift``, ``row_ds``, ``k_mean`` as there)."""
+    ``softcap``, ``shift``, ``row_ds``, ``k_mean`` as there). ``operand_order``: ``k8t`` holds each 16 keys in
+    quantize's operand order (dkdv_hopper_args's)."""
     head_dim_v = v4.shape[3]
     assert (head_dim, head_dim_v) in HEAD_DIMS and dq4.stride(3) == 1
     block_k = dq_key_tile(head_dim)
@@ -843,7 +855,7 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
         float(softcap) * LOG2E if softcap else 1.0, num_items, num_m,
     ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim, QK_SPLIT=bool(d2),
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, SOFTCAP=bool(softcap),
-            ROW_TERM=k_mean is not None, DYNAMIC=dynamic, num_warps=4)
+            ROW_TERM=k_mean is not None, DYNAMIC=dynamic, ORDER=operand_order, num_warps=4)
 
 
 def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale, **tuning):

@@ -125,6 +125,18 @@ def _exp2_tile(x, POLY: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
+def _operand_order(p):
+    """A [64, 128] wgmma accumulator tile relabelled so that each thread's registers are, unchanged, the 8-bit
+    A operand (k_width 4) of a product over its columns. In a 16-column group a thread holds accumulator
+    columns {2t, 2t+1, 2t+8, 2t+9} (t: lane % 4) and the operand wants k = 4t..4t+3, so k's bits (k0, k1, k2, k3)
+    are column bits (c0, c3, c1, c2): column c = sigma(k). Converting without the relabel costs shuffles and
+    selects (16 SHFL, 16 SEL and 16 PRMT a tile at D=128); with it, the other operand's keys must come in
+    sigma's order: quantize writes V^T so (``operand_order``), and the backward's token-major copies."""
+    x = gl.reshape(p, [p.shape[0], p.shape[1] // 16, 2, 2, 2, 2])      # (row, c >> 4, c3, c2, c1, c0)
+    return gl.reshape(gl.permute(x, (0, 1, 3, 4, 2, 5)), [p.shape[0], p.shape[1]])
+
+
+@gluon.jit
 def _floor_to(x, BLOCK: gl.constexpr):
     return (gl.maximum(x, 0) // BLOCK) * BLOCK
 
@@ -316,9 +328,9 @@ def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q
 def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty, turn_me, turn_other, KS, ks_off,
              rows, q_scale, cap_a, cap_b, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
              MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-             PINGPONG: gl.constexpr, FIRST: gl.constexpr, EXP_POLY: gl.constexpr, SOFTCAP: gl.constexpr,
-             QK_SPLIT: gl.constexpr, NAMED_BARRIERS: gl.constexpr, CONSUMERS: gl.constexpr, s_layout: gl.constexpr,
-             o_layout: gl.constexpr, p_layout: gl.constexpr):
+             PINGPONG: gl.constexpr, FIRST: gl.constexpr, EXP_POLY: gl.constexpr, V_ORDER: gl.constexpr,
+             SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr, NAMED_BARRIERS: gl.constexpr, CONSUMERS: gl.constexpr,
+             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key tiles ``[lo, hi)`` for one warpgroup's 64 rows, each S = Q K^T waited for before its softmax.
     ``ks``: this tile's K scale, read a tile ahead (global-load latency stalled the loop when read after S).
 
@@ -372,7 +384,10 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
         e_ref = gl.where(tile_max == float("-inf"), 0.0, tile_max - LOG2_127)
         e = _exp2_tile(gl.fma(t, row_mul[:, None], (row_add - e_ref)[:, None]), EXP_POLY, s_layout)
         p_scale = gl.exp2(tile_max - m_ref) * (1.0 / 127.0)
-        p8 = gl.convert_layout(_round_to_int8(e), p_layout)
+        if V_ORDER:   # P's registers as they are, read in wgmma's operand order (V^T's keys permuted to match)
+            p8 = gl.convert_layout(_operand_order(_round_to_int8(e)), p_layout, assert_trivial=True)
+        else:
+            p8 = gl.convert_layout(_round_to_int8(e), p_layout)
         pv_tok = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
         # while P V runs: the row sum, and the rescaled accumulator less the int32_times offset
         l_i = l_i * alpha + gl.sum(e, 1) * p_scale
@@ -398,7 +413,8 @@ def _consumer(q_smem, q2_smem, C: gl.constexpr, k_smem, k2_smem, v_smem, q_ready
               n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
               IS_VARLEN: gl.constexpr, HEAD_DIM_V: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
               PINGPONG: gl.constexpr, FIRST: gl.constexpr, SINK_MODE: gl.constexpr, EXP_POLY: gl.constexpr,
-              SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr, NAMED_BARRIERS: gl.constexpr, CONSUMERS: gl.constexpr):
+              V_ORDER: gl.constexpr, SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr, NAMED_BARRIERS: gl.constexpr,
+              CONSUMERS: gl.constexpr):
     """One warpgroup: rows ``[C * 64, C * 64 + 64)`` of each of the program's work items against all their key
     tiles, then the item's epilogue (its Q buffer released first, so the loader refills it meanwhile)."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N, 32)
@@ -444,18 +460,18 @@ def _consumer(q_smem, q2_smem, C: gl.constexpr, k_smem, k2_smem, v_smem, q_ready
         acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
                                          turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, lo,
                                          full_lo, seqlen_q, seqlen_k, window_left, window_right, True,
-                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT,
-                                         NAMED_BARRIERS, CONSUMERS, s_layout, o_layout, p_layout)
+                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, EXP_POLY, V_ORDER, SOFTCAP,
+                                         QK_SPLIT, NAMED_BARRIERS, CONSUMERS, s_layout, o_layout, p_layout)
         acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
                                          turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_lo,
                                          full_hi, seqlen_q, seqlen_k, window_left, window_right, False,
-                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT,
-                                         NAMED_BARRIERS, CONSUMERS, s_layout, o_layout, p_layout)
+                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, EXP_POLY, V_ORDER, SOFTCAP,
+                                         QK_SPLIT, NAMED_BARRIERS, CONSUMERS, s_layout, o_layout, p_layout)
         acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
                                          turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_hi,
                                          hi, seqlen_q, seqlen_k, window_left, window_right, True,
-                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, EXP_POLY, SOFTCAP, QK_SPLIT,
-                                         NAMED_BARRIERS, CONSUMERS, s_layout, o_layout, p_layout)
+                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, EXP_POLY, V_ORDER, SOFTCAP,
+                                         QK_SPLIT, NAMED_BARRIERS, CONSUMERS, s_layout, o_layout, p_layout)
         mbarrier.arrive(q_empty, count=1)     # every S of the item was waited for: the next Q may land
 
         has_keys = l_i > 0
@@ -491,8 +507,8 @@ def _attn_fwd_hopper_kernel(
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softcap2, num_items, num_m,
     IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     QK_SPLIT: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-    PINGPONG: gl.constexpr, SINK_MODE: gl.constexpr, EXP_POLY: gl.constexpr, SOFTCAP: gl.constexpr,
-    NAMED_BARRIERS: gl.constexpr, DYNAMIC: gl.constexpr,
+    PINGPONG: gl.constexpr, SINK_MODE: gl.constexpr, EXP_POLY: gl.constexpr, V_ORDER: gl.constexpr,
+    SOFTCAP: gl.constexpr, NAMED_BARRIERS: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
     # each consumer's Q rows, the K / V^T ring
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -529,14 +545,14 @@ def _attn_fwd_hopper_kernel(
                          item_bar, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
                          SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
                          n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
-                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE, EXP_POLY, SOFTCAP,
-                         QK_SPLIT, NAMED_BARRIERS, 2)),
+                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE, EXP_POLY, V_ORDER,
+                         SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 2)),
             (_consumer, (q_smem, q2_smem, 1, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
                          item_bar, turn.index(1), turn.index(0), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
                          SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
                          n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
-                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE, EXP_POLY, SOFTCAP,
-                         QK_SPLIT, NAMED_BARRIERS, 2)),
+                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE, EXP_POLY, V_ORDER,
+                         SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 2)),
             (_loader, (q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_ready,
                        q_empty, ready, empty, item_smem, item_bar, COUNTER, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads,
                        num_kv_heads, group, window_left, window_right, num_items, num_m, IS_VARLEN, MASK_LEFT,
@@ -549,20 +565,20 @@ def _attn_fwd_hopper_kernel(
                          item_bar, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
                          SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
                          n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
-                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 1, SINK_MODE, EXP_POLY, SOFTCAP,
-                         QK_SPLIT, NAMED_BARRIERS, 3)),
+                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 1, SINK_MODE, EXP_POLY, V_ORDER,
+                         SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 3)),
             (_consumer, (q_smem, q2_smem, 1, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
                          item_bar, turn.index(1), turn.index(0), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
                          SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
                          n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
-                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE, EXP_POLY, SOFTCAP,
-                         QK_SPLIT, NAMED_BARRIERS, 3)),
+                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE, EXP_POLY, V_ORDER,
+                         SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 3)),
             (_consumer, (q_smem, q2_smem, 2, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
                          item_bar, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
                          SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
                          n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
-                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE, EXP_POLY, SOFTCAP,
-                         QK_SPLIT, NAMED_BARRIERS, 3)),
+                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE, EXP_POLY, V_ORDER,
+                         SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 3)),
             (_loader, (q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_ready,
                        q_empty, ready, empty, item_smem, item_bar, COUNTER, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads,
                        num_kv_heads, group, window_left, window_right, num_items, num_m, IS_VARLEN, MASK_LEFT,
@@ -617,7 +633,7 @@ def persistent_grid(num_items, programs, stand_in):
 def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
                         window, v_starts=None, consumers=2, consumer_regs=None, loader_regs=24, pingpong=None,
                         sinks=None, sink_shift=None, exp_poly=0, softcap=0.0, shift=None, named_barriers=None,
-                        programs=None):
+                        programs=None, v_operand_order=False):
     """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift``,
     ``softcap``, ``shift`` as there). ``pingpong`` defaults to on at head dim 128 (faster there on an H100) and
     off at 64 (slower there).
@@ -629,7 +645,9 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     ``programs``: launch this many programs (``dispatch.gluon_programs``: one per SM), each taking work
     items (the query rows of one sequence and head) from an atomic counter until none is left, so the next item's
     Q and first K / V tiles load while this one's epilogue runs, and causal calls' items of unequal length balance
-    (a static round-robin did not: session 20); None (or at least one per item): one program per work item."""
+    (a static round-robin did not: session 20); None (or at least one per item): one program per work item.
+    ``v_operand_order``: ``v8t`` from ``quantize_v(..., operand_order=True)`` (each 16 keys in the order P's
+    registers hold them, so P goes to ``P V`` without shuffles: kernels alone 1.02-1.11x, session 21); the op's."""
     if exp_poly not in (0, 2, 4):
         raise ValueError(f"exp_poly must be 0, 2 or 4, got {exp_poly!r}")
     assert sink_shift is None or (sinks is not None and sink_shift.stride() == lse.stride())
@@ -673,6 +691,7 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
             HEAD_DIM_V=head_dim_v, QK_SPLIT=bool(d2), CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
             LOADER_REGS=loader_regs, PINGPONG=pingpong,
             SINK_MODE=0 if sinks is None else 2 if sink_shift is not None else 1, EXP_POLY=exp_poly,
+            V_ORDER=v_operand_order,
             SOFTCAP=bool(softcap), NAMED_BARRIERS=bool(named_barriers), DYNAMIC=dynamic, num_warps=4)
 
 

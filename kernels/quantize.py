@@ -144,7 +144,7 @@ def _quantize_kernel(
     IS_VARLEN: tl.constexpr, HAS_SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, WITH_DELTA: tl.constexpr,
     WITH_SCALED: tl.constexpr,
     WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr, WITH_DOT: tl.constexpr,
-    BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, OPERAND_ORDER: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
@@ -187,7 +187,11 @@ def _quantize_kernel(
         t0_t = t0
         if HAS_T_CU:   # the transposed copy's own sequence starts (16-aligned for TMA)
             t0_t = tl.load(T_CU + b).to(tl.int64)
-        tl.store(X8T + bx * s_tb + h * s_th + offs_d[None, :] * s_td + (t0_t + rows)[:, None], x8, mask=ok)
+        cols = rows
+        if OPERAND_ORDER:   # each 16 tokens' columns in operand_order_columns's order (a permutation inside them)
+            c = rows % 16
+            cols = rows - c + (c & 1) + ((c >> 3) & 1) * 2 + ((c >> 1) & 1) * 4 + ((c >> 2) & 1) * 8
+        tl.store(X8T + bx * s_tb + h * s_th + offs_d[None, :] * s_td + (t0_t + cols)[:, None], x8, mask=ok)
     if WITH_DELTA:  # dO's pass also gives the backward's delta = rowsum(dO * O)
         o = tl.load(O + bx * s_ob + h * s_oh + (t0 + rows)[:, None] * s_ot + offs_d[None, :] * s_od,
                     mask=ok, other=0.0).to(tl.float32)
@@ -321,14 +325,15 @@ def aligned_starts(layout: SeqLayout) -> torch.Tensor:
 
 def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
              channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
-             scaled=None, block_scale=False):
+             scaled=None, block_scale=False, operand_order=False):
     """One pass over ``x4`` ``[B, H, N, D]`` -> dict with ``x8`` (natural ``[B, H, N, D]``), ``x8t``
     (``[B, H, D, N_pad]``), ``scale`` (per token ``[B, H, N]``, unless ``channel_scale`` given) and
     ``delta`` (``rowsum(x * out_for_delta)``) as asked. ``t_starts`` (packed batches): each sequence's first
     column in ``x8t`` (``aligned_starts``) instead of its first token. ``dot = (vectors [Hv, S, D], group,
     factor)``: also ``row_dot`` ``[B, H, N]``, each token of head h dotted with its sequence's vector of head
     h // group (before ``sub``), times factor. ``scaled`` (a float): also ``scaled``, the scales times it.
-    ``block_scale``: one scale per ``K_SCALE_BLOCK`` tokens of each sequence (K's rule), still stored per token."""
+    ``block_scale``: one scale per ``K_SCALE_BLOCK`` tokens of each sequence (K's rule), still stored per token.
+    ``operand_order``: ``x8t``'s tokens permuted inside each 16 of a sequence (``operand_order_columns``)."""
     bsz, h, n, d = x4.shape
     dev = x4.device
     x8 = torch.empty(bsz, h, n, d, dtype=torch.int8, device=dev) if natural else None
@@ -366,14 +371,15 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
         IS_VARLEN=layout.is_varlen, HAS_SUB=sub is not None, PER_CHANNEL=channel_scale is not None,
         WITH_DELTA=delta is not None, WITH_SCALED=scaled is not None, WRITE_NATURAL=natural, WRITE_T=transposed,
         HAS_T_CU=t_starts is not None, WITH_DOT=dot is not None, BLOCK_SCALE=block_scale, BLOCK_T=block_t,
-        BLOCK_D=_block_d(d),
+        BLOCK_D=_block_d(d), OPERAND_ORDER=operand_order,
         num_warps=num_warps,
     )
     return dict(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot, scaled=scaled_out)
 
 
 def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float,
-                k_smoothing: bool, q_smoothing: bool, transposed: bool = False, row_shift: bool = False, v4=None):
+                k_smoothing: bool, q_smoothing: bool, transposed: bool = False, row_shift: bool = False, v4=None,
+                operand_order: bool = False):
     """INT8 Q and K for ``S = Q K^T`` (and, with ``transposed``, their token-major copies for the backward).
 
     Returns a dict: ``q8, q_scale`` (softmax scale and log2(e) folded in, so the kernels use exp2),
@@ -381,7 +387,8 @@ def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale:
     scaled like ``q_scale``) and ``q_mean_cu`` (first block of each sequence), and with K-smoothing ``k_mean``
     (``[Hkv, S, D]``) and, if ``row_shift``, ``q_shift`` (``softmax_scale * q . mean(k)`` per query, ``[B, H, N]``:
     how far K-smoothing moved each row's scores; soft-capping and sinks need it back). With ``v4`` (the forward)
-    also ``v_scale`` (``[Hkv, S, Dv]``, for ``quantize_v``), from the same launches as K's mean."""
+    also ``v_scale`` (``[Hkv, S, Dv]``, for ``quantize_v``), from the same launches as K's mean.
+    ``operand_order``: ``q8t`` and ``k8t`` in ``quantize``'s operand order (the Gluon backward's)."""
     k_sub = k_cu = v_scale = None
     v_stats = (v4, True, 1.0 / 127.0) if v4 is not None else None
     if k_smoothing:   # softmax is unchanged: every score of a row moves by the same q . mean(k)
@@ -389,23 +396,36 @@ def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale:
     elif v4 is not None:
         v_scale = _stats(v4, layout_k, True, factor=1.0 / 127.0)[0]
     k = quantize(k4, layout_k, sub=k_sub, sub_cu=k_cu, sub_block=1 << 30, transposed=transposed,
-                 block_scale=k4.shape[-1] in K_BLOCK_HEAD_DIMS)
+                 block_scale=k4.shape[-1] in K_BLOCK_HEAD_DIMS, operand_order=operand_order)
     q_mean = q_cu = None
     if q_smoothing:   # S = (q - q_mean) K^T + q_mean K^T; the second term is added back in fp32
         q_mean, q_cu = token_stats(q4, layout_q, abs_max=False, block_tokens=Q_SMOOTH_BLOCK)
     dot = (k_sub, q4.shape[1] // k4.shape[1], softmax_scale) if row_shift and k_smoothing else None
     q = quantize(q4, layout_q, sub=q_mean, sub_cu=q_cu, sub_block=Q_SMOOTH_BLOCK,
-                 transposed=transposed and not q_smoothing, dot=dot, scaled=softmax_scale * LOG2E)
+                 transposed=transposed and not q_smoothing, dot=dot, scaled=softmax_scale * LOG2E,
+                 operand_order=operand_order)
     return dict(q8=q["x8"], q_scale=q["scaled"], q_scale_raw=q["scale"], v_scale=v_scale,
                 q8t=q["x8t"], k8=k["x8"], k_scale=k["scale"], k8t=k["x8t"],
                 q_mean=None if q_mean is None else q_mean * (softmax_scale * LOG2E), q_mean_cu=q_cu,
                 k_mean=k_sub, q_shift=q["row_dot"])
 
 
-def quantize_v(v4: torch.Tensor, layout: SeqLayout, t_starts=None, v_scale=None):
+def operand_order_columns(n: int) -> torch.Tensor:
+    """Where ``quantize(..., operand_order=True)`` puts each of ``n`` tokens (n a multiple of 16): inside each 16,
+    token c goes to column (c0, c3, c1, c2) read as bits 0-3. The Gluon forward feeds P to ``P V`` from the
+    registers its softmax left it in, which hold P's keys in that order (forward_hopper._operand_order): V's
+    token-major copy takes the same order, so the product is unchanged (a permutation of its sum)."""
+    c = torch.arange(n) % 16
+    return torch.arange(n) - c + (c & 1) + ((c >> 3) & 1) * 2 + ((c >> 1) & 1) * 4 + ((c >> 2) & 1) * 8
+
+
+def quantize_v(v4: torch.Tensor, layout: SeqLayout, t_starts=None, v_scale=None, operand_order=False):
     """Per-channel INT8 V in token-major layout: (``v8t [B, H, D, N_pad]``, ``v_scale`` viewed ``[S, H, D]``);
-    ``t_starts`` as ``quantize``'s; ``v_scale`` ``[H, S, D]`` if already taken (``quantize_qk(..., v4=)``)."""
+    ``t_starts`` as ``quantize``'s; ``v_scale`` ``[H, S, D]`` if already taken (``quantize_qk(..., v4=)``);
+    ``operand_order``: each sequence's tokens permuted inside each 16 as the Gluon forward reads them
+    (``operand_order_columns``)."""
     if v_scale is None:
         v_scale = _stats(v4, layout, True, factor=1.0 / 127.0)[0]      # [H, S, D]
-    v8t = quantize(v4, layout, channel_scale=v_scale, natural=False, transposed=True, t_starts=t_starts)["x8t"]
+    v8t = quantize(v4, layout, channel_scale=v_scale, natural=False, transposed=True, t_starts=t_starts,
+                   operand_order=operand_order)["x8t"]
     return v8t, v_scale.transpose(0, 1)

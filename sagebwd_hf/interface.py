@@ -185,7 +185,8 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
                                                                       masked=tuple(window) != (-1, -1))
     # the Gluon kernel reads V^T by TMA, whose tiles must start 16-byte aligned: packed sequences are laid so
     v_starts = aligned_starts(lay_k) if gluon and varlen else None
-    v8t, v_scale = quantize_v(v4, lay_k, v_starts, quant["v_scale"])
+    # (the Gluon forward reads V^T's keys in the order its P registers hold them: quantize.operand_order_columns)
+    v8t, v_scale = quantize_v(v4, lay_k, v_starts, quant["v_scale"], operand_order=gluon)
     lse = torch.empty(q4.shape[:3], device=q.device, dtype=torch.float32)
     _poisoned(out, lse)
     args = (quant, v8t, v_scale, as_bhnd(out, varlen), lse, lay_q, lay_k, q4.shape[1], q4.shape[1] // k4.shape[1],
@@ -196,7 +197,7 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
         from .kernels.forward_hopper import launch_forward_hopper   # imports Gluon: only where it runs
         consumers = dispatch.gluon_forward_consumers(q4.shape[3], tuple(window) != (-1, -1), bool(softcap),
                                                      lay_q.max_len)
-        launch_forward_hopper(*args, v_starts=v_starts, consumers=consumers,
+        launch_forward_hopper(*args, v_starts=v_starts, consumers=consumers, v_operand_order=True,
                               programs=dispatch.gluon_programs(q.device), **cap_args, **sink_args)
         dispatch.count("fwd_gluon")
     else:
@@ -258,15 +259,20 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     do4, o4 = as_bhnd(dout, varlen), as_bhnd(out, varlen)
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
     lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
-    # the forward's bytes again (same inputs, same deterministic quantization), plus token-major copies
-    quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, transposed=True, row_shift=need_shift)
+    gluon = q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
+                                                                      lay_k.max_len, backward=True,
+                                                                      softcap=bool(softcap), head_dim_v=v4.shape[3])
+    # the forward's bytes again (same inputs, same deterministic quantization), plus token-major copies (for the
+    # Gluon kernels in the order their P and dS registers hold the tokens: quantize.operand_order_columns)
+    quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, transposed=True, row_shift=need_shift,
+                        operand_order=gluon)
     shift = _kernel_shift(quant) if need_shift else None
     if q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
         raw = quantize(q4, lay_q, natural=False, transposed=True)
         q8rt, q_scale_raw = raw["x8t"], raw["scale"]
     else:
         q8rt, q_scale_raw = quant["q8t"], quant["q_scale_raw"]
-    do_q = quantize(do4, lay_q, natural=False, transposed=True, out_for_delta=o4)
+    do_q = quantize(do4, lay_q, natural=False, transposed=True, out_for_delta=o4, operand_order=gluon)
     dsinks = row_ds = None
     if sinks is not None:   # from delta = rowsum(dO * O), which dO's pass gives
         dsinks, row_ds = sink_math.sink_grads(do_q["delta"], lse, sinks,
@@ -274,14 +280,12 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     # dQ's K-smoothing term (the dQ kernels' epilogue; with a cap they sum their own dS)
     term = dict(k_mean=quant["k_mean"] if need_shift else None, row_ds=row_ds)
     cap_args = dict(softcap=softcap, shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
-    if q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
-                                                                 lay_k.max_len, backward=True,
-                                                                 softcap=bool(softcap), head_dim_v=v4.shape[3]):
+    if gluon:
         from .kernels.backward_hopper import launch_backward_hopper   # imports Gluon: only where it runs
         launch_backward_hopper(quant, v4, do4, do_q["x8t"], do_q["scale"], lse, do_q["delta"], as_bhnd(dq, varlen),
                                as_bhnd(dk, varlen), as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3],
-                               window, scale, programs=dispatch.gluon_programs(q.device, backward=True), **term,
-                               **cap_args)
+                               window, scale, programs=dispatch.gluon_programs(q.device, backward=True),
+                               operand_order=True, **term, **cap_args)
         dispatch.count("bwd_gluon")
     else:
         launch_backward(quant, q8rt, q_scale_raw, quant["k8t"], v4, do4, do_q["x8t"], do_q["scale"], lse,

@@ -1,7 +1,9 @@
 """GPU (sm_90): the Gluon dV, dK and dQ kernels (kernels/backward_hopper.py), and dK with dV in one program
 ("dkdv"), against the portable dV, dK and dQ launches on the same quantized inputs and query tile. Same tile
 rules, so they differ only by fp32 rounding order and exp2 (and, for dK, the bf16 dP^T product's accumulation
-order); persistent launches (a few programs taking every work item) give the same bits as one program an item."""
+order); persistent launches (a few programs taking every work item) give the same bits as one program an item, and
+so do launches fed the token-major copies in quantize's operand order (P^T and dS^T read from the registers as they
+are: the same int32 products, summed in another order)."""
 import pytest
 import torch
 
@@ -55,22 +57,28 @@ def test_gluon_dkdv_matches_portable(case, part):
     launch_backward(quant, quant["q8t"], quant["q_scale_raw"], quant["k8t"], v, do, do_q["x8t"], do_q["scale"],
                     lse, do_q["delta"], want["dq"], want["dk"], want["dv"], lay, lay, h, hk, d, window,
                     scale, dkdv_cfg, cfg["dq"], kernels=("dv", "dk") if part == "dkdv" else (part,), split_dkdv=True)
+    quant_ordered = quantize_qk(q, k, lay, lay, scale, True, False, transposed=True, operand_order=True)
+    do8t_ordered = quantize(do, lay, natural=False, transposed=True, operand_order=True)["x8t"]
     runs = {}
-    for programs in (None, 3):      # one program a work item, or 3 persistent programs taking them all
-        got = runs[programs] = {name: torch.full_like(t, float("nan")) for name, t in want.items()}
+    # one program a work item, or 3 persistent programs taking them all; natural or operand order
+    for programs, order in ((None, False), (3, False), (3, True)):
+        got = runs[programs, order] = {name: torch.full_like(t, float("nan")) for name, t in want.items()}
+        qt = quant_ordered if order else quant
         if part == "dq":
-            launch_dq_hopper(quant, lse, do, do_q["delta"], v, got["dq"], h, h // hk, d, window, scale,
-                             programs=programs)
+            launch_dq_hopper(qt, lse, do, do_q["delta"], v, got["dq"], h, h // hk, d, window, scale,
+                             programs=programs, operand_order=order)
         else:
-            launch_dkdv_hopper(part, quant, lse, do, do_q["x8t"], do_q["scale"], do_q["delta"], v, got["dv"],
-                               got["dk"], h, h // hk, d, window, scale, programs=programs)
+            launch_dkdv_hopper(part, qt, lse, do, do8t_ordered if order else do_q["x8t"], do_q["scale"],
+                               do_q["delta"], v, got["dv"], got["dk"], h, h // hk, d, window, scale,
+                               programs=programs, operand_order=order)
     for name in ("dk", "dv") if part == "dkdv" else (part,):
-        got = runs[None]
+        got = runs[None, False]
         assert torch.isfinite(got[name]).all(), f"{name}: an element the Gluon kernel never wrote"
         cos, rel = error_stats(got[name], want[name])
         print(f"{case} {part} {name}: gluon vs portable cos {cos:.6f} rel {rel:.2e}")
         assert cos >= 0.9999 and rel <= 6e-3, name
-        assert torch.equal(runs[3][name], got[name]), f"{name}: the persistent schedule changed the numbers"
+        assert torch.equal(runs[3, False][name], got[name]), f"{name}: the persistent schedule changed the numbers"
+        assert torch.equal(runs[3, True][name], got[name]), f"{name}: the operand order changed the numbers"
 
 
 def _token_major(x):

@@ -272,7 +272,7 @@ def test_gluon_forward_exp2_split(case, exp_poly):
 def test_gluon_forward_schedules_agree(case, softcap):
     """The synchronization schedules (mbarrier or named-barrier turns and releases, two or three consumers, one
     program a work item or 3 programs taking every item from the atomic counter, their ring and Q buffer running on
-    across items) run the same arithmetic on the same INT8 inputs: bit-identical outputs and lse, over padded tiles, rows
+    across items, P V's keys in P's register order) run the same arithmetic on the same INT8 inputs: bit-identical outputs and lse, over padded tiles, rows
     that see no key, a window, GQA and MLA, with and without a soft cap."""
     from sagebwd_hf.kernels.forward_hopper import launch_forward_hopper
     from sagebwd_hf.kernels.layout import SeqLayout
@@ -294,6 +294,14 @@ def test_gluon_forward_schedules_agree(case, softcap):
                 launch_forward_hopper(quant, v8t, v_scale, out, lse, lay_q, lay_k, h, h // hk, d, window,
                                       consumers=consumers, named_barriers=named, programs=programs, **cap)
                 runs[consumers, named, programs] = (out, lse)
+    # P fed to P V in the order its registers hold it, V^T's keys permuted to match: the same int32 sums
+    v8t_ordered, _ = quantize_v(v, lay_k, v_scale=quant["v_scale"], operand_order=True)
+    for consumers in (2, 3):
+        out = torch.full((b, h, nq, dv), float("nan"), device="cuda", dtype=q.dtype)
+        lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+        launch_forward_hopper(quant, v8t_ordered, v_scale, out, lse, lay_q, lay_k, h, h // hk, d, window,
+                              consumers=consumers, programs=3, v_operand_order=True, **cap)
+        runs[consumers, "operand order"] = (out, lse)
     out0, lse0 = runs[2, False, None]
     assert not out0.isnan().any() and not lse0.isnan().any()
     for key, (out, lse) in runs.items():

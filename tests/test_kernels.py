@@ -429,6 +429,41 @@ def test_aligned_v_layout_holds_the_same_bytes(device):
     assert (aligned[..., ~filled.to(device)] == 0).all()
 
 
+
+@pytest.mark.parametrize("device", kernel_devices())
+def test_operand_order_v_layout_permutes_each_16_tokens(device):
+    """V^T in the Gluon forward's operand order holds the natural layout's columns, each sequence's tokens
+    permuted inside each 16 by operand_order_columns (a padded batch with N not a multiple of 16, and a packed
+    one with aligned starts): every token's bytes exactly once, zeros elsewhere."""
+    from sagebwd_hf.kernels.layout import SeqLayout
+    from sagebwd_hf.kernels.quantize import aligned_starts, operand_order_columns, quantize_v
+
+    perm = operand_order_columns(48)
+    assert sorted(perm.tolist()) == list(range(48)) and perm[:16].tolist() != list(range(16))
+    assert perm[[1, 8, 2, 4]].tolist() == [1, 2, 4, 8]      # bit c0 stays, c3 -> 1, c1 -> 2, c2 -> 3
+    v = torch.randn(2, 3, 37, 32, device=device, dtype=torch.float16)
+    lay = SeqLayout(2, 37, None)
+    natural, scale = quantize_v(v, lay)
+    ordered, scale_ordered = quantize_v(v, lay, operand_order=True)
+    assert torch.equal(scale, scale_ordered) and ordered.shape == natural.shape == (2, 3, 32, 48)
+    assert torch.equal(ordered[..., perm[:37].to(device)], natural[..., :37])
+    assert (ordered[..., perm[37:].to(device)] == 0).all()
+
+    lengths = [5, 0, 17, 16, 33]
+    cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
+    v = torch.randn(1, 2, int(cu[-1]), 32, device=device, dtype=torch.float16)
+    lay = SeqLayout(len(lengths), max(lengths), cu)
+    starts = aligned_starts(lay)
+    natural, _ = quantize_v(v, lay)
+    ordered, _ = quantize_v(v, lay, starts, operand_order=True)
+    filled = torch.zeros(ordered.shape[-1], dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        a, b = int(cu[i]), int(starts[i])
+        cols = b + perm[:n]
+        assert torch.equal(ordered[..., cols.to(device)], natural[..., a:a + n])
+        filled[cols] = True
+    assert (ordered[..., ~filled.to(device)] == 0).all()
+
 def _layouts(b, h, n, d):
     """The same [B, H, N, D] values in the memory layouts callers hand the op."""
     x = torch.randn(b, h, n, d)

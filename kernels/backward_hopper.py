@@ -32,7 +32,8 @@ launches' 128-query tiles; at D=64 (128-query tiles) 7.27 against 6.63 ms. The s
 
 Measured (H100, docs/speed_notes.md, session 5), kernels alone against the portable launches on the same
 inputs: dV 1.15-1.65x, dK 1.42-1.62x, dQ 1.08-1.35x, whole backward 1.22-1.34x; then ``FOLD`` (the dO scale
-as ``log2`` inside P^T's exp2 instead of a multiply per score) made dV 1.09-1.12x faster again. The forward's
+as ``log2`` inside P^T's exp2 instead of a multiply per score) made dV 1.09-1.12x faster again, and the same
+with Q's scale made dK 1.00-1.03x faster (H200, session 21; 0.95-1.03x with session 5's spills). The forward's
 ping-pong turns between the two consumers measured 0.87-1.02x here (not kept).
 
 ``SOFTCAP`` (a compile-time option of the same kernels): the capped scores recomputed as the forward does,
@@ -208,7 +209,11 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
                         lse = lse - gl.log2(do_scale)
                 if DO_DK:
                     vec_smem.index(NVEC * s + VDELTA).store(gl.load(DELTA + base, mask=ok, other=0.0))
-                    vec_smem.index(NVEC * s + VQSR).store(gl.load(QSR + base, mask=ok, other=0.0))
+                    qr_scale = gl.load(QSR + base, mask=ok, other=0.0)
+                    if FOLD:    # dK alone: Q's scale into the exponent instead (dS^T = P^T (dP^T - delta) * it)
+                        lse = lse - gl.log2(qr_scale)
+                    else:
+                        vec_smem.index(NVEC * s + VQSR).store(qr_scale)
                 vec_smem.index(NVEC * s + VLSE).store(lse)
                 mbarrier.arrive(ready.index(s), count=1)     # the second of ready's two arrivals
                 i += 1
@@ -308,8 +313,9 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
         if DO_DK:
             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_tok, ))
             delta = vec_smem.index(NVEC * s + VDELTA).load(col_layout)
-            qr_scale = vec_smem.index(NVEC * s + VQSR).load(col_layout)
-            xk = pt * (gl.convert_layout(dpt, s_layout) - delta[None, :]) * qr_scale[None, :]
+            xk = pt * (gl.convert_layout(dpt, s_layout) - delta[None, :])
+            if not FOLD:   # (FOLD: Q's scale already sits in P^T's exponent)
+                xk = xk * vec_smem.index(NVEC * s + VQSR).load(col_layout)[None, :]
             if SOFTCAP:   # dS^T with respect to the uncapped score: times 1 - tanh^2
                 xk = xk * (1.0 - tht * tht)
             ds8, ds_scale = _quantize_rows(xk, gl.max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
@@ -756,9 +762,9 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     head_dim_v = v4.shape[3]
     assert part in ("dv", "dk", "dkdv") and (head_dim, head_dim_v) in HEAD_DIMS
     do_dv, do_dk = part in ("dv", "dkdv"), part in ("dk", "dkdv")
-    if fold is None:    # measured (H100): dV alone 1.09-1.12x with it; dK 0.95-1.03x (more spills at D=128)
-        fold = part == "dv"
-    assert not (fold and do_dk), "FOLD scales P^T by dO's scale: dS^T needs it unscaled"
+    if fold is None:    # dV alone 1.09-1.12x with it (H100, session 5); dK alone 1.00-1.03x (H200, session 21)
+        fold = part in ("dv", "dk")
+    assert not (fold and part == "dkdv"), "FOLD scales P^T by one product's scale: the other needs it unscaled"
     block_q = block_q or dkdv_query_tile(head_dim, part == "dkdv")
     assert quant["q_mean"] is None, "no Q-smoothing on this path"
     q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]

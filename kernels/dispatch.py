@@ -5,7 +5,7 @@
 * ``auto`` (default): on an sm_90 GPU with a Triton whose Gluon API they are tested on (``GLUON_TESTED``;
   another release runs the portable kernels there, with one warning),
   the Gluon forward for the calls it takes where it measured faster (at head dim 128, a causal or windowed call
-  only from ``GLUON_MIN_KEYS_D128`` keys, the longest sequence's, on; not soft-capped calls), padded or packed, and the
+  from ``GLUON_MIN_KEYS_D128`` keys, the longest sequence's, on: now every length), padded or packed, and the
   Gluon backward for padded calls; the portable kernels everywhere else (the backward of packed batches too).
 * ``triton``: always the portable kernels (Ampere, Ada, Hopper, Blackwell, the interpreter).
 * ``gluon``: the Gluon kernels on an sm_90 GPU (H100, H200), also on an untested Triton release, for the calls
@@ -33,9 +33,11 @@ GLUON_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
 # Measured on an H100 (docs/speed_notes.md, session 4), whole forward against the portable kernels: 1.02-1.24x
 # at D=128 from 4K keys, 1.01-1.08x at D=64 (1K-16K), but 0.93x at D=128 with 1K keys. Kernels alone (session
 # 14): at D=128 with 1K keys 1.15x without a mask but 0.97x causal (2K: 1.15x, 1.04x), so below
-# GLUON_MIN_KEYS_D128 only masked (causal or windowed) calls stay portable.
+# GLUON_MIN_KEYS_D128 masked (causal or windowed) calls stayed portable. Session 21 (H200, kernels alone, the
+# persistent kernel with P in operand order): 1.14x causal at 1K keys, 1.24x at 2K (1.23x, 1.26x unmasked), so
+# every length runs on Gluon; the threshold stays as the knob.
 GLUON_BY_DEFAULT = True
-GLUON_MIN_KEYS_D128 = 2048
+GLUON_MIN_KEYS_D128 = 0
 # The Gluon backward (dV, dK, dQ launches, kernels/backward_hopper.py) for padded batches.
 GLUON_BWD_BY_DEFAULT = True
 # Soft-capped scores. Session 11 (tanh from exp2 and rcp.approx, three MUFU ops a score): the Gluon forward only

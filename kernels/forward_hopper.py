@@ -22,8 +22,8 @@ into each row's constant), P quantized per row of every BLOCK_N-key tile with th
   both without a mask (``dispatch.gluon_forward_consumers`` says when).
 
 Status (docs/speed_notes.md, session 4, H100): kernel-only 1.16-1.26x the portable kernel at D=128 (4K-16K
-keys), 1.02-1.09x at D=64; the default on Hopper through ``dispatch.py`` (at D=128 a causal or windowed
-call from ``GLUON_MIN_KEYS_D128`` keys). Packed batches: TMA needs a 16-byte aligned innermost tile coordinate, so
+keys), 1.02-1.09x at D=64; the default on Hopper through ``dispatch.py`` (for every length since session 21:
+``GLUON_MIN_KEYS_D128``). Packed batches: TMA needs a 16-byte aligned innermost tile coordinate, so
 this kernel reads V^T laid out by ``quantize.aligned_starts`` there; and items past a short sequence's end run
 no tiles (tests/test_dispatch.py and the Transformers packing tests on an H100, session 5).
 

@@ -108,7 +108,7 @@ def make_inputs(mod, a):
                                 window, d ** -0.5, **kw)
 
 
-SASS_RE = re.compile(r"^\s*(?:/\*([0-9a-f]+)\*/)?\s*(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;]*;")
+SASS_RE = re.compile(r"^\s*(?:/\*([0-9a-f]+)\*/)?\s*(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)[^;]*;")
 LINE_RE = re.compile(r'//## File "([^"]+)", line (\d+)')
 
 
@@ -146,6 +146,24 @@ def sass_summary(sass_text, src_lines):
         sp["addr"] = hex(sp["addr"])
     by_src = collections.Counter((sp["op"], sp["source"], sp["loop"]) for sp in spills)
     return ops, spills, by_src, [f"{a:#x}-{b:#x} ({(b - a) // 16 + 1} instr)" for a, b in sorted(set(loops))]
+
+
+def tile_loops(sass_text, loops, min_instr=300):
+    """The innermost loops of at least ``min_instr`` instructions (a kernel's tile loops: every consumer
+    warpgroup has its own copy), each with its opcode counts (full mnemonics: ``MUFU.EX2``, ``IGMMA...``)."""
+    spans = [tuple(int(x, 16) for x in lp.split(" ")[0].split("-")) for lp in loops]
+    inner = [(a, b) for a, b in spans if (b - a) // 16 + 1 >= min_instr
+             and not any((a, b) != (c, d) and a <= c and d <= b for c, d in spans)]
+    counts = {span: collections.Counter() for span in inner}
+    for line in sass_text.splitlines():
+        m = SASS_RE.match(line)
+        if not m or m.group(1) is None:
+            continue
+        addr = int(m.group(1), 16)
+        for a, b in inner:
+            if a <= addr <= b:
+                counts[a, b][m.group(3)] += 1
+    return {f"{a:#x}-{b:#x} ({(b - a) // 16 + 1} instr)": dict(c.most_common()) for (a, b), c in counts.items()}
 
 
 def main():
@@ -212,7 +230,7 @@ def main():
         instructions=sum(ops.values()), STL=ops["STL"], LDL=ops["LDL"],
         opcodes=dict(ops.most_common()),
         spills_by_source=[dict(op=k[0], source=k[1], loop=k[2], count=c) for k, c in by_src.most_common()],
-        spills=spills, loops=loops)
+        spills=spills, loops=loops, tile_loops=tile_loops(sass, loops))
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
     print(f"{os.path.basename(src_file)} {a.kernel} D={a.head_dim} causal={a.causal} kw={a.kw}: n_regs {regs}, "
@@ -220,6 +238,8 @@ def main():
           f"{summary['instructions']} SASS instructions, STL {ops['STL']}, LDL {ops['LDL']} -> {a.out}")
     for s in summary["spills_by_source"][:12]:
         print(f"  {s['count']:4d} {s['op']}  {s['source']}  [loop {s['loop']}]")
+    for span, c in summary["tile_loops"].items():
+        print(f"  tile loop {span}: " + ", ".join(f"{op} {n}" for op, n in list(c.items())[:10]))
 
 
 if __name__ == "__main__":

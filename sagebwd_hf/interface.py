@@ -374,6 +374,8 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k, sinks)
     ctx.args = args
     ctx.mark_non_differentiable(output[1])
+    # lse has no gradient: without this autograd would allocate and zero-fill one (a launch) every backward
+    ctx.set_materialize_grads(False)
 
 
 def _backward_with(bwd, num_inputs):
@@ -381,6 +383,8 @@ def _backward_with(bwd, num_inputs):
     saved q, k, v, out, lse, two more tensors and the sinks, the non-tensor inputs in ``ctx.args``; gradients
     for q, k, v and the sinks (last of the op's ``num_inputs``)."""
     def backward(ctx, dout, _dlse):
+        if dout is None:    # the output took no part in what is differentiated (grads are not materialized)
+            return (None,) * num_inputs
         *saved, sinks = ctx.saved_tensors
         dq, dk, dv, dsinks = bwd(dout, *saved, *ctx.args, sinks)
         return (dq, dk, dv) + (None,) * (num_inputs - 4) + (dsinks if sinks is not None else None,)

@@ -187,6 +187,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, output[0], output[1], mask, ids, sinks)
     ctx.args = args
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)    # no zero-filled gradient for lse every backward (interface._setup_context)
 
 
 _segmented = autograd_op("SageBwdSegmentedAttention", _segmented_fwd, _segmented_fwd_impl, _segmented_bwd,

@@ -647,7 +647,7 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     Q and first K / V tiles load while this one's epilogue runs, and causal calls' items of unequal length balance
     (a static round-robin did not: session 20); None (or at least one per item): one program per work item.
     ``v_operand_order``: ``v8t`` from ``quantize_v(..., operand_order=True)`` (each 16 keys in the order P's
-    registers hold them, so P goes to ``P V`` without shuffles: kernels alone 1.02-1.11x, session 21); the op's."""
+    registers hold them, so P goes to ``P V`` without shuffles: kernels alone 1.01-1.11x, session 21); the op's."""
     if exp_poly not in (0, 2, 4):
         raise ValueError(f"exp_poly must be 0, 2 or 4, got {exp_poly!r}")
     assert sink_shift is None or (sinks is not None and sink_shift.stride() == lse.stride())

@@ -175,8 +175,8 @@ def main():
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--seqlen", type=int, default=4096)
-    p.add_argument("--kernel", choices=["fwd", "dv", "dk", "dq"], default="fwd",
-                   help="the forward, or one backward launch (backward_hopper)")
+    p.add_argument("--kernel", choices=["fwd", "dv", "dk", "dkdv", "dq"], default="fwd",
+                   help="the forward, or one backward launch (backward_hopper; dkdv: dK and dV in one program)")
     p.add_argument("--kernel-file", default=None)
     p.add_argument("--kw", default="{}", help="JSON dict of extra forward_hopper_args keywords")
     p.add_argument("--out", required=True)

@@ -57,7 +57,7 @@ from .layout import cdiv, tma_addressable, token_rows
 from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
 from .forward_hopper import (HEAD_DIMS, _band_mask, _ceil_to, _claim_item, _floor_to, _key_tiles, _next_item,
-                             _operand_order,
+                             _as_operand,
                              _post_item, _round_to_int8, _split_item, _tanh_scores, _tma_desc, persistent_grid,
                              qk_blocks, tma_descriptor, wgmma_layout)
 
@@ -229,11 +229,7 @@ def _quantize_rows(x, x_max, ORDER: gl.constexpr, p_layout: gl.constexpr, o_layo
     int8 wgmma A operand, and the row scales in the product's row layout. ``ORDER``: the operand read from the
     registers as they are, its columns in forward_hopper._operand_order's order (the B operand's token-major copy
     permuted to match: quantize's ``operand_order``); else moved by shuffles."""
-    x8 = _round_to_int8(x * gl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None])
-    if ORDER:
-        x8 = gl.convert_layout(_operand_order(x8), p_layout, assert_trivial=True)
-    else:
-        x8 = gl.convert_layout(x8, p_layout)
+    x8 = _as_operand(_round_to_int8(x * gl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None]), ORDER, p_layout)
     return x8, gl.convert_layout(x_max * (1.0 / 127.0), gl.SliceLayout(1, o_layout))
 
 

@@ -137,6 +137,15 @@ def _operand_order(p):
 
 
 @gluon.jit
+def _as_operand(x8, ORDER: gl.constexpr, p_layout: gl.constexpr):
+    """An int8 accumulator-layout tile as the wgmma A operand ``p_layout``: with ``ORDER`` read from its
+    registers as they are (_operand_order; the other operand's tokens permuted to match), else moved by shuffles."""
+    if ORDER:
+        return gl.convert_layout(_operand_order(x8), p_layout, assert_trivial=True)
+    return gl.convert_layout(x8, p_layout)
+
+
+@gluon.jit
 def _floor_to(x, BLOCK: gl.constexpr):
     return (gl.maximum(x, 0) // BLOCK) * BLOCK
 
@@ -384,10 +393,7 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
         e_ref = gl.where(tile_max == float("-inf"), 0.0, tile_max - LOG2_127)
         e = _exp2_tile(gl.fma(t, row_mul[:, None], (row_add - e_ref)[:, None]), EXP_POLY, s_layout)
         p_scale = gl.exp2(tile_max - m_ref) * (1.0 / 127.0)
-        if V_ORDER:   # P's registers as they are, read in wgmma's operand order (V^T's keys permuted to match)
-            p8 = gl.convert_layout(_operand_order(_round_to_int8(e)), p_layout, assert_trivial=True)
-        else:
-            p8 = gl.convert_layout(_round_to_int8(e), p_layout)
+        p8 = _as_operand(_round_to_int8(e), V_ORDER, p_layout)
         pv_tok = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
         # while P V runs: the row sum, and the rescaled accumulator less the int32_times offset
         l_i = l_i * alpha + gl.sum(e, 1) * p_scale

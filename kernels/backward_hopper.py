@@ -56,10 +56,9 @@ from .launch import launch
 from .layout import cdiv, tma_addressable, token_rows
 from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
-from .forward_hopper import (HEAD_DIMS, _band_mask, _ceil_to, _claim_item, _floor_to, _key_tiles, _next_item,
-                             _as_operand,
-                             _post_item, _round_to_int8, _split_item, _tanh_scores, _tma_desc, persistent_grid,
-                             qk_blocks, tma_descriptor, wgmma_layout)
+from .forward_hopper import (HEAD_DIMS, _as_operand, _ceil_to, _claim_item, _floor_to, _inside, _key_tiles,
+                             _next_item, _post_item, _round_to_int8, _split_item, _tanh_scores, _tile_band_mask,
+                             _tma_desc, persistent_grid, qk_blocks, tma_descriptor, wgmma_layout)
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
@@ -224,6 +223,22 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
 
 
 @gluon.jit
+def _query_band_mask(offs_m, keys, start_m, diag, window_left, window_right, MASK_LEFT: gl.constexpr,
+                     MASK_RIGHT: gl.constexpr):
+    """forward_hopper._tile_band_mask for (key row, query column) pairs of the query tile at ``start_m``, as bounds on
+    the column (``offs_m``: 0..BLOCK_Q-1) per key, computed once a tile: one compare a score and bound. The
+    sequences' ends need no mask here: a query past the end has lse +inf (P^T is 0), a key past the end has
+    its dK and dV rows never stored. At least one of ``MASK_LEFT``, ``MASK_RIGHT``."""
+    if MASK_RIGHT:   # k <= q + diag + window_right
+        valid = offs_m[None, :] >= (keys - diag - window_right - start_m)[:, None]
+        if MASK_LEFT:
+            valid = valid & (offs_m[None, :] <= (keys - diag + window_left - start_m)[:, None])
+    else:            # k >= q + diag - window_left
+        valid = offs_m[None, :] <= (keys - diag + window_left - start_m)[:, None]
+    return valid
+
+
+@gluon.jit
 def _quantize_rows(x, x_max, ORDER: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
     """``x`` quantized per row (``x_max`` its row maxima of |x|, mapped to 127; backward._quantize_rows) as an
     int8 wgmma A operand, and the row scales in the product's row layout. ``ORDER``: the operand read from the
@@ -293,10 +308,11 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
             pt = gl.exp2(gl.fma(tht, softcap2, -lse[None, :]))
         else:
             pt = gl.exp2(gl.fma(st, q_scale[None, :], -lse[None, :]))   # lse is +inf past the end: 0
-        if MASKED:
-            valid = _band_mask((start_m + offs_m)[None, :], keys[:, None], seqlen_q, seqlen_k, diag, window_left,
-                               window_right, MASK_LEFT, MASK_RIGHT)
-            pt = gl.where(valid, pt, 0.0)
+        if MASKED and (MASK_LEFT or MASK_RIGHT):   # (the sequences' ends: _query_band_mask)
+            pt = gl.where(_query_band_mask(offs_m, keys, start_m, diag, window_left, window_right, MASK_LEFT,
+                                           MASK_RIGHT), pt, 0.0)
+        elif MASKED:   # no band: as before _query_band_mask (forward_hopper._inside)
+            pt = gl.where(_inside((start_m + offs_m)[None, :], keys[:, None], seqlen_q, seqlen_k), pt, 0.0)
         # Each product's operand: the other operand's per-token scale folded in, then one scale per key over the
         # tile (backward._quantize_rows: unsigned for P^T, signed for dS^T). Both operands are quantized before
         # either product runs, so P^T, dP^T and dS^T in fp32 are dead by then. (Each per-query vector costs
@@ -561,6 +577,8 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, s
     s_zero = gl.zeros([HALF_N, BLOCK_K], gl.int32, s_layout)
     dp_zero = gl.zeros([HALF_N, BLOCK_K], gl.float32, dp_layout)
     diag = seqlen_k - seqlen_q
+    BAND: gl.constexpr = MASKED and (MASK_LEFT or MASK_RIGHT)
+    ks_ptr = KS + ks_off + lo + BLOCK_K     # band-masked loops: 32-bit key indices (forward_hopper._consume)
     for start_n in range(lo, hi, BLOCK_K):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
@@ -569,7 +587,11 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, s
             s_tok = warpgroup_mma(q8b, k2_smem.index(s).permute((1, 0)), s_tok, is_async=True)
         # dP = dO V^T in the input dtype (quantizing it would feed error into dS), beside S
         dp_tok = warpgroup_mma(do16, v_smem.index(s).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
-        ks_next = gl.load(KS + ks_off + start_n + BLOCK_K, mask=start_n + BLOCK_K < seqlen_k, other=0.0)
+        if BAND:
+            ks_next = gl.load(ks_ptr, mask=start_n + BLOCK_K < seqlen_k, other=0.0)
+            ks_ptr += BLOCK_K
+        else:
+            ks_next = gl.load(KS + ks_off + start_n + BLOCK_K, mask=start_n + BLOCK_K < seqlen_k, other=0.0)
         s_int, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
         # x = 1.5 * 2^23 + S_int read as a float (quantize.int32_times); the tile's one K scale joins each row's
         # constants (per-key scales cost an FMA a score and 64 registers, which spilled at D=128)
@@ -581,10 +603,11 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, s
         else:   # lse is +inf past the end: 0
             row_mul = q_scale * ks
             p = gl.exp2(gl.fma(t, row_mul[:, None], (row_mul * -12582912.0 - lse)[:, None]))
-        if MASKED:
-            valid = _band_mask(rows[:, None], (start_n + offs_n)[None, :], seqlen_q, seqlen_k, diag, window_left,
-                               window_right, MASK_LEFT, MASK_RIGHT)
-            p = gl.where(valid, p, 0.0)
+        if BAND:
+            p = gl.where(_tile_band_mask(offs_n, rows, start_n, seqlen_k, diag, window_left, window_right, MASK_LEFT,
+                                         MASK_RIGHT), p, 0.0)
+        elif MASKED:
+            p = gl.where(_inside(rows[:, None], (start_n + offs_n)[None, :], seqlen_q, seqlen_k), p, 0.0)
         # dS, one scale per query over the tile (signed), times the tile's K scale
         x = p * (gl.convert_layout(dp, s_layout) - delta[:, None])
         if SOFTCAP:   # dS with respect to the uncapped score; its row sums for K-smoothing's term

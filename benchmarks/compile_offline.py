@@ -82,6 +82,11 @@ def make_inputs(mod, a):
     arguments, or with ``--kernel dv | dk | dq`` the backward's (``mod`` is then backward_hopper)."""
     from sagebwd_hf.kernels.layout import SeqLayout
     b, h, hk, n, d, dv = a.batch, a.heads, a.kv_heads or a.heads, a.seqlen, a.head_dim, a.head_dim_v or a.head_dim
+    packing = None
+    if a.packed:    # one [1, H, T, D] batch of a.batch sequences of a.seqlen tokens (what compiles is the same)
+        lay_packed = SeqLayout(b, n, torch.arange(b + 1, dtype=torch.int32) * n)
+        starts = torch.arange(b + 1, dtype=torch.int32) * (-(-n // 16) * 16)
+        b, n = 1, b * n + 15 * b
     npad = -(-n // 16) * 16
     quant = dict(q8=torch.empty(b, h, n, d, dtype=torch.int8), k8=torch.empty(b, hk, n, d, dtype=torch.int8),
                  q_scale=torch.empty(b, h, n), k_scale=torch.empty(b, hk, n), q_mean=None)
@@ -93,7 +98,12 @@ def make_inputs(mod, a):
     window = (-1, 0) if a.causal else (-1, -1)
     kw = json.loads(a.kw)
     if a.kernel == "fwd":
+        if a.packed:
+            kw["v_starts"] = starts
+            layout = lay_packed
         return mod.forward_hopper_args(quant, v8t, v_scale, out4, lse, layout, layout, h, h // hk, d, window, **kw)
+    if a.packed:
+        kw["packing"] = (lay_packed, lay_packed, starts)
     quant.update(q8t=torch.empty(b, h, d, npad, dtype=torch.int8), k8t=torch.empty(b, hk, d, npad, dtype=torch.int8),
                  q_scale_raw=torch.empty(b, h, n))
     do4 = torch.empty(b, h, n, dv, dtype=torch.bfloat16)
@@ -178,6 +188,7 @@ def main():
     p.add_argument("--kernel", choices=["fwd", "dv", "dk", "dkdv", "dq"], default="fwd",
                    help="the forward, or one backward launch (backward_hopper; dkdv: dK and dV in one program)")
     p.add_argument("--kernel-file", default=None)
+    p.add_argument("--packed", action="store_true", help="a packed batch (--batch sequences of --seqlen tokens)")
     p.add_argument("--kw", default="{}", help="JSON dict of extra forward_hopper_args keywords")
     p.add_argument("--out", required=True)
     a = p.parse_args()

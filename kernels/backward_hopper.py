@@ -43,9 +43,10 @@ dS (dS^T) times the cap's derivative ``1 - tanh^2``, as backward.py.
 when a row's dS sum to zero, not with a cap (the kernel's own rowsum) or sinks (``ROW_DS``: the sink's share,
 given). The epilogue adds it, as backward.py (a PyTorch pass over dQ before).
 
-Padded batches, head dims 64 and 128, and MLA's 192 for Q/K with 128 for V (Q's and K's channels as two
-blocks, forward_hopper.qk_blocks: two wgmmas for each product over them, two accumulators for dK and dQ), no
-Q-smoothing (``dispatch.use_gluon(..., backward=True)``).
+Padded and packed batches (``packing``: the sequences' starts, as the forward's ``IS_VARLEN``; their token-major
+copies start 16-aligned, ``quantize.aligned_starts``), head dims 64 and 128, and MLA's 192 for Q/K with 128 for V
+(Q's and K's channels as two blocks, forward_hopper.qk_blocks: two wgmmas for each product over them, two
+accumulators for dK and dQ), no Q-smoothing (``dispatch.use_gluon(..., backward=True)``).
 """
 import torch
 from triton.experimental import gluon
@@ -109,25 +110,56 @@ def _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @gluon.jit
-def _dkdv_item(t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, MASK_LEFT: gl.constexpr,
-               MASK_RIGHT: gl.constexpr, BLOCK_Q: gl.constexpr):
+def _sequence(b, n_q, n_k, CU_Q, CU_K, CU_T, IS_VARLEN: gl.constexpr):
+    """Sequence ``b``'s place in the tensors: (batch index of the [B, H, N, D] tensors, first query, first key,
+    first column of the token-major copy (Q^T and dO^T, or K^T), query and key counts). Packed batches are one
+    [1, H, T, D] batch with the sequences' token starts ``CU_Q`` / ``CU_K`` and their token-major copies'
+    16-aligned starts ``CU_T`` (quantize.aligned_starts: TMA wants 16-byte aligned tile columns)."""
+    if IS_VARLEN:
+        q0 = gl.load(CU_Q + b)
+        seqlen_q = gl.load(CU_Q + b + 1) - q0
+        k0 = gl.load(CU_K + b)
+        seqlen_k = gl.load(CU_K + b + 1) - k0
+        t0 = gl.load(CU_T + b)
+        bt = b * 0
+    else:
+        q0 = b * 0            # tensors, not constants: both branches must give one type
+        seqlen_q = n_q + q0
+        k0 = q0
+        seqlen_k = n_k + q0
+        t0 = q0
+        bt = b
+    return bt, q0, k0, t0, seqlen_q, seqlen_k
+
+
+@gluon.jit
+def _dkdv_item(t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, CU_Q, CU_K, CU_QT,
+               IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, BLOCK_Q: gl.constexpr):
     """Work item ``t`` of the key-tile launches: 128 keys of one (sequence, KV head), key tile fastest (with a
     causal mask the first key tiles, which the most queries see, come first: the longest items start early).
-    Returns its sequence, KV head, first key, lengths and query-tile bounds (_query_tiles)."""
+    Returns its sequence, its batch index in the tensors, KV head, first key of the item, the sequence's starts
+    (_sequence: queries, keys, Q^T/dO^T columns), lengths and query-tile bounds (_query_tiles). An item past its
+    sequence's keys (packed batches) runs no tiles."""
     pid_n, b, hk = _split_item(t, num_n, num_kv_heads, False)
-    seqlen_q = n_q + b * 0
-    seqlen_k = n_k + b * 0
+    bt, q0, k0, qt0, seqlen_q, seqlen_k = _sequence(b, n_q, n_k, CU_Q, CU_K, CU_QT, IS_VARLEN)
     start_n = pid_n * BLOCK_N
     lo, full_lo, full_hi, hi = _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                             MASK_LEFT, MASK_RIGHT, BLOCK_Q)
-    return b, hk, start_n, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi
+    if IS_VARLEN:
+        has_keys = (start_n < seqlen_k).to(gl.int32)
+        lo = lo * has_keys
+        full_lo = full_lo * has_keys
+        full_hi = full_hi * has_keys
+        hi = hi * has_keys
+    return b, bt, hk, start_n, q0, k0, qt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi
 
 
 @gluon.jit
 def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, q_smem, qt_smem, do_smem,
             dot_smem, k_smem, v_smem, q2_smem, qt2_smem, k2_smem, vec_smem, k_ready, k_empty, ready, empty,
-            item_smem, item_bar, COUNTER, QS, LSE, DOS, DELTA, QSR, SHIFT, inv_cap, s_qsb, s_qsh, do_rb, do_rh, do_ch,
-            v_rb, v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, num_items, num_n,
+            item_smem, item_bar, COUNTER, QS, LSE, DOS, DELTA, QSR, SHIFT, CU_Q, CU_K, CU_QT, inv_cap, s_qsb, s_qsh,
+            do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group, window_left,
+            window_right, num_items, num_n, IS_VARLEN: gl.constexpr,
             MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
             FOLD: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr,
             HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, DYNAMIC: gl.constexpr):
@@ -152,17 +184,18 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
     j = num_items * 0
     t = gl.program_id(0) + j
     while t < num_items:
-        b, hk, start_n, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dkdv_item(
-            t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, MASK_LEFT, MASK_RIGHT, BLOCK_Q)
+        b, bt, hk, start_n, q0, k0, qt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dkdv_item(
+            t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, CU_Q, CU_K, CU_QT, IS_VARLEN, MASK_LEFT,
+            MASK_RIGHT, BLOCK_Q)
         # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], Q8^T [B*H*D, Nq_pad], dO8^T [B*H*Dv, Nq_pad],
         # K8 [B*Hk*Nk, D]; dO and V in the caller's memory (token_rows: row b*rb + h*rh + n, column h*ch)
-        q_head0 = b * num_heads + hk * group
-        k_row = (b * num_kv_heads + hk) * n_k + start_n
-        do_row0 = b * do_rb + (hk * group) * do_rh
+        q_head0 = bt * num_heads + hk * group
+        k_row = (bt * num_kv_heads + hk) * n_k + k0 + start_n
+        do_row0 = bt * do_rb + (hk * group) * do_rh + q0
         do_col0 = (hk * group) * do_ch
-        v_row = b * v_rb + hk * v_rh + start_n
+        v_row = bt * v_rb + hk * v_rh + k0 + start_n
         v_col = hk * v_ch
-        vec_head0 = b.to(gl.int64) * s_qsb + (hk * group) * s_qsh
+        vec_head0 = bt.to(gl.int64) * s_qsb + (hk * group) * s_qsh + q0
         mbarrier.wait(k_empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
         _post_item(item_smem, item_bar, t)
         mbarrier.expect(k_ready, 2 * kv_bytes)
@@ -177,20 +210,21 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
                 s = i % STAGES
                 mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), nbytes)
-                q_row = (q_head0 + g) * n_q + start_m
+                q_row = (q_head0 + g) * n_q + q0 + start_m
                 t_row = (q_head0 + g) * HEAD_DIM    # Q8^T's rows: [B*H*D, Nq_pad]; dO8^T's: [B*H*Dv, Nq_pad]
                 tma.async_copy_global_to_shared(q_desc, [q_row, 0], ready.index(s), q_smem.index(s))
                 if QK_SPLIT:
                     tma.async_copy_global_to_shared(q2_desc, [q_row, D1], ready.index(s), q2_smem.index(s))
                 if DO_DV:
-                    tma.async_copy_global_to_shared(dot_desc, [(q_head0 + g) * HEAD_DIM_V, start_m],
+                    tma.async_copy_global_to_shared(dot_desc, [(q_head0 + g) * HEAD_DIM_V, qt0 + start_m],
                                                     ready.index(s), dot_smem.index(s))
                 if DO_DK:
                     tma.async_copy_global_to_shared(do_desc, [do_row0 + g * do_rh + start_m, do_col0 + g * do_ch],
                                                     ready.index(s), do_smem.index(s))
-                    tma.async_copy_global_to_shared(qt_desc, [t_row, start_m], ready.index(s), qt_smem.index(s))
+                    tma.async_copy_global_to_shared(qt_desc, [t_row, qt0 + start_m], ready.index(s),
+                                                    qt_smem.index(s))
                     if QK_SPLIT:
-                        tma.async_copy_global_to_shared(qt2_desc, [t_row + D1, start_m], ready.index(s),
+                        tma.async_copy_global_to_shared(qt2_desc, [t_row + D1, qt0 + start_m], ready.index(s),
                                                         qt2_smem.index(s))
                 rows = start_m + offs
                 ok = rows < seqlen_q
@@ -354,9 +388,10 @@ def _store_rows(acc, rows, seqlen, OUT, out_off, s_ot, out_scale, COL0: gl.const
 
 @gluon.jit
 def _bwd_consumer(k8, k8b, v16, C: gl.constexpr, q_smem, q2_smem, qt_smem, qt2_smem, do_smem, dot_smem, vec_smem,
-                  k_ready, k_empty, ready, empty, item_smem, item_bar, KS, DV, DK, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt,
-                  s_dkb, s_dkh, s_dkt, n_q, n_k, num_kv_heads, window_left, window_right, group, num_items, num_n,
-                  softmax_scale, softcap2, D1: gl.constexpr, D2: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                  k_ready, k_empty, ready, empty, item_smem, item_bar, KS, DV, DK, CU_Q, CU_K, CU_QT, s_ksb, s_ksh,
+                  s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, n_q, n_k, num_kv_heads, window_left, window_right, group,
+                  num_items, num_n, softmax_scale, softcap2, D1: gl.constexpr, D2: gl.constexpr,
+                  HEAD_DIM_V: gl.constexpr, IS_VARLEN: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
                   FOLD: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr,
                   ORDER: gl.constexpr):
@@ -374,9 +409,10 @@ def _bwd_consumer(k8, k8b, v16, C: gl.constexpr, q_smem, q2_smem, qt_smem, qt2_s
     j = num_items * 0
     t = _next_item(item_smem, item_bar, j)
     while t < num_items:
-        b, hk, start_n, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dkdv_item(
-            t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, MASK_LEFT, MASK_RIGHT, BLOCK_Q)
-        ks_off = b.to(gl.int64) * s_ksb + hk * s_ksh
+        b, bt, hk, start_n, q0, k0, qt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dkdv_item(
+            t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, CU_Q, CU_K, CU_QT, IS_VARLEN, MASK_LEFT,
+            MASK_RIGHT, BLOCK_Q)
+        ks_off = bt.to(gl.int64) * s_ksb + hk * s_ksh + k0
         keys = start_n + C * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
         k_scale = gl.load(KS + ks_off + keys, mask=keys < seqlen_k, other=0.0)
         k_bias = k_scale * -12582912.0
@@ -402,9 +438,10 @@ def _bwd_consumer(k8, k8b, v16, C: gl.constexpr, q_smem, q2_smem, qt_smem, qt2_s
                 ORDER, s_layout, dp_layout, dk_layout, p_layout)
         mbarrier.arrive(k_empty, count=1)     # every product with this item's K and V was waited for
         if DO_DV:
-            _store_rows(dv_acc, keys, seqlen_k, DV, b.to(gl.int64) * s_dvb + hk.to(gl.int64) * s_dvh, s_dvt, 1.0, 0)
+            dv_off = bt.to(gl.int64) * s_dvb + hk.to(gl.int64) * s_dvh + k0.to(gl.int64) * s_dvt
+            _store_rows(dv_acc, keys, seqlen_k, DV, dv_off, s_dvt, 1.0, 0)
         if DO_DK:
-            dk_off = b.to(gl.int64) * s_dkb + hk.to(gl.int64) * s_dkh
+            dk_off = bt.to(gl.int64) * s_dkb + hk.to(gl.int64) * s_dkh + k0.to(gl.int64) * s_dkt
             _store_rows(dk_acc, keys, seqlen_k, DK, dk_off, s_dkt, softmax_scale, 0)
             if QK_SPLIT:
                 _store_rows(dk2_acc, keys, seqlen_k, DK, dk_off, s_dkt, softmax_scale, D1)
@@ -415,9 +452,10 @@ def _bwd_consumer(k8, k8b, v16, C: gl.constexpr, q_smem, q2_smem, qt_smem, qt2_s
 @gluon.jit
 def _attn_bwd_dkdv_hopper_kernel(
     q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, QS, LSE, DOS, DELTA, QSR, SHIFT,
-    KS, DV, DK, COUNTER, s_qsb, s_qsh, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, do_rb, do_rh, do_ch,
-    v_rb, v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softmax_scale, softcap2,
-    num_items, num_n, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
+    KS, DV, DK, COUNTER, CU_Q, CU_K, CU_QT, s_qsb, s_qsh, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt,
+    do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right,
+    softmax_scale, softcap2, num_items, num_n, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr,
+    MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr,
     BLOCK_Q: gl.constexpr, DYNAMIC: gl.constexpr, ORDER: gl.constexpr,
@@ -470,20 +508,22 @@ def _attn_bwd_dkdv_hopper_kernel(
     gl.warp_specialize([
         (_bwd_consumer, (k_smem.index(0), k2_smem.index(0), v_smem.index(0), 0, q_smem, q2_smem, qt_smem, qt2_smem,
                          do_smem, dot_smem, vec_smem, k_ready, k_empty, ready, empty, item_smem, item_bar, KS, DV, DK,
-                         s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, n_q, n_k, num_kv_heads, window_left,
-                         window_right, group, num_items, num_n, softmax_scale, softcap2, D1, D2, HEAD_DIM_V,
-                         MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT, ORDER)),
+                         CU_Q, CU_K, CU_QT, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, n_q, n_k,
+                         num_kv_heads, window_left, window_right, group, num_items, num_n, softmax_scale, softcap2,
+                         D1, D2, HEAD_DIM_V, IS_VARLEN, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q,
+                         QK_SPLIT, ORDER)),
         (_bwd_consumer, (k_smem.index(1), k2_smem.index(1), v_smem.index(1), 1, q_smem, q2_smem, qt_smem, qt2_smem,
                          do_smem, dot_smem, vec_smem, k_ready, k_empty, ready, empty, item_smem, item_bar, KS, DV, DK,
-                         s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, n_q, n_k, num_kv_heads, window_left,
-                         window_right, group, num_items, num_n, softmax_scale, softcap2, D1, D2, HEAD_DIM_V,
-                         MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT, ORDER)),
+                         CU_Q, CU_K, CU_QT, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, n_q, n_k,
+                         num_kv_heads, window_left, window_right, group, num_items, num_n, softmax_scale, softcap2,
+                         D1, D2, HEAD_DIM_V, IS_VARLEN, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q,
+                         QK_SPLIT, ORDER)),
         (_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, q_smem, qt_smem,
                    do_smem, dot_smem, k_smem, v_smem, q2_smem, qt2_smem, k2_smem, vec_smem, k_ready, k_empty, ready,
-                   empty, item_smem, item_bar, COUNTER, QS, LSE, DOS, DELTA, QSR, SHIFT, 1.0 / softcap2, s_qsb, s_qsh,
-                   do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group, window_left,
-                   window_right, num_items, num_n, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q,
-                   QK_SPLIT, HEAD_DIM, HEAD_DIM_V, DYNAMIC)),
+                   empty, item_smem, item_bar, COUNTER, QS, LSE, DOS, DELTA, QSR, SHIFT, CU_Q, CU_K, CU_QT,
+                   1.0 / softcap2, s_qsb, s_qsh, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, n_q, n_k, num_heads,
+                   num_kv_heads, group, window_left, window_right, num_items, num_n, IS_VARLEN, MASK_LEFT, MASK_RIGHT,
+                   DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT, HEAD_DIM, HEAD_DIM_V, DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -492,25 +532,33 @@ def _attn_bwd_dkdv_hopper_kernel(
 # ---------------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _dq_item(t, num_m, n_q, n_k, num_heads, group, window_left, window_right, MASK_LEFT: gl.constexpr,
-             MASK_RIGHT: gl.constexpr, BLOCK_K: gl.constexpr):
+def _dq_item(t, num_m, n_q, n_k, num_heads, group, window_left, window_right, CU_Q, CU_K, CU_KT,
+             IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, BLOCK_K: gl.constexpr):
     """Work item ``t`` of the dQ launch: 128 queries of one (sequence, head), query tile fastest; with a causal
     mask the last query tiles, which see the most keys, come first (forward_hopper._work_item's order). Returns
-    its sequence, head, KV head, first query, lengths and key-tile bounds (forward_hopper._key_tiles)."""
+    its sequence, its batch index in the tensors, head, KV head, first query of the item, the sequence's starts
+    (_sequence: queries, keys, K^T columns), lengths and key-tile bounds (forward_hopper._key_tiles). An item
+    past its sequence's queries (packed batches) runs no tiles."""
     pid_m, b, h = _split_item(t, num_m, num_heads, MASK_RIGHT)
-    seqlen_q = n_q + b * 0
-    seqlen_k = n_k + b * 0
+    bt, q0, k0, kt0, seqlen_q, seqlen_k = _sequence(b, n_q, n_k, CU_Q, CU_K, CU_KT, IS_VARLEN)
     start_m = pid_m * BLOCK_M
     lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                           BLOCK_M, MASK_LEFT, MASK_RIGHT, BLOCK_K)
-    return b, h, h // group, start_m, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi
+    if IS_VARLEN:
+        has_rows = (start_m < seqlen_q).to(gl.int32)
+        lo = lo * has_rows
+        full_lo = full_lo * has_rows
+        full_hi = full_hi * has_rows
+        hi = hi * has_rows
+    return b, bt, h, h // group, start_m, q0, k0, kt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi
 
 
 @gluon.jit
 def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, q_smem, do_smem, k_smem, v_smem,
                kt_smem, q2_smem, k2_smem, kt2_smem, q_ready, q_empty, ready, empty, item_smem, item_bar, COUNTER,
-               n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, do_rb, do_rh, do_ch, v_rb, v_rh,
-               v_ch, num_items, num_m, HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+               CU_Q, CU_K, CU_KT, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, do_rb, do_rh,
+               do_ch, v_rb, v_rh, v_ch, num_items, num_m, HEAD_DIM: gl.constexpr, IS_VARLEN: gl.constexpr,
+               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                QK_SPLIT: gl.constexpr, DYNAMIC: gl.constexpr):
     """One warp, per work item (picked as the key-tile launches' loader picks them): posts it to the consumers,
     loads Q8 and dO (both halves) once they are done with the last item's; then per key tile of ``[lo, hi)``,
@@ -527,15 +575,16 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_d
     j = num_items * 0
     t = gl.program_id(0) + j
     while t < num_items:
-        b, h, hk, start_m, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dq_item(
-            t, num_m, n_q, n_k, num_heads, group, window_left, window_right, MASK_LEFT, MASK_RIGHT, BLOCK_K)
+        b, bt, h, hk, start_m, q0, k0, kt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dq_item(
+            t, num_m, n_q, n_k, num_heads, group, window_left, window_right, CU_Q, CU_K, CU_KT, IS_VARLEN, MASK_LEFT,
+            MASK_RIGHT, BLOCK_K)
         # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], K8 [B*Hk*Nk, D], K8^T [B*Hk*D, Nk_pad];
         # dO and V in the caller's memory (token_rows: row b*rb + h*rh + n, column h*ch)
-        q_row = (b * num_heads + h) * n_q + start_m
-        k_row = (b * num_kv_heads + hk) * n_k
-        kt_row = (b * num_kv_heads + hk) * HEAD_DIM
-        do_row = b * do_rb + h * do_rh + start_m
-        v_row = b * v_rb + hk * v_rh
+        q_row = (bt * num_heads + h) * n_q + q0 + start_m
+        k_row = (bt * num_kv_heads + hk) * n_k + k0
+        kt_row = (bt * num_kv_heads + hk) * HEAD_DIM
+        do_row = bt * do_rb + h * do_rh + q0 + start_m
+        v_row = bt * v_rb + hk * v_rh + k0
         mbarrier.wait(q_empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
         _post_item(item_smem, item_bar, t)
         mbarrier.expect(q_ready, 2 * q_bytes)
@@ -550,10 +599,11 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_d
             mbarrier.expect(ready.index(s), nbytes)
             tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
             tma.async_copy_global_to_shared(v_desc, [v_row + start_n, hk * v_ch], ready.index(s), v_smem.index(s))
-            tma.async_copy_global_to_shared(kt_desc, [kt_row, start_n], ready.index(s), kt_smem.index(s))
+            tma.async_copy_global_to_shared(kt_desc, [kt_row, kt0 + start_n], ready.index(s), kt_smem.index(s))
             if QK_SPLIT:
                 tma.async_copy_global_to_shared(k2_desc, [k_row + start_n, D1], ready.index(s), k2_smem.index(s))
-                tma.async_copy_global_to_shared(kt2_desc, [kt_row + D1, start_n], ready.index(s), kt2_smem.index(s))
+                tma.async_copy_global_to_shared(kt2_desc, [kt_row + D1, kt0 + start_n], ready.index(s),
+                                                kt2_smem.index(s))
             i += 1
         j += 1
         t = _claim_item(t, COUNTER, DYNAMIC)
@@ -632,9 +682,10 @@ def _add_row_term(acc, row_ds, KMEAN, COL0: gl.constexpr):
 
 @gluon.jit
 def _dq_consumer(q8, q8b, do16, C: gl.constexpr, k_smem, k2_smem, v_smem, kt_smem, kt2_smem, q_ready, q_empty, ready,
-                 empty, item_smem, item_bar, QS, LSE, DELTA, SHIFT, ROW_DS, KMEAN, KS, DQ, s_qsb, s_qsh, s_ksb, s_ksh,
-                 s_kmh, s_kmb, s_dqb, s_dqh, s_dqt, n_q, n_k, num_heads, group, window_left, window_right, num_items,
-                 num_m, out_scale, softcap2, D1: gl.constexpr, D2: gl.constexpr, MASK_LEFT: gl.constexpr,
+                 empty, item_smem, item_bar, QS, LSE, DELTA, SHIFT, ROW_DS, KMEAN, KS, DQ, CU_Q, CU_K, CU_KT, s_qsb,
+                 s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh, s_dqt, n_q, n_k, num_heads, group, window_left,
+                 window_right, num_items, num_m, out_scale, softcap2, D1: gl.constexpr, D2: gl.constexpr,
+                 IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr,
                  MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ROW_TERM: gl.constexpr, QK_SPLIT: gl.constexpr,
                  ORDER: gl.constexpr):
     """One warpgroup, per work item the loader posts: queries ``[start_m + C * 64, ... + 64)`` against every key
@@ -650,10 +701,11 @@ def _dq_consumer(q8, q8b, do16, C: gl.constexpr, k_smem, k2_smem, v_smem, kt_sme
     j = num_items * 0
     t = _next_item(item_smem, item_bar, j)
     while t < num_items:
-        b, h, hk, start_m, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dq_item(
-            t, num_m, n_q, n_k, num_heads, group, window_left, window_right, MASK_LEFT, MASK_RIGHT, BLOCK_K)
-        vec_off = b.to(gl.int64) * s_qsb + h * s_qsh
-        ks_off = b.to(gl.int64) * s_ksb + hk * s_ksh
+        b, bt, h, hk, start_m, q0, k0, kt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dq_item(
+            t, num_m, n_q, n_k, num_heads, group, window_left, window_right, CU_Q, CU_K, CU_KT, IS_VARLEN, MASK_LEFT,
+            MASK_RIGHT, BLOCK_K)
+        vec_off = bt.to(gl.int64) * s_qsb + h * s_qsh + q0
+        ks_off = bt.to(gl.int64) * s_ksb + hk * s_ksh + k0
         rows = start_m + C * HALF_N + gl.arange(0, HALF_N, layout=row_layout)
         m_ok = rows < seqlen_q
         q_scale = gl.load(QS + vec_off + rows, mask=m_ok, other=0.0)
@@ -693,7 +745,7 @@ def _dq_consumer(q8, q8b, do16, C: gl.constexpr, k_smem, k2_smem, v_smem, kt_sme
             acc = _add_row_term(acc, row_ds, KMEAN + km_off, 0)
             if QK_SPLIT:
                 acc2 = _add_row_term(acc2, row_ds, KMEAN + km_off, D1)
-        dq_off = b.to(gl.int64) * s_dqb + h.to(gl.int64) * s_dqh
+        dq_off = bt.to(gl.int64) * s_dqb + h.to(gl.int64) * s_dqh + q0.to(gl.int64) * s_dqt
         _store_rows(acc, rows, seqlen_q, DQ, dq_off, s_dqt, out_scale, 0)
         if QK_SPLIT:
             _store_rows(acc2, rows, seqlen_q, DQ, dq_off, s_dqt, out_scale, D1)
@@ -704,9 +756,9 @@ def _dq_consumer(q8, q8b, do16, C: gl.constexpr, k_smem, k2_smem, v_smem, kt_sme
 @gluon.jit
 def _attn_bwd_dq_hopper_kernel(
     q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, QS, LSE, DELTA, SHIFT, ROW_DS, KMEAN, KS,
-    DQ, COUNTER, s_qsb, s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh, s_dqt, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch,
-    n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, out_scale, softcap2, num_items, num_m,
-    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr, QK_SPLIT: gl.constexpr,
+    DQ, COUNTER, CU_Q, CU_K, CU_KT, s_qsb, s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh, s_dqt, do_rb, do_rh, do_ch,
+    v_rb, v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, out_scale, softcap2,
+    num_items, num_m, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr, QK_SPLIT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, SOFTCAP: gl.constexpr, ROW_TERM: gl.constexpr,
     DYNAMIC: gl.constexpr, ORDER: gl.constexpr,
 ):
@@ -741,25 +793,38 @@ def _attn_bwd_dq_hopper_kernel(
     gl.warp_specialize([
         (_dq_consumer, (q_smem.index(0), q2_smem.index(0), do_smem.index(0), 0, k_smem, k2_smem, v_smem, kt_smem,
                         kt2_smem, q_ready, q_empty, ready, empty, item_smem, item_bar, QS, LSE, DELTA, SHIFT, ROW_DS,
-                        KMEAN, KS, DQ, s_qsb, s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh, s_dqt, n_q, n_k,
-                        num_heads, group, window_left, window_right, num_items, num_m, out_scale, softcap2, D1, D2,
-                        MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT, ORDER)),
+                        KMEAN, KS, DQ, CU_Q, CU_K, CU_KT, s_qsb, s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh,
+                        s_dqt, n_q, n_k, num_heads, group, window_left, window_right, num_items, num_m, out_scale,
+                        softcap2, D1, D2, IS_VARLEN, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT, ORDER)),
         (_dq_consumer, (q_smem.index(1), q2_smem.index(1), do_smem.index(1), 1, k_smem, k2_smem, v_smem, kt_smem,
                         kt2_smem, q_ready, q_empty, ready, empty, item_smem, item_bar, QS, LSE, DELTA, SHIFT, ROW_DS,
-                        KMEAN, KS, DQ, s_qsb, s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh, s_dqt, n_q, n_k,
-                        num_heads, group, window_left, window_right, num_items, num_m, out_scale, softcap2, D1, D2,
-                        MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT, ORDER)),
+                        KMEAN, KS, DQ, CU_Q, CU_K, CU_KT, s_qsb, s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh,
+                        s_dqt, n_q, n_k, num_heads, group, window_left, window_right, num_items, num_m, out_scale,
+                        softcap2, D1, D2, IS_VARLEN, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT, ORDER)),
         (_dq_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, q_smem, do_smem, k_smem,
                       v_smem, kt_smem, q2_smem, k2_smem, kt2_smem, q_ready, q_empty, ready, empty, item_smem,
-                      item_bar, COUNTER, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, do_rb,
-                      do_rh, do_ch, v_rb, v_rh, v_ch, num_items, num_m, HEAD_DIM, MASK_LEFT, MASK_RIGHT, QK_SPLIT,
-                      DYNAMIC)),
+                      item_bar, COUNTER, CU_Q, CU_K, CU_KT, n_q, n_k, num_heads, num_kv_heads, group, window_left,
+                      window_right, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, num_items, num_m, HEAD_DIM, IS_VARLEN,
+                      MASK_LEFT, MASK_RIGHT, QK_SPLIT, DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 def _rows(x4):
     """Our own contiguous ``[B, H, N, D]`` int8 tensors as ``[B*H*N, D]`` for a descriptor."""
     return x4.reshape(-1, x4.shape[-1])
+
+
+def _packed(packing, bsz, n_q, n_k, stand_in):
+    """(CU_Q, CU_K, CU_T, IS_VARLEN, sequences, longest query and key sequences) of a launch: ``packing`` is None
+    (a padded batch) or (layout_q, layout_k, t_starts): a packed batch's SeqLayouts and its token-major copy's
+    16-aligned sequence starts (quantize.aligned_starts of layout_q for the key-tile launches' Q^T and dO^T,
+    of layout_k for dQ's K^T)."""
+    if packing is None:
+        return stand_in, stand_in, stand_in, False, bsz, n_q, n_k
+    layout_q, layout_k, t_starts = packing
+    assert layout_q.is_varlen and layout_k.is_varlen and layout_q.num_seqs == layout_k.num_seqs and bsz == 1
+    return (layout_q.cu_seqlens, layout_k.cu_seqlens, t_starts, True, layout_q.num_seqs, layout_q.max_len,
+            layout_k.max_len)
 
 
 def _caller_desc(x4, block_shape, dtype):
@@ -772,12 +837,14 @@ def _caller_desc(x4, block_shape, dtype):
 
 def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
                      window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None, block_q=None, softcap=0.0,
-                     shift=None, programs=None, operand_order=False):
-    """(grid, args, kwargs) of one launch, ``part`` "dv", "dk" or "dkdv" (both in one program): padded
-    ``[B, H, N, D]`` tensors as ``backward.launch_backward`` takes them (``quant`` from
-    ``quantize_qk(..., transposed=True)``; ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None
-    where not written. ``operand_order``: ``do8t`` and ``quant["q8t"]`` hold each 16 queries in quantize's operand
-    order, so P^T and dS^T feed their products from the registers as they are (no shuffles)."""
+                     shift=None, programs=None, operand_order=False, packing=None):
+    """(grid, args, kwargs) of one launch, ``part`` "dv", "dk" or "dkdv" (both in one program): ``[B, H, N, D]``
+    tensors as ``backward.launch_backward`` takes them (``quant`` from ``quantize_qk(..., transposed=True)``;
+    ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None where not written. ``operand_order``:
+    ``do8t`` and ``quant["q8t"]`` hold each 16 queries in quantize's operand order, so P^T and dS^T feed their
+    products from the registers as they are (no shuffles). ``packing``: None for a padded batch, or for a packed
+    one ([1, H, T, D]) ``(layout_q, layout_k, t_starts)``, ``do8t`` and ``q8t`` laid out with ``t_starts``
+    (``quantize.aligned_starts(layout_q)``)."""
     head_dim_v = v4.shape[3]
     assert part in ("dv", "dk", "dkdv") and (head_dim, head_dim_v) in HEAD_DIMS
     do_dv, do_dk = part in ("dv", "dkdv"), part in ("dk", "dkdv")
@@ -812,16 +879,18 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     dv4 = dv4 if do_dv else dk4
     dk4 = dk4 if do_dk else dv4
     assert dv4.stride(3) == 1 and dk4.stride(3) == 1
-    num_n = cdiv(n_k, BLOCK_N.value)
-    num_items = num_n * bsz * hk
+    cu_q, cu_k, cu_qt, varlen, num_seqs, _, max_k = _packed(packing, bsz, n_q, n_k, lse)
+    num_n = cdiv(max_k, BLOCK_N.value)
+    num_items = num_n * num_seqs * hk
     grid, counter, dynamic = persistent_grid(num_items, programs, lse)
     return grid, (
         q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, q_scale, lse, do_scale,
-        delta, q_scale_raw, shift, k_scale, dv4, dk4, counter, q_scale.stride(0), q_scale.stride(1),
+        delta, q_scale_raw, shift, k_scale, dv4, dk4, counter, cu_q, cu_k, cu_qt, q_scale.stride(0), q_scale.stride(1),
         k_scale.stride(0), k_scale.stride(1),
         *dv4.stride()[:3], *dk4.stride()[:3], *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1],
         softmax_scale, float(softcap) * LOG2E if softcap else 1.0, num_items, num_n,
-    ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+    ), dict(IS_VARLEN=varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
+            HEAD_DIM_V=head_dim_v,
             QK_SPLIT=bool(d2), DO_DK=do_dk, DO_DV=do_dv,
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, SOFTCAP=bool(softcap),
             BLOCK_Q=block_q, DYNAMIC=dynamic, ORDER=operand_order, num_warps=4)
@@ -837,11 +906,12 @@ def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk
 
 def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale,
                    consumer_regs=240, loader_regs=32, softcap=0.0, shift=None, row_ds=None, k_mean=None,
-                   programs=None, operand_order=False):
-    """(grid, args, kwargs) of the dQ launch: padded ``[B, H, N, D]`` tensors as ``backward.launch_backward``
-    takes them (``quant`` from ``quantize_qk(..., transposed=True)``, whose ``k8t`` is dQ's B operand;
-    ``softcap``, ``shift``, ``row_ds``, ``k_mean`` as there). ``operand_order``: ``k8t`` holds each 16 keys in
-    quantize's operand order (dkdv_hopper_args's)."""
+                   programs=None, operand_order=False, packing=None):
+    """(grid, args, kwargs) of the dQ launch: ``[B, H, N, D]`` tensors as ``backward.launch_backward`` takes them
+    (``quant`` from ``quantize_qk(..., transposed=True)``, whose ``k8t`` is dQ's B operand; ``softcap``, ``shift``,
+    ``row_ds``, ``k_mean`` as there). ``operand_order``: ``k8t`` holds each 16 keys in quantize's operand order
+    (dkdv_hopper_args's). ``packing``: as dkdv_hopper_args's, its ``t_starts`` ``k8t``'s
+    (``quantize.aligned_starts(layout_k)``)."""
     head_dim_v = v4.shape[3]
     assert (head_dim, head_dim_v) in HEAD_DIMS and dq4.stride(3) == 1
     block_k = dq_key_tile(head_dim)
@@ -868,18 +938,19 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
     kt2_desc = _tma_desc(k8t.reshape(-1, k8t.shape[-1]), [d2, block_k], gl.int8) if d2 else kt_desc
     if k_mean is not None:
         assert k_mean.shape == (hk, bsz, d) and k_mean.stride(2) == 1 and k_mean.dtype == torch.float32
-    num_m = cdiv(n_q, BLOCK_M.value)
-    num_items = num_m * bsz * hq
+    cu_q, cu_k, cu_kt, varlen, num_seqs, max_q, _ = _packed(packing, bsz, n_q, n_k, lse)
+    num_m = cdiv(max_q, BLOCK_M.value)
+    num_items = num_m * num_seqs * hq
     grid, counter, dynamic = persistent_grid(num_items, programs, lse)
     return grid, (
         q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, q_scale, lse, delta, shift, row_ds,
-        lse if k_mean is None else k_mean, k_scale, dq4, counter,
+        lse if k_mean is None else k_mean, k_scale, dq4, counter, cu_q, cu_k, cu_kt,
         q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
         *((0, 0) if k_mean is None else k_mean.stride()[:2]), *dq4.stride()[:3],
         *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1], softmax_scale,
         float(softcap) * LOG2E if softcap else 1.0, num_items, num_m,
-    ), dict(MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim, QK_SPLIT=bool(d2),
-            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, SOFTCAP=bool(softcap),
+    ), dict(IS_VARLEN=varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
+            QK_SPLIT=bool(d2), CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, SOFTCAP=bool(softcap),
             ROW_TERM=k_mean is not None, DYNAMIC=dynamic, ORDER=operand_order, num_warps=4)
 
 
@@ -892,19 +963,28 @@ def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim
 
 def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4, dv4, num_heads, num_kv_heads,
                            head_dim, window, softmax_scale, split_dkdv=True, softcap=0.0, shift=None, row_ds=None,
-                           k_mean=None, **tuning):
-    """backward.launch_backward's contract on the Gluon kernels, for padded batches without Q-smoothing:
-    dK and dV in one launch (or two with ``split_dkdv``), then dQ; each deterministic (no atomics).
-    ``softcap`` > 0: capped scores (``shift`` as the forward's); ``k_mean``, ``row_ds``: as there."""
+                           k_mean=None, packing=None, **tuning):
+    """backward.launch_backward's contract on the Gluon kernels, without Q-smoothing: dK and dV in one launch
+    (or two with ``split_dkdv``), then dQ; each deterministic (no atomics). ``softcap`` > 0: capped scores
+    (``shift`` as the forward's); ``k_mean``, ``row_ds``: as there. ``packing``: None for a padded batch; for a
+    packed one ``(layout_q, layout_k, q_starts, k_starts)``, the token-major copies (``do8t``, ``q8t``; ``k8t``)
+    laid out with those starts (``quantize.aligned_starts``)."""
     group = num_heads // num_kv_heads
     common = (num_heads, group, head_dim, window, softmax_scale)
     lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides
+    key_tiles_packing = dq_packing = None
+    if packing is not None:
+        layout_q, layout_k, q_starts, k_starts = packing
+        key_tiles_packing, dq_packing = (layout_q, layout_k, q_starts), (layout_q, layout_k, k_starts)
     tuning = dict(tuning, softcap=softcap, shift=shift)
     do4, v4 = tma_addressable(do4), tma_addressable(v4)     # a copy, if one is needed, once for all launches
     if split_dkdv:
-        launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, None, *common, **tuning)
-        launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, None, dk4, *common, **tuning)
+        launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, None, *common,
+                           packing=key_tiles_packing, **tuning)
+        launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, None, dk4, *common,
+                           packing=key_tiles_packing, **tuning)
     else:
-        launch_dkdv_hopper("dkdv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common, **tuning)
-    launch_dq_hopper(quant, lse, do4, delta, v4, dq4, *common, row_ds=row_ds, k_mean=k_mean,
+        launch_dkdv_hopper("dkdv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common,
+                           packing=key_tiles_packing, **tuning)
+    launch_dq_hopper(quant, lse, do4, delta, v4, dq4, *common, row_ds=row_ds, k_mean=k_mean, packing=dq_packing,
                      **{key: value for key, value in tuning.items() if key not in ("fold", "block_q")})

@@ -5,12 +5,12 @@
 * ``auto`` (default): on an sm_90 GPU with a Triton whose Gluon API they are tested on (``GLUON_TESTED``;
   another release runs the portable kernels there, with one warning),
   the Gluon forward for the calls it takes where it measured faster (at head dim 128, a causal or windowed call
-  from ``GLUON_MIN_KEYS_D128`` keys, the longest sequence's, on: now every length), padded or packed, and the
-  Gluon backward for padded calls; the portable kernels everywhere else (the backward of packed batches too).
+  from ``GLUON_MIN_KEYS_D128`` keys, the longest sequence's, on: now every length) and the Gluon backward, padded
+  or packed; the portable kernels everywhere else.
 * ``triton``: always the portable kernels (Ampere, Ada, Hopper, Blackwell, the interpreter).
 * ``gluon``: the Gluon kernels on an sm_90 GPU (H100, H200), also on an untested Triton release, for the calls
-  they take (head dims 64, 128, or MLA's 192 for Q/K with 128 for V; no Q-smoothing; the forward padded or
-  packed, the backward padded); any other call runs the portable kernels, with one warning. On a GPU that is
+  they take (head dims 64, 128, or MLA's 192 for Q/K with 128 for V; no Q-smoothing; padded or packed); any
+  other call runs the portable kernels, with one warning. On a GPU that is
   not sm_90, or without Gluon, it raises.
 
 ``kernel_counts()`` says which ran (``sagebwd_hf.attention_stats()["kernels"]`` too).
@@ -165,15 +165,14 @@ def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bo
               head_dim_v: Optional[int] = None, masked: bool = True) -> bool:
     """True when this call runs the Gluon (Hopper) kernels (``seqlen_k``: the longest key sequence;
     ``masked``: a causal or windowed call;
-    ``backward``: the choice for the backward pass, whose Gluon kernels take padded batches only;
+    ``backward``: the choice for the backward pass;
     ``softcap``: soft-capped scores (both families compute them; ``auto`` keeps the forward of such calls on
     the portable kernels, see ``GLUON_SOFTCAP_FORWARD``); ``head_dim_v``: V's head dim (None: Q's), the pair
     one of ``GLUON_HEAD_DIMS``)."""
     choice = requested()
     if choice == "triton":
         return False
-    takes_call = ((head_dim, head_dim_v or head_dim) in GLUON_HEAD_DIMS and not q_smoothing
-                  and not (backward and varlen))
+    takes_call = (head_dim, head_dim_v or head_dim) in GLUON_HEAD_DIMS and not q_smoothing
     if choice == "auto":
         if backward:
             faster = GLUON_BWD_BY_DEFAULT
@@ -191,14 +190,12 @@ def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bo
         raise ValueError(f"{ENV_VAR}=gluon, but the Gluon kernels cannot run here: {reason}. "
                          f"Use {ENV_VAR}=auto or triton.")
     if not takes_call:
-        key = (head_dim, head_dim_v, q_smoothing, backward and varlen, softcap)
+        key = (head_dim, head_dim_v, q_smoothing, softcap)
         if key not in _warned:
             _warned.add(key)
-            what = "backward (packed batch)" if backward and varlen else "kernels"
-            warnings.warn(f"{ENV_VAR}=gluon: the Gluon forward takes (Q/K, V) head dims {GLUON_HEAD_DIMS} "
-                          f"without Q-smoothing, the Gluon backward padded batches of those; this "
-                          f"call's {what} (head dim {head_dim}, V's {head_dim_v or head_dim}, q_smoothing="
-                          f"{q_smoothing}, packed={varlen}, softcap={softcap}) runs the portable Triton kernels",
-                          stacklevel=4)
+            warnings.warn(f"{ENV_VAR}=gluon: the Gluon kernels take (Q/K, V) head dims {GLUON_HEAD_DIMS} "
+                          f"without Q-smoothing; this call's kernels (head dim {head_dim}, V's "
+                          f"{head_dim_v or head_dim}, q_smoothing={q_smoothing}, packed={varlen}, "
+                          f"softcap={softcap}) run the portable Triton kernels", stacklevel=4)
         return False
     return True

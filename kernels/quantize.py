@@ -379,7 +379,7 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
 
 def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float,
                 k_smoothing: bool, q_smoothing: bool, transposed: bool = False, row_shift: bool = False, v4=None,
-                operand_order: bool = False):
+                operand_order: bool = False, t_starts_q=None, t_starts_k=None):
     """INT8 Q and K for ``S = Q K^T`` (and, with ``transposed``, their token-major copies for the backward).
 
     Returns a dict: ``q8, q_scale`` (softmax scale and log2(e) folded in, so the kernels use exp2),
@@ -388,7 +388,8 @@ def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale:
     (``[Hkv, S, D]``) and, if ``row_shift``, ``q_shift`` (``softmax_scale * q . mean(k)`` per query, ``[B, H, N]``:
     how far K-smoothing moved each row's scores; soft-capping and sinks need it back). With ``v4`` (the forward)
     also ``v_scale`` (``[Hkv, S, Dv]``, for ``quantize_v``), from the same launches as K's mean.
-    ``operand_order``: ``q8t`` and ``k8t`` in ``quantize``'s operand order (the Gluon backward's)."""
+    ``operand_order``: ``q8t`` and ``k8t`` in ``quantize``'s operand order (the Gluon backward's);
+    ``t_starts_q`` / ``t_starts_k``: their sequences' first columns (packed batches: ``aligned_starts``)."""
     k_sub = k_cu = v_scale = None
     v_stats = (v4, True, 1.0 / 127.0) if v4 is not None else None
     if k_smoothing:   # softmax is unchanged: every score of a row moves by the same q . mean(k)
@@ -396,14 +397,14 @@ def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale:
     elif v4 is not None:
         v_scale = _stats(v4, layout_k, True, factor=1.0 / 127.0)[0]
     k = quantize(k4, layout_k, sub=k_sub, sub_cu=k_cu, sub_block=1 << 30, transposed=transposed,
-                 block_scale=k4.shape[-1] in K_BLOCK_HEAD_DIMS, operand_order=operand_order)
+                 block_scale=k4.shape[-1] in K_BLOCK_HEAD_DIMS, operand_order=operand_order, t_starts=t_starts_k)
     q_mean = q_cu = None
     if q_smoothing:   # S = (q - q_mean) K^T + q_mean K^T; the second term is added back in fp32
         q_mean, q_cu = token_stats(q4, layout_q, abs_max=False, block_tokens=Q_SMOOTH_BLOCK)
     dot = (k_sub, q4.shape[1] // k4.shape[1], softmax_scale) if row_shift and k_smoothing else None
     q = quantize(q4, layout_q, sub=q_mean, sub_cu=q_cu, sub_block=Q_SMOOTH_BLOCK,
                  transposed=transposed and not q_smoothing, dot=dot, scaled=softmax_scale * LOG2E,
-                 operand_order=operand_order)
+                 operand_order=operand_order, t_starts=t_starts_q)
     return dict(q8=q["x8"], q_scale=q["scaled"], q_scale_raw=q["scale"], v_scale=v_scale,
                 q8t=q["x8t"], k8=k["x8"], k_scale=k["scale"], k8t=k["x8t"],
                 q_mean=None if q_mean is None else q_mean * (softmax_scale * LOG2E), q_mean_cu=q_cu,

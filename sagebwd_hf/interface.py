@@ -264,15 +264,19 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
                                                                       softcap=bool(softcap), head_dim_v=v4.shape[3])
     # the forward's bytes again (same inputs, same deterministic quantization), plus token-major copies (for the
     # Gluon kernels in the order their P and dS registers hold the tokens: quantize.operand_order_columns)
+    # packed batches on the Gluon kernels: each sequence's token-major copy starts 16-aligned (TMA)
+    starts_q = aligned_starts(lay_q) if gluon and varlen else None
+    starts_k = aligned_starts(lay_k) if gluon and varlen else None
     quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, transposed=True, row_shift=need_shift,
-                        operand_order=gluon)
+                        operand_order=gluon, t_starts_q=starts_q, t_starts_k=starts_k)
     shift = _kernel_shift(quant) if need_shift else None
     if q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
         raw = quantize(q4, lay_q, natural=False, transposed=True)
         q8rt, q_scale_raw = raw["x8t"], raw["scale"]
     else:
         q8rt, q_scale_raw = quant["q8t"], quant["q_scale_raw"]
-    do_q = quantize(do4, lay_q, natural=False, transposed=True, out_for_delta=o4, operand_order=gluon)
+    do_q = quantize(do4, lay_q, natural=False, transposed=True, out_for_delta=o4, operand_order=gluon,
+                    t_starts=starts_q)
     dsinks = row_ds = None
     if sinks is not None:   # from delta = rowsum(dO * O), which dO's pass gives
         dsinks, row_ds = sink_math.sink_grads(do_q["delta"], lse, sinks,
@@ -285,7 +289,8 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
         launch_backward_hopper(quant, v4, do4, do_q["x8t"], do_q["scale"], lse, do_q["delta"], as_bhnd(dq, varlen),
                                as_bhnd(dk, varlen), as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3],
                                window, scale, programs=dispatch.gluon_programs(q.device, backward=True),
-                               operand_order=True, **term, **cap_args)
+                               operand_order=True, packing=(lay_q, lay_k, starts_q, starts_k) if varlen else None,
+                               **term, **cap_args)
         dispatch.count("bwd_gluon")
     else:
         launch_backward(quant, q8rt, q_scale_raw, quant["k8t"], v4, do4, do_q["x8t"], do_q["scale"], lse,

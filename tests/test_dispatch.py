@@ -64,9 +64,9 @@ def test_auto_and_forced_choices_on_hopper(monkeypatch):
     assert dispatch.use_gluon(dev, 128, False, seqlen_k=1024, masked=False)
     assert not dispatch.use_gluon(dev, 128, False, seqlen_k=1024, masked=True)
     assert dispatch.use_gluon(dev, 64, False, seqlen_k=1024)
-    # the backward: padded batches at head dims 64 and 128, any length; packed batches stay portable
+    # the backward: padded and packed batches at head dims 64 and 128, any length
     assert dispatch.use_gluon(dev, 128, False, seqlen_k=1024, backward=True) == dispatch.GLUON_BWD_BY_DEFAULT
-    assert not dispatch.use_gluon(dev, 64, False, varlen=True, backward=True)
+    assert dispatch.use_gluon(dev, 64, False, varlen=True, backward=True) == dispatch.GLUON_BWD_BY_DEFAULT
     assert not dispatch.use_gluon(dev, 64, True, backward=True)
     # soft-capped scores: a compile-time option of both Gluon families (auto: see GLUON_SOFTCAP_FORWARD)
     assert dispatch.use_gluon(dev, 64, False, softcap=True) == dispatch.GLUON_SOFTCAP_FORWARD
@@ -96,8 +96,7 @@ def test_auto_and_forced_choices_on_hopper(monkeypatch):
         assert not dispatch.use_gluon(dev, 64, True, varlen=True)
     assert dispatch.use_gluon(dev, 64, False, softcap=True)          # forced: the Gluon forward takes them
     assert dispatch.use_gluon(dev, 64, False, backward=True)
-    with pytest.warns(UserWarning, match=r"backward \(packed batch\).*portable"):
-        assert not dispatch.use_gluon(dev, 64, False, varlen=True, backward=True)
+    assert dispatch.use_gluon(dev, 64, False, varlen=True, backward=True)
 
 
 def test_three_consumer_warpgroups_only_where_measured_faster():

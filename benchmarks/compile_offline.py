@@ -82,7 +82,6 @@ def make_inputs(mod, a):
     arguments, or with ``--kernel dv | dk | dq`` the backward's (``mod`` is then backward_hopper)."""
     from sagebwd_hf.kernels.layout import SeqLayout
     b, h, hk, n, d, dv = a.batch, a.heads, a.kv_heads or a.heads, a.seqlen, a.head_dim, a.head_dim_v or a.head_dim
-    packing = None
     if a.packed:    # one [1, H, T, D] batch of a.batch sequences of a.seqlen tokens (what compiles is the same)
         lay_packed = SeqLayout(b, n, torch.arange(b + 1, dtype=torch.int32) * n)
         starts = torch.arange(b + 1, dtype=torch.int32) * (-(-n // 16) * 16)

@@ -936,9 +936,9 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
     q2_desc = _tma_desc(_rows(q8), [HALF_N.value, d2], gl.int8) if d2 else q_desc
     k2_desc = _tma_desc(_rows(k8), [block_k, d2], gl.int8) if d2 else k_desc
     kt2_desc = _tma_desc(k8t.reshape(-1, k8t.shape[-1]), [d2, block_k], gl.int8) if d2 else kt_desc
-    if k_mean is not None:
-        assert k_mean.shape == (hk, bsz, d) and k_mean.stride(2) == 1 and k_mean.dtype == torch.float32
     cu_q, cu_k, cu_kt, varlen, num_seqs, max_q, _ = _packed(packing, bsz, n_q, n_k, lse)
+    if k_mean is not None:   # one mean a sequence (packed: the sequences', not the one batch's)
+        assert k_mean.shape == (hk, num_seqs, d) and k_mean.stride(2) == 1 and k_mean.dtype == torch.float32
     num_m = cdiv(max_q, BLOCK_M.value)
     num_items = num_m * num_seqs * hq
     grid, counter, dynamic = persistent_grid(num_items, programs, lse)

@@ -125,14 +125,16 @@ def test_gluon_backward_reads_every_memory_layout(d, monkeypatch):
 
 
 
+@pytest.mark.parametrize("extra", [{}, {"softcap": 5.0}, {"sinks": True}], ids=["plain", "softcap", "sinks"])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 0)], ids=["full", "causal", "window"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_gluon_backward_on_packed_batches(d, window, monkeypatch):
+def test_gluon_backward_on_packed_batches(d, window, extra, monkeypatch):
     """Uneven and empty sequences in one packed batch on the Gluon backward, 5 persistent programs walking the
     work items (past short sequences' ends too: those run no tiles). Tiles cross each sequence's end into the
     next one's tokens, and the token-major copies start 16-aligned (quantize.aligned_starts). Against the
     portable kernels' packed call, and each sequence against its own padded call on the Gluon kernels (the same
-    tile rules, so the same numbers up to the K means' and V scales' summation order)."""
+    tile rules, so the same numbers up to the K means' and V scales' summation order). With a cap or sinks the dQ
+    launch adds K-smoothing's row term from each sequence's K mean (k_mean [Hk, S, D])."""
     from sagebwd_hf import attention_stats, reset_attention_stats, sagebwd_attn_func, sagebwd_attn_varlen_func
     from sagebwd_hf.kernels import dispatch
 
@@ -144,7 +146,9 @@ def test_gluon_backward_on_packed_batches(d, window, monkeypatch):
     gen = torch.Generator(device="cuda").manual_seed(2)
     q, k, v, do = (torch.randn(total, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                    for n in (h, hk, hk, h))
-    kw = dict(causal=window[1] == 0, window_size=window)
+    kw = dict(causal=window[1] == 0, window_size=window, softcap=extra.get("softcap", 0.0))
+    if extra.get("sinks"):
+        kw["sinks"] = torch.randn(h, device="cuda", generator=gen)
     names = ("out", "dq", "dk", "dv")
 
     def packed(choice):

@@ -201,7 +201,11 @@ def host_parts(shape, reps=20):
             bquant, v, do, do_q["x8t"], do_q["scale"], lse, do_q["delta"], *grads, h, hk, d, window, scale),
         "bwd: interface._backward (no op)": lambda: itf._backward(do, q, k, v, out, lse, None, None, n, n, scale,
                                                                    window, True, False, "triton"),
+        "fwd: sagebwd_attn_func, grad (graph built, no backward)": lambda: sagebwd_hf.sagebwd_attn_func(
+            *leaves, causal=True),
         "fwd+bwd through autograd": fwd_bwd,
+        "fwd+bwd: an identity autograd.Function (the engine alone)": lambda: _Identity.apply(leaves[0]).backward(
+            leaves[0].detach()),
     }
     print(f"\n{shape}: host us per call (GPU kept busy), launch cache on / off")
     for name, call in parts.items():
@@ -212,6 +216,32 @@ def host_parts(shape, reps=20):
             row.append(host_ms(call, reps) * 1e3)
         print(f"  {row[0]:8.1f} {row[1]:8.1f}  {name}")
     launch_cache.ENABLED = True
+    # the backward runs on autograd's device thread: time interface._backward there, inside fwd_bwd
+    inner, real_backward = [], itf._backward
+
+    def timed_backward(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real_backward(*args, **kwargs)
+        finally:
+            inner.append(time.perf_counter() - t0)
+    itf._backward = timed_backward
+    try:
+        total = host_ms(fwd_bwd, reps) * 1e3
+    finally:
+        itf._backward = real_backward
+    print(f"  {total:8.1f}           fwd+bwd through autograd, of which interface._backward on autograd's thread: "
+          f"{statistics.median(inner) * 1e6:.1f}")
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
 
 
 def _no_grad(fn, *args, **kwargs):

@@ -10,6 +10,7 @@ import functools
 import os
 import types
 import warnings
+import weakref
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -486,6 +487,27 @@ def _check_cu_seqlens(name, cu, total, max_seqlen, device):
         raise ValueError(f"max_seqlen for {name} must be a non-negative int, got {max_seqlen!r}")
     if torch.compiler.is_compiling():   # the value checks below would read the tensor back: graph break
         return
+    try:
+        key = (cu._version, total, max_seqlen)
+    except RuntimeError:                # an inference-mode tensor has no version counter: check every call
+        key = None
+    seen = _checked_cu_seqlens.get(id(cu))
+    if key is not None and seen is not None and seen[0]() is cu and seen[1] == key:
+        return
+    _check_cu_values(name, cu, total, max_seqlen)
+    if key is not None:
+        if len(_checked_cu_seqlens) >= 16:
+            _checked_cu_seqlens.pop(next(iter(_checked_cu_seqlens)))
+        _checked_cu_seqlens[id(cu)] = (weakref.ref(cu), key)
+
+
+# Reading cu_seqlens' values back waits for the GPU, and Transformers passes the same tensors to every layer
+# of a step: a tensor is checked once, and again only if it is written in place (its version counter moves)
+# or used with another token count or max_seqlen. id -> (weak reference, (version, total, max_seqlen)).
+_checked_cu_seqlens = {}
+
+
+def _check_cu_values(name, cu, total, max_seqlen):
     lengths = cu[1:] - cu[:-1]
     first, last, shortest, longest = torch.stack([cu[0], cu[-1], lengths.min(), lengths.max()]).tolist()
     if first != 0 or shortest < 0:

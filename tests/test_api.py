@@ -76,6 +76,33 @@ def test_varlen_errors():
         sagebwd_attn_varlen_func(q[None], q[None], q[None], good, good, 6, 6)
 
 
+def test_varlen_values_checked_once_per_tensor_until_written(monkeypatch):
+    """Reading cu_seqlens back waits for the GPU, so a tensor's values are checked on first use only (every layer
+    of a step passes the same one), and again after an in-place write or with another max_seqlen."""
+    from sagebwd_hf import interface
+    checks = []
+    real = interface._check_cu_values
+    monkeypatch.setattr(interface, "_check_cu_values", lambda *a: (checks.append(a[0]), real(*a)))
+    q = torch.randn(10, 2, 64, dtype=torch.float16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    out = sagebwd_attn_varlen_func(q, q, q, cu, cu, 6, 6, backend="naive")
+    assert checks == ["cu_seqlens_q"]              # cu_seqlens_k is the same tensor with the same bounds
+    torch.testing.assert_close(sagebwd_attn_varlen_func(q, q, q, cu, cu, 6, 6, backend="naive"), out)
+    assert checks == ["cu_seqlens_q"]
+    sagebwd_attn_varlen_func(q, q, q, cu, cu.clone(), 6, 6, backend="naive")
+    assert checks == ["cu_seqlens_q", "cu_seqlens_k"]   # a new tensor with the same values
+    with pytest.raises(ValueError, match="more than its max_seqlen 5"):
+        sagebwd_attn_varlen_func(q, q, q, cu, cu, 5, 6, backend="naive")
+    cu[1] = 7                                       # written in place: a sequence of 7 > max_seqlen 6
+    with pytest.raises(ValueError, match="more than its max_seqlen 6"):
+        sagebwd_attn_varlen_func(q, q, q, cu, cu, 6, 6, backend="naive")
+    with torch.inference_mode():                    # no version counter: checked every call
+        cu_inf = torch.tensor([0, 4, 10], dtype=torch.int32)
+        for _ in range(2):
+            sagebwd_attn_varlen_func(q, q, q, cu_inf, cu_inf, 6, 6, backend="naive")
+    assert checks[-4:] == ["cu_seqlens_q", "cu_seqlens_k"] * 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
 def test_device_mismatch():
     q, k, v = _qkv()

@@ -280,6 +280,18 @@ def test_token_stats_match_torch(device):
         assert cu.tolist() == [0, 1, 2]
         torch.testing.assert_close(mean, x.float().mean(2).transpose(0, 1), rtol=1e-5, atol=1e-5)
         assert torch.equal(amax, x.float().abs().amax(2).transpose(0, 1))
+    # packed: sequences longer than a chunk (chunked and combined per sequence), shorter, and empty
+    lengths = [2 * STATS_CHUNK + 77, 0, 45, STATS_CHUNK, STATS_CHUNK + 1]
+    x = torch.randn(1, 3, sum(lengths), 24, device=device, dtype=torch.bfloat16) * 3 + 0.5
+    cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
+    lay = SeqLayout(len(lengths), max(lengths), cu)
+    mean, _ = token_stats(x, lay, abs_max=False)
+    amax, _ = token_stats(x, lay, abs_max=True)
+    for i, part in enumerate(x[0].float().split(lengths, dim=1)):
+        want_mean = part.mean(1) if lengths[i] else part.new_zeros(3, 24)
+        want_max = part.abs().amax(1) if lengths[i] else part.new_zeros(3, 24)
+        torch.testing.assert_close(mean[:, i], want_mean, rtol=1e-5, atol=1e-5)
+        assert torch.equal(amax[:, i], want_max), i
 
 
 @pytest.mark.parametrize("device", kernel_devices())

@@ -178,31 +178,25 @@ def _chunk_ids(chunk_size, left_padding, batch, q_len, kv_len, q_offset, kv_offs
 
 
 def _whole_chunks(ids) -> Optional[int]:
-    """The chunk size when every row of chunk ids ``[B, N]`` is chunks of one size, the last possibly shorter
-    (Llama 4's pattern): the whole chunks are then the rows of a padded batch (``[B, W, H, D]`` reshaped to
-    ``[B * W / size, size, H, D]``; a view when ``W = N``), on the same kernels and numerics as the packed run,
-    and a shorter last chunk is one more call. None otherwise. Reads the ids on the host (once per forward:
-    per_tensor)."""
+    """The chunk size when every row of chunk ids ``[B, N]`` is whole chunks of one size: the chunks are then the
+    rows of a padded batch (``[B, N, H, D]`` viewed as ``[B * N / size, size, H, D]``), the plain causal call.
+    None otherwise: a shorter last chunk (Llama 4 on rows that the chunk size does not divide) runs the packed
+    path, which measured faster than whole chunks padded plus the last as one more call (H100, 20K-token rows in
+    chunks of 8K, fwd+bwd per FLOP against the plain call: 0.96 packed, 0.78-0.86 split; docs/speed_notes.md,
+    session 23). Reads the ids on the host (once per forward: per_tensor)."""
     row = ids[0].cpu()
     size = int((row == 0).sum())
-    if size == 0:
+    if size == 0 or row.numel() % size:
         return None
     chunked = torch.equal(row, torch.arange(row.numel(), dtype=row.dtype) // size) and bool((ids == ids[:1]).all())
     return size if chunked else None
 
 
 def _chunked_dense(q, k, v, size, op):
-    """Attention inside chunks of ``size`` tokens of ``[B, N, H, D]`` rows (``_whole_chunks``): the whole chunks as
-    one padded batch, a shorter last chunk as its own call (one copy of the whole chunks then: a reshape of a
-    slice is no view)."""
-    whole = q.shape[1] // size * size
-    outs = []
-    if whole:
-        rows = (x[:, :whole].reshape(-1, size, *x.shape[2:]) for x in (q, k, v))
-        outs.append(_dense(*rows, op).reshape(q.shape[0], whole, *q.shape[2:3], -1))
-    if whole < q.shape[1]:
-        outs.append(_dense(q[:, whole:], k[:, whole:], v[:, whole:], op))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    """Attention inside whole chunks of ``size`` tokens of ``[B, N, H, D]`` rows (``_whole_chunks``): one padded
+    batch of chunks, a view of the rows."""
+    rows = (x.reshape(-1, size, *x.shape[2:]) for x in (q, k, v))
+    return _dense(*rows, op).reshape(*q.shape[:3], -1)
 
 
 def _expressible_compiled(mask_function, kwargs) -> bool:
@@ -613,7 +607,7 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     if chunks is not None:                                      # 0. chunked attention: chunks as sequences
         _kernel_calls["chunked"] += 1
         size = None if compiling else per_tensor(f"chunks:{batch}:{kv_len}", chunks, _whole_chunks)
-        if size:   # chunks of one size: a padded batch of chunks (the Gluon backward takes padded batches)
+        if size:   # whole chunks of one size: a padded batch of chunks, the plain causal call
             out = _chunked_dense(q, k, v, size, op)
         else:      # another pattern, or under torch.compile: the sequences of a packed batch
             out = segmented_attention(q, k, v, None, chunks, **op)

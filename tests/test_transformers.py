@@ -662,19 +662,19 @@ def _llama4(chunk=8):
 @pytest.mark.parametrize("chunk", [8, 10], ids=["whole_chunks", "short_last_chunk"])
 def test_chunked_attention_runs_chunks_as_sequences(chunk, monkeypatch):
     """Llama 4's chunked layers (query i sees keys of its own chunk, causally): each chunk runs on the kernels as
-    a sequence of its own (the pattern the kernel skips, not a dense mask); gradients too. The chunks run as a
-    padded batch of chunks (24 tokens in chunks of 8), a shorter last chunk as one more call (chunks of 10: two
-    whole ones and 4 tokens), the same numbers as the packed run they replace."""
+    a sequence of its own (the pattern the kernel skips, not a dense mask); gradients too. Whole chunks (24 tokens
+    in chunks of 8) run as a padded batch of chunks, the same numbers as the packed run; with a shorter last chunk
+    (chunks of 10: two whole ones and 4 tokens) the packed run itself."""
     model = _llama4(chunk)
     assert set(model.config.layer_types) == {"chunked_attention"}
     ids = ti.sagebwd_mask(2, 24, 24, mask_function=masking_utils.chunked_causal_mask_function(
         chunk, torch.zeros(2, dtype=torch.long)))
     assert ids.tolist() == [[i // chunk for i in range(24)]] * 2
-    assert ti._whole_chunks(ids) == chunk
+    assert ti._whole_chunks(ids) == (chunk if 24 % chunk == 0 else None)
     assert_close_to_sdpa(model, batch())
     assert sagebwd_hf.attention_stats()["paths"] == {"chunked": 2}
     logits, grads, _ = run(model, "sagebwd", batch())
-    monkeypatch.setattr(ti, "_whole_chunks", lambda ids: None)     # the packed run instead
+    monkeypatch.setattr(ti, "_whole_chunks", lambda ids: None)     # the packed run
     packed, packed_grads, _ = run(model, "sagebwd", batch())
     torch.testing.assert_close(logits, packed, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grads, packed_grads, atol=1e-5, rtol=1e-4)

@@ -122,6 +122,8 @@ def main():
     p.add_argument("--optimizer", choices=["adamw", "none"], default="adamw")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--csv", default=None)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile one step per (seqlen, impl) and print its N costliest GPU kernels")
     args = p.parse_args()
 
     import torch
@@ -194,6 +196,8 @@ def main():
                 loss = steps(args.steps)
                 torch.cuda.synchronize()
                 dt = (time.perf_counter() - t0) / args.steps
+                if args.profile:
+                    print_profile(torch, f"seq {seq} {name}", lambda: steps(1), args.profile)
         except torch.cuda.OutOfMemoryError as e:
             row["error"] = "OOM: " + str(e).splitlines()[0][:120]
         except Exception as e:  # noqa: BLE001
@@ -252,6 +256,20 @@ def main():
     if args.csv and rows:
         print(f"# wrote {args.csv}")
     print_summary(rows, meta, args)
+
+
+def print_profile(torch, title, fn, top):
+    """One call of fn under the torch profiler: its GPU time by kernel, the ``top`` costliest, and the total."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]   # kernels, not the ops above them
+    total = sum(e.self_device_time_total for e in events)
+    print(f"# profile {title}: {total / 1e3:.1f} ms of GPU kernels in one step", flush=True)
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        ms = e.self_device_time_total / 1e3
+        print(f"#   {ms:8.2f} ms {100 * ms * 1e3 / total:5.1f}% x{e.count:<5} {e.key[:100]}", flush=True)
 
 
 class _nullcontext:

@@ -12,13 +12,14 @@ both), and which kernels ran.
     python benchmarks/chunked.py [--seqlen 20480] [--chunk 8192] [--batch 2] [--heads 16 40] [--kv-heads 16 8]
 """
 import argparse
-import statistics
 
 import torch
 
-from sagebwd_hf import attention_stats, reset_attention_stats, sagebwd_attn_func
+from sagebwd_hf import sagebwd_attn_func
 from sagebwd_hf.segments import segmented_attention
 from sagebwd_hf.transformers_integration import _dense
+
+from packed import time_call   # (benchmarks/ is the script's folder)
 
 
 def split(q, k, v, size, op):
@@ -32,18 +33,6 @@ def split(q, k, v, size, op):
     if whole < q.shape[1]:
         outs.append(_dense(q[:, whole:], k[:, whole:], v[:, whole:], op))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-
-def median_ms(fn, reps=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
 
 
 def main():
@@ -82,19 +71,7 @@ def main():
                     call = lambda: split(*leaves, c, op)  # noqa: E731
                 else:
                     call = lambda: segmented_attention(*leaves, None, ids, **op)  # noqa: E731
-
-            def fwd():
-                with torch.no_grad():
-                    call()
-
-            def fwd_bwd():
-                for x in leaves:
-                    x.grad = None
-                call().backward(grad)
-            reset_attention_stats()
-            fwd_bwd()
-            ran = ",".join(sorted(attention_stats()["kernels"]))
-            f_ms, fb_ms = median_ms(fwd), median_ms(fwd_bwd)
+            f_ms, fb_ms, ran = time_call(call, leaves, grad)
             rate = 3.5 * route_flops / fb_ms * 1e-9
             plain_rate = plain_rate or rate
             print(f"{h:>3}/{hk:<3} {route:<7} {f_ms:8.3f} {route_flops / f_ms * 1e-9:8.0f} {fb_ms:8.3f} {rate:8.0f} "

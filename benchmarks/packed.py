@@ -10,23 +10,28 @@ TFLOP/s-equivalent (4*H*sum(n_i^2)*D forward, 3.5x that for both, halved when ca
 """
 import argparse
 import os
-import statistics
 
 import torch
 
 from sagebwd_hf import attention_stats, reset_attention_stats, sagebwd_attn_func, sagebwd_attn_varlen_func
 
+from forward_kernels import median_ms   # (benchmarks/ is the script's folder)
 
-def median_ms(fn, reps=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+def time_call(call, leaves, grad):
+    """(forward ms, forward+backward ms, the kernel families that ran) of ``call()`` on the tensors ``leaves``."""
+    def fwd():
+        with torch.no_grad():
+            call()
+
+    def fwd_bwd():
+        for x in leaves:
+            x.grad = None
+        call().backward(grad)
+    reset_attention_stats()
+    fwd_bwd()
+    ran = ",".join(sorted(attention_stats()["kernels"]))
+    return median_ms(fwd), median_ms(fwd_bwd), ran
 
 
 def shapes(tokens):
@@ -75,19 +80,7 @@ def main():
                             grad = do.view(b, n, h, d).transpose(1, 2)
                         else:
                             continue
-
-                        def fwd():
-                            with torch.no_grad():
-                                call()
-
-                        def fwd_bwd():
-                            for x in leaves:
-                                x.grad = None
-                            call().backward(grad)
-                        reset_attention_stats()
-                        fwd_bwd()
-                        ran = ",".join(sorted(attention_stats()["kernels"]))
-                        f_ms, fb_ms = median_ms(fwd), median_ms(fwd_bwd)
+                        f_ms, fb_ms, ran = time_call(call, leaves, grad)
                         print(f"{name:<16} {d:>3} {str(causal):>6} {layout:<7} {kernels:<8} {f_ms:8.3f} "
                               f"{flops / f_ms * 1e-9:8.0f} {fb_ms:8.3f} {3.5 * flops / fb_ms * 1e-9:8.0f}  {ran}",
                               flush=True)

@@ -133,6 +133,14 @@ def _sequence(b, n_q, n_k, CU_Q, CU_K, CU_T, IS_VARLEN: gl.constexpr):
 
 
 @gluon.jit
+def _no_tiles_unless(inside, lo, full_lo, full_hi, hi):
+    """A tile loop's bounds, or all zero for a packed batch's item past its sequence's end (it runs no tiles; all
+    four, so the loader and the consumers agree: forward_hopper._work_item)."""
+    keep = inside.to(gl.int32)
+    return lo * keep, full_lo * keep, full_hi * keep, hi * keep
+
+
+@gluon.jit
 def _dkdv_item(t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, CU_Q, CU_K, CU_QT,
                IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, BLOCK_Q: gl.constexpr):
     """Work item ``t`` of the key-tile launches: 128 keys of one (sequence, KV head), key tile fastest (with a
@@ -146,11 +154,7 @@ def _dkdv_item(t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, CU_Q
     lo, full_lo, full_hi, hi = _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                             MASK_LEFT, MASK_RIGHT, BLOCK_Q)
     if IS_VARLEN:
-        has_keys = (start_n < seqlen_k).to(gl.int32)
-        lo = lo * has_keys
-        full_lo = full_lo * has_keys
-        full_hi = full_hi * has_keys
-        hi = hi * has_keys
+        lo, full_lo, full_hi, hi = _no_tiles_unless(start_n < seqlen_k, lo, full_lo, full_hi, hi)
     return b, bt, hk, start_n, q0, k0, qt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi
 
 
@@ -545,11 +549,7 @@ def _dq_item(t, num_m, n_q, n_k, num_heads, group, window_left, window_right, CU
     lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                           BLOCK_M, MASK_LEFT, MASK_RIGHT, BLOCK_K)
     if IS_VARLEN:
-        has_rows = (start_m < seqlen_q).to(gl.int32)
-        lo = lo * has_rows
-        full_lo = full_lo * has_rows
-        full_hi = full_hi * has_rows
-        hi = hi * has_rows
+        lo, full_lo, full_hi, hi = _no_tiles_unless(start_m < seqlen_q, lo, full_lo, full_hi, hi)
     return b, bt, h, h // group, start_m, q0, k0, kt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi
 
 

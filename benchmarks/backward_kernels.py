@@ -86,6 +86,7 @@ def main():
                         if part == "dq":
                             tuning.pop("fold", None)        # dV/dK options
                             tuning.pop("block_q", None)
+                            tuning.pop("tile_ks", None)
                             return lambda: launch_dq_hopper(
                                 qx, lse, do, do_q["delta"], v, got["dq"], h, 1, d, window, scale, **tuning)
                         return lambda: launch_dkdv_hopper(

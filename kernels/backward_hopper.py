@@ -5,7 +5,8 @@ Same numerics as the portable kernels (``backward.py``) at their GPU tiles: the 
 128-query tiles (P^T's and dS^T's per-key scales), the dQ launch walks 128-key tiles (dS's per-query scales):
 
 * dV (``_attn_bwd_dkdv_hopper_kernel``, ``DO_DK`` off): ``S^T = K8 Q8^T`` in INT8 dequantized with the
-  K scales (one per 128 keys, ``quantize.K_SCALE_BLOCK``, read per key here) and the per-token Q scales,
+  K scales (one per 128 keys, ``quantize.K_SCALE_BLOCK``: one a program, which the loader folds into the
+  per-query vectors with the add trick's offset, ``TILE_KS``: one FMA a score) and the per-token Q scales,
   ``P^T = exp2(S^T - lse)``, ``dV += P^T dO`` in INT8 (dO's per-token scale folded into P^T, P^T quantized
   per key over each query tile).
 * dK (same kernel, ``DO_DK`` on): S^T and P^T again, ``dP^T = V dO^T`` in bf16/fp16,
@@ -161,12 +162,12 @@ def _dkdv_item(t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, CU_Q
 @gluon.jit
 def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, q_smem, qt_smem, do_smem,
             dot_smem, k_smem, v_smem, q2_smem, qt2_smem, k2_smem, vec_smem, k_ready, k_empty, ready, empty,
-            item_smem, item_bar, COUNTER, QS, LSE, DOS, DELTA, QSR, SHIFT, CU_Q, CU_K, CU_QT, inv_cap, s_qsb, s_qsh,
-            do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group, window_left,
-            window_right, num_items, num_n, IS_VARLEN: gl.constexpr,
+            item_smem, item_bar, COUNTER, QS, LSE, DOS, DELTA, QSR, SHIFT, KS, CU_Q, CU_K, CU_QT, inv_cap, s_qsb,
+            s_qsh, s_ksb, s_ksh, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group,
+            window_left, window_right, num_items, num_n, IS_VARLEN: gl.constexpr,
             MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
             FOLD: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr,
-            HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, DYNAMIC: gl.constexpr):
+            HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, DYNAMIC: gl.constexpr, TILE_KS: gl.constexpr):
     """One warp, per work item (its program id first, then the next from ``COUNTER``, an atomic count of items
     handed out, with ``DYNAMIC``; else every ``num_programs``-th): posts the item to the consumers, loads K (and
     V for dK) once they are done with the last item's; then per query head of the group and query tile in
@@ -174,7 +175,8 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
     (for S^T), dO8^T (dV's operand), dO (dK's dP^T) and Q8^T (dK's operand), with the per-query vectors
     (q_scale, lse (+inf past the end), and dO's scale, delta, the raw Q scale as the products need them; with
     ``SOFTCAP`` q_scale and the row shift over the cap). ``QK_SPLIT``: Q's and K's channels past the first
-    block (``D1``) as tiles of their own (Q8, K8 and Q8^T alike; forward_hopper.qk_blocks)."""
+    block (``D1``) as tiles of their own (Q8, K8 and Q8^T alike; forward_hopper.qk_blocks). ``TILE_KS``: the
+    item's one K scale folded into those vectors (_key_tiles_bwd)."""
     D1: gl.constexpr = q_desc.block_type.shape[1]
     k_bytes: gl.constexpr = k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if QK_SPLIT else 0)
     kv_bytes: gl.constexpr = k_bytes + (v_desc.block_type.nbytes if DO_DK else 0)
@@ -200,6 +202,9 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
         v_row = bt * v_rb + hk * v_rh + k0 + start_n
         v_col = hk * v_ch
         vec_head0 = bt.to(gl.int64) * s_qsb + (hk * group) * s_qsh + q0
+        if TILE_KS:   # the item's keys share one K scale (quantize.K_SCALE_BLOCK keys from the sequence's start)
+            k_scale = gl.load(KS + bt.to(gl.int64) * s_ksb + hk * s_ksh + k0 + start_n, mask=start_n < seqlen_k,
+                              other=0.0)
         mbarrier.wait(k_empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
         _post_item(item_smem, item_bar, t)
         mbarrier.expect(k_ready, 2 * kv_bytes)
@@ -237,7 +242,10 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
                     vec_smem.index(NVEC * s + VQS).store(gl.load(QS + base, mask=ok, other=0.0) * inv_cap)
                     vec_smem.index(NVEC * s + VSHIFT).store(gl.load(SHIFT + base, mask=ok, other=0.0) * inv_cap)
                 else:
-                    vec_smem.index(NVEC * s + VQS).store(gl.load(QS + base, mask=ok, other=0.0))
+                    q_scale = gl.load(QS + base, mask=ok, other=0.0)
+                    if TILE_KS:
+                        q_scale = q_scale * k_scale
+                    vec_smem.index(NVEC * s + VQS).store(q_scale)
                 lse = gl.load(LSE + base, mask=ok, other=float("inf"))
                 if DO_DV:
                     do_scale = gl.load(DOS + base, mask=ok, other=0.0)
@@ -251,6 +259,8 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
                         lse = lse - gl.log2(qr_scale)
                     else:
                         vec_smem.index(NVEC * s + VQSR).store(qr_scale)
+                if TILE_KS:   # P^T's exponent's offset: the add trick's (quantize.int32_times) less lse
+                    lse = gl.fma(q_scale, -12582912.0, -lse)
                 vec_smem.index(NVEC * s + VLSE).store(lse)
                 mbarrier.arrive(ready.index(s), count=1)     # the second of ready's two arrivals
                 i += 1
@@ -317,10 +327,12 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
                    do_smem, dot_smem, vec_smem, ready, empty, keys, lo, hi, seqlen_q, seqlen_k, window_left,
                    window_right, softcap2, MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                    DO_DK: gl.constexpr, DO_DV: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr,
-                   BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr, ORDER: gl.constexpr, s_layout: gl.constexpr,
-                   dp_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+                   BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr, ORDER: gl.constexpr, TILE_KS: gl.constexpr,
+                   s_layout: gl.constexpr, dp_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Query tiles ``[lo, hi)`` of one head for one warpgroup's 64 keys: dV += P^T dO and/or dK += dS^T Q
-    (``QK_SPLIT``: Q's channels past the first block into ``dk2_acc``)."""
+    (``QK_SPLIT``: Q's channels past the first block into ``dk2_acc``). ``TILE_KS``: the item's keys share one K
+    scale, which the loader folded into the per-query vectors with the add trick's offset (q_scale * k_scale and
+    that times -1.5 * 2^23 less lse), so S^T's dequantization and P^T's exponent are one FMA a score."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     offs_m = gl.arange(0, BLOCK_Q, layout=col_layout)
     s_zero = gl.zeros([HALF_N, BLOCK_Q], gl.int32, s_layout)
@@ -339,13 +351,17 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
             st_int = warpgroup_mma_wait(num_outstanding=0, deps=(st_tok, ))
         q_scale = vec_smem.index(NVEC * s + VQS).load(col_layout)
         lse = vec_smem.index(NVEC * s + VLSE).load(col_layout)
-        st = gl.fma((st_int + 0x4B400000).to(gl.float32, bitcast=True), k_scale[:, None], k_bias[:, None])
-        if SOFTCAP:   # capped scores as in the forward; tanh kept for the cap's derivative in dS^T
-            tht = _tanh_scores(gl.fma(st, q_scale[None, :],
-                                      vec_smem.index(NVEC * s + VSHIFT).load(col_layout)[None, :]))
-            pt = gl.exp2(gl.fma(tht, softcap2, -lse[None, :]))
+        bits = (st_int + 0x4B400000).to(gl.float32, bitcast=True)
+        if TILE_KS:   # (q_scale holds q_scale * k_scale, lse the exponent's offset: see the loader)
+            pt = gl.exp2(gl.fma(bits, q_scale[None, :], lse[None, :]))   # the offset is -inf past the end: 0
         else:
-            pt = gl.exp2(gl.fma(st, q_scale[None, :], -lse[None, :]))   # lse is +inf past the end: 0
+            st = gl.fma(bits, k_scale[:, None], k_bias[:, None])
+            if SOFTCAP:   # capped scores as in the forward; tanh kept for the cap's derivative in dS^T
+                tht = _tanh_scores(gl.fma(st, q_scale[None, :],
+                                          vec_smem.index(NVEC * s + VSHIFT).load(col_layout)[None, :]))
+                pt = gl.exp2(gl.fma(tht, softcap2, -lse[None, :]))
+            else:
+                pt = gl.exp2(gl.fma(st, q_scale[None, :], -lse[None, :]))   # lse is +inf past the end: 0
         if MASKED and (MASK_LEFT or MASK_RIGHT):   # (the sequences' ends: _query_band_mask)
             pt = gl.where(_query_band_mask(offs_m, keys, start_m, diag, window_left, window_right, MASK_LEFT,
                                            MASK_RIGHT), pt, 0.0)
@@ -398,7 +414,7 @@ def _bwd_consumer(k8, k8b, v16, C: gl.constexpr, q_smem, q2_smem, qt_smem, qt2_s
                   HEAD_DIM_V: gl.constexpr, IS_VARLEN: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
                   FOLD: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr,
-                  ORDER: gl.constexpr):
+                  ORDER: gl.constexpr, TILE_KS: gl.constexpr):
     """One warpgroup, per work item the loader posts: keys ``[start_n + C * 64, ... + 64)`` (their int8 K in
     ``k8``, and ``k8b`` past the first ``D1`` channels with ``QK_SPLIT``; V in ``v16``) against every query tile
     of every query head of the group; writes their dV and/or dK rows (K released first, so the loader brings the
@@ -429,17 +445,17 @@ def _bwd_consumer(k8, k8b, v16, C: gl.constexpr, q_smem, q2_smem, qt_smem, qt2_s
                 dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem,
                 do_smem, dot_smem, vec_smem, ready, empty, keys, lo, full_lo, seqlen_q, seqlen_k, window_left,
                 window_right, softcap2, True, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT,
-                ORDER, s_layout, dp_layout, dk_layout, p_layout)
+                ORDER, TILE_KS, s_layout, dp_layout, dk_layout, p_layout)
             dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
                 dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem,
                 do_smem, dot_smem, vec_smem, ready, empty, keys, full_lo, full_hi, seqlen_q, seqlen_k, window_left,
                 window_right, softcap2, False, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT,
-                ORDER, s_layout, dp_layout, dk_layout, p_layout)
+                ORDER, TILE_KS, s_layout, dp_layout, dk_layout, p_layout)
             dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
                 dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem,
                 do_smem, dot_smem, vec_smem, ready, empty, keys, full_hi, hi, seqlen_q, seqlen_k, window_left,
                 window_right, softcap2, True, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT,
-                ORDER, s_layout, dp_layout, dk_layout, p_layout)
+                ORDER, TILE_KS, s_layout, dp_layout, dk_layout, p_layout)
         mbarrier.arrive(k_empty, count=1)     # every product with this item's K and V was waited for
         if DO_DV:
             dv_off = bt.to(gl.int64) * s_dvb + hk.to(gl.int64) * s_dvh + k0.to(gl.int64) * s_dvt
@@ -462,7 +478,7 @@ def _attn_bwd_dkdv_hopper_kernel(
     MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr,
-    BLOCK_Q: gl.constexpr, DYNAMIC: gl.constexpr, ORDER: gl.constexpr,
+    BLOCK_Q: gl.constexpr, DYNAMIC: gl.constexpr, ORDER: gl.constexpr, TILE_KS: gl.constexpr,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
@@ -515,19 +531,20 @@ def _attn_bwd_dkdv_hopper_kernel(
                          CU_Q, CU_K, CU_QT, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, n_q, n_k,
                          num_kv_heads, window_left, window_right, group, num_items, num_n, softmax_scale, softcap2,
                          D1, D2, HEAD_DIM_V, IS_VARLEN, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q,
-                         QK_SPLIT, ORDER)),
+                         QK_SPLIT, ORDER, TILE_KS)),
         (_bwd_consumer, (k_smem.index(1), k2_smem.index(1), v_smem.index(1), 1, q_smem, q2_smem, qt_smem, qt2_smem,
                          do_smem, dot_smem, vec_smem, k_ready, k_empty, ready, empty, item_smem, item_bar, KS, DV, DK,
                          CU_Q, CU_K, CU_QT, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, n_q, n_k,
                          num_kv_heads, window_left, window_right, group, num_items, num_n, softmax_scale, softcap2,
                          D1, D2, HEAD_DIM_V, IS_VARLEN, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q,
-                         QK_SPLIT, ORDER)),
+                         QK_SPLIT, ORDER, TILE_KS)),
         (_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, q_smem, qt_smem,
                    do_smem, dot_smem, k_smem, v_smem, q2_smem, qt2_smem, k2_smem, vec_smem, k_ready, k_empty, ready,
-                   empty, item_smem, item_bar, COUNTER, QS, LSE, DOS, DELTA, QSR, SHIFT, CU_Q, CU_K, CU_QT,
-                   1.0 / softcap2, s_qsb, s_qsh, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, n_q, n_k, num_heads,
-                   num_kv_heads, group, window_left, window_right, num_items, num_n, IS_VARLEN, MASK_LEFT, MASK_RIGHT,
-                   DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT, HEAD_DIM, HEAD_DIM_V, DYNAMIC)),
+                   empty, item_smem, item_bar, COUNTER, QS, LSE, DOS, DELTA, QSR, SHIFT, KS, CU_Q, CU_K, CU_QT,
+                   1.0 / softcap2, s_qsb, s_qsh, s_ksb, s_ksh, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, n_q, n_k,
+                   num_heads, num_kv_heads, group, window_left, window_right, num_items, num_n, IS_VARLEN, MASK_LEFT,
+                   MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT, HEAD_DIM, HEAD_DIM_V, DYNAMIC,
+                   TILE_KS)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -837,14 +854,16 @@ def _caller_desc(x4, block_shape, dtype):
 
 def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
                      window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None, block_q=None, softcap=0.0,
-                     shift=None, programs=None, operand_order=False, packing=None):
+                     shift=None, programs=None, operand_order=False, packing=None, tile_ks=None):
     """(grid, args, kwargs) of one launch, ``part`` "dv", "dk" or "dkdv" (both in one program): ``[B, H, N, D]``
     tensors as ``backward.launch_backward`` takes them (``quant`` from ``quantize_qk(..., transposed=True)``;
     ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None where not written. ``operand_order``:
     ``do8t`` and ``quant["q8t"]`` hold each 16 queries in quantize's operand order, so P^T and dS^T feed their
     products from the registers as they are (no shuffles). ``packing``: None for a padded batch, or for a packed
     one ([1, H, T, D]) ``(layout_q, layout_k, t_starts)``, ``do8t`` and ``q8t`` laid out with ``t_starts``
-    (``quantize.aligned_starts(layout_q)``)."""
+    (``quantize.aligned_starts(layout_q)``). ``tile_ks`` (default: wherever it applies, head dims with one K scale
+    a key block and no cap): the loader folds the item's K scale into the per-query vectors, one FMA a score less
+    in S^T's dequantization."""
     head_dim_v = v4.shape[3]
     assert part in ("dv", "dk", "dkdv") and (head_dim, head_dim_v) in HEAD_DIMS
     do_dv, do_dk = part in ("dv", "dkdv"), part in ("dk", "dkdv")
@@ -852,6 +871,9 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
         fold = part in ("dv", "dk")
     assert not (fold and part == "dkdv"), "FOLD scales P^T by one product's scale: the other needs it unscaled"
     block_q = block_q or dkdv_query_tile(head_dim, part == "dkdv")
+    can_tile_ks = head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == BLOCK_N.value and not softcap
+    tile_ks = can_tile_ks if tile_ks is None else bool(tile_ks)
+    assert can_tile_ks or not tile_ks, "tile_ks needs one K scale a key tile and no cap"
     assert quant["q_mean"] is None, "no Q-smoothing on this path"
     q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]
     bsz, hq, n_q, d = q8.shape
@@ -893,7 +915,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
             HEAD_DIM_V=head_dim_v,
             QK_SPLIT=bool(d2), DO_DK=do_dk, DO_DV=do_dv,
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, SOFTCAP=bool(softcap),
-            BLOCK_Q=block_q, DYNAMIC=dynamic, ORDER=operand_order, num_warps=4)
+            BLOCK_Q=block_q, DYNAMIC=dynamic, ORDER=operand_order, TILE_KS=tile_ks, num_warps=4)
 
 
 def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
@@ -987,4 +1009,4 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
         launch_dkdv_hopper("dkdv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common,
                            packing=key_tiles_packing, **tuning)
     launch_dq_hopper(quant, lse, do4, delta, v4, dq4, *common, row_ds=row_ds, k_mean=k_mean, packing=dq_packing,
-                     **{key: value for key, value in tuning.items() if key not in ("fold", "block_q")})
+                     **{key: value for key, value in tuning.items() if key not in ("fold", "block_q", "tile_ks")})

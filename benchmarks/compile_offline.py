@@ -108,6 +108,8 @@ def make_inputs(mod, a):
     do4 = torch.empty(b, h, n, dv, dtype=torch.bfloat16)
     v4 = torch.empty(b, hk, n, dv, dtype=torch.bfloat16)
     vec = lambda: torch.empty(b, h, n)  # noqa: E731   per-query vectors, q_scale's layout
+    if a.softcap:   # a capped call: the cap and the row shift (q_scale's layout) as interface passes them
+        kw.update(softcap=a.softcap, shift=vec())
     if a.kernel == "dq":
         return mod.dq_hopper_args(quant, lse, do4, vec(), v4, torch.empty(b, h, n, d, dtype=torch.bfloat16), h,
                                   h // hk, d, window, d ** -0.5, **kw)
@@ -189,6 +191,7 @@ def main():
     p.add_argument("--kernel-file", default=None)
     p.add_argument("--packed", action="store_true", help="a packed batch (--batch sequences of --seqlen tokens)")
     p.add_argument("--kw", default="{}", help="JSON dict of extra forward_hopper_args keywords")
+    p.add_argument("--softcap", type=float, default=0.0, help="a backward launch of a capped call (e.g. 50)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 

@@ -238,14 +238,17 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
                 rows = start_m + offs
                 ok = rows < seqlen_q
                 base = vec_head0 + g * s_qsh + rows
+                q_scale = gl.load(QS + base, mask=ok, other=0.0)
                 if SOFTCAP:   # the cap's argument: (s + shift) / cap, both terms over the cap
-                    vec_smem.index(NVEC * s + VQS).store(gl.load(QS + base, mask=ok, other=0.0) * inv_cap)
-                    vec_smem.index(NVEC * s + VSHIFT).store(gl.load(SHIFT + base, mask=ok, other=0.0) * inv_cap)
-                else:
-                    q_scale = gl.load(QS + base, mask=ok, other=0.0)
-                    if TILE_KS:
-                        q_scale = q_scale * k_scale
-                    vec_smem.index(NVEC * s + VQS).store(q_scale)
+                    q_scale = q_scale * inv_cap
+                    shift = gl.load(SHIFT + base, mask=ok, other=0.0) * inv_cap
+                if TILE_KS:
+                    q_scale = q_scale * k_scale
+                if SOFTCAP:
+                    if TILE_KS:   # the add trick's offset joins the shift: the cap's argument is one FMA
+                        shift = gl.fma(q_scale, -12582912.0, shift)
+                    vec_smem.index(NVEC * s + VSHIFT).store(shift)
+                vec_smem.index(NVEC * s + VQS).store(q_scale)
                 lse = gl.load(LSE + base, mask=ok, other=float("inf"))
                 if DO_DV:
                     do_scale = gl.load(DOS + base, mask=ok, other=0.0)
@@ -259,7 +262,7 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
                         lse = lse - gl.log2(qr_scale)
                     else:
                         vec_smem.index(NVEC * s + VQSR).store(qr_scale)
-                if TILE_KS:   # P^T's exponent's offset: the add trick's (quantize.int32_times) less lse
+                if TILE_KS and not SOFTCAP:   # P^T's exponent offset: the add trick's, less lse
                     lse = gl.fma(q_scale, -12582912.0, -lse)
                 vec_smem.index(NVEC * s + VLSE).store(lse)
                 mbarrier.arrive(ready.index(s), count=1)     # the second of ready's two arrivals
@@ -352,16 +355,19 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
         q_scale = vec_smem.index(NVEC * s + VQS).load(col_layout)
         lse = vec_smem.index(NVEC * s + VLSE).load(col_layout)
         bits = (st_int + 0x4B400000).to(gl.float32, bitcast=True)
-        if TILE_KS:   # (q_scale holds q_scale * k_scale, lse the exponent's offset: see the loader)
+        if SOFTCAP:   # capped scores as in the forward; tanh kept for the cap's derivative in dS^T
+            shift = vec_smem.index(NVEC * s + VSHIFT).load(col_layout)
+            if TILE_KS:   # (q_scale and shift hold the K scale and the add trick's offset: see the loader)
+                tht = _tanh_scores(gl.fma(bits, q_scale[None, :], shift[None, :]))
+            else:
+                tht = _tanh_scores(gl.fma(gl.fma(bits, k_scale[:, None], k_bias[:, None]), q_scale[None, :],
+                                          shift[None, :]))
+            pt = gl.exp2(gl.fma(tht, softcap2, -lse[None, :]))
+        elif TILE_KS:   # (q_scale holds q_scale * k_scale, lse the exponent's offset: see the loader)
             pt = gl.exp2(gl.fma(bits, q_scale[None, :], lse[None, :]))   # the offset is -inf past the end: 0
         else:
             st = gl.fma(bits, k_scale[:, None], k_bias[:, None])
-            if SOFTCAP:   # capped scores as in the forward; tanh kept for the cap's derivative in dS^T
-                tht = _tanh_scores(gl.fma(st, q_scale[None, :],
-                                          vec_smem.index(NVEC * s + VSHIFT).load(col_layout)[None, :]))
-                pt = gl.exp2(gl.fma(tht, softcap2, -lse[None, :]))
-            else:
-                pt = gl.exp2(gl.fma(st, q_scale[None, :], -lse[None, :]))   # lse is +inf past the end: 0
+            pt = gl.exp2(gl.fma(st, q_scale[None, :], -lse[None, :]))   # lse is +inf past the end: 0
         if MASKED and (MASK_LEFT or MASK_RIGHT):   # (the sequences' ends: _query_band_mask)
             pt = gl.where(_query_band_mask(offs_m, keys, start_m, diag, window_left, window_right, MASK_LEFT,
                                            MASK_RIGHT), pt, 0.0)
@@ -862,8 +868,8 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     products from the registers as they are (no shuffles). ``packing``: None for a padded batch, or for a packed
     one ([1, H, T, D]) ``(layout_q, layout_k, t_starts)``, ``do8t`` and ``q8t`` laid out with ``t_starts``
     (``quantize.aligned_starts(layout_q)``). ``tile_ks`` (default: wherever it applies, head dims with one K scale
-    a key block and no cap): the loader folds the item's K scale into the per-query vectors, one FMA a score less
-    in S^T's dequantization."""
+    a key block): the loader folds the item's K scale into the per-query vectors, one FMA a score less in S^T's
+    dequantization (with a cap: in the cap's argument)."""
     head_dim_v = v4.shape[3]
     assert part in ("dv", "dk", "dkdv") and (head_dim, head_dim_v) in HEAD_DIMS
     do_dv, do_dk = part in ("dv", "dkdv"), part in ("dk", "dkdv")
@@ -871,9 +877,9 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
         fold = part in ("dv", "dk")
     assert not (fold and part == "dkdv"), "FOLD scales P^T by one product's scale: the other needs it unscaled"
     block_q = block_q or dkdv_query_tile(head_dim, part == "dkdv")
-    can_tile_ks = head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == BLOCK_N.value and not softcap
+    can_tile_ks = head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == BLOCK_N.value
     tile_ks = can_tile_ks if tile_ks is None else bool(tile_ks)
-    assert can_tile_ks or not tile_ks, "tile_ks needs one K scale a key tile and no cap"
+    assert can_tile_ks or not tile_ks, "tile_ks needs one K scale a key tile"
     assert quant["q_mean"] is None, "no Q-smoothing on this path"
     q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]
     bsz, hq, n_q, d = q8.shape

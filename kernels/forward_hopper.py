@@ -353,7 +353,7 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
              MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
              PINGPONG: gl.constexpr, FIRST: gl.constexpr, EXP_POLY: gl.constexpr, V_ORDER: gl.constexpr,
              SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr, NAMED_BARRIERS: gl.constexpr, CONSUMERS: gl.constexpr,
-             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+             IS_VARLEN: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key tiles ``[lo, hi)`` for one warpgroup's 64 rows, each S = Q K^T waited for before its softmax.
     ``ks``: this tile's K scale, read a tile ahead (global-load latency stalled the loop when read after S).
 
@@ -370,8 +370,11 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
     # address, LLVM widened the loop counter to 64 bits, and every key index and mask compare with it (a masked
     # tile at D=64 causal: 1,039 instructions a thread, 945 without the widening, 842 with _tile_band_mask).
     # Elsewhere the address keeps start_n: a kernel without a band compiles as it did before (see _inside).
+    # Packed batches too: there the key offset is a loaded sequence start, and the widening came back in every
+    # loop (an unmasked tile at D=128 reloaded two spilled registers, a masked one 1,099 instructions against 859).
     BAND: gl.constexpr = MASKED and (MASK_LEFT or MASK_RIGHT)
-    if BAND:
+    KS_PTR: gl.constexpr = BAND or IS_VARLEN
+    if KS_PTR:
         ks_ptr = KS + ks_off + lo + BLOCK_N
     for start_n in range(lo, hi, BLOCK_N):
         s = it % STAGES
@@ -389,7 +392,7 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
                 _named_barrier(True, TURN_BARRIER + 1 - FIRST, 256, 4)
             else:
                 mbarrier.arrive(turn_other, count=1)
-        if BAND:
+        if KS_PTR:
             ks_next = gl.load(ks_ptr, mask=start_n + BLOCK_N < seqlen_k, other=0.0)
             ks_ptr += BLOCK_N
         else:
@@ -407,7 +410,7 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
         else:   # floored: with an all-zero K tile (scale 0) a masked score would be -inf * 0
             row_mul = gl.maximum(q_scale * ks, 1e-37)
             row_add = row_mul * -12582912.0
-        if BAND:
+        if BAND or (MASKED and IS_VARLEN):
             t = gl.where(_tile_band_mask(offs_n, rows, start_n, seqlen_k, diag, window_left, window_right, MASK_LEFT,
                                          MASK_RIGHT), t, float("-inf"))
         elif MASKED:
@@ -493,17 +496,17 @@ def _consumer(q_smem, q2_smem, C: gl.constexpr, k_smem, k2_smem, v_smem, q_ready
                                          turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, lo,
                                          full_lo, seqlen_q, seqlen_k, window_left, window_right, True,
                                          MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, EXP_POLY, V_ORDER, SOFTCAP,
-                                         QK_SPLIT, NAMED_BARRIERS, CONSUMERS, s_layout, o_layout, p_layout)
+                                         QK_SPLIT, NAMED_BARRIERS, CONSUMERS, IS_VARLEN, s_layout, o_layout, p_layout)
         acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
                                          turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_lo,
                                          full_hi, seqlen_q, seqlen_k, window_left, window_right, False,
                                          MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, EXP_POLY, V_ORDER, SOFTCAP,
-                                         QK_SPLIT, NAMED_BARRIERS, CONSUMERS, s_layout, o_layout, p_layout)
+                                         QK_SPLIT, NAMED_BARRIERS, CONSUMERS, IS_VARLEN, s_layout, o_layout, p_layout)
         acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
                                          turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_hi,
                                          hi, seqlen_q, seqlen_k, window_left, window_right, True,
                                          MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, EXP_POLY, V_ORDER, SOFTCAP,
-                                         QK_SPLIT, NAMED_BARRIERS, CONSUMERS, s_layout, o_layout, p_layout)
+                                         QK_SPLIT, NAMED_BARRIERS, CONSUMERS, IS_VARLEN, s_layout, o_layout, p_layout)
         mbarrier.arrive(q_empty, count=1)     # every S of the item was waited for: the next Q may land
 
         has_keys = l_i > 0

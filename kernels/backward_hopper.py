@@ -639,7 +639,7 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, s
               k2_smem, v_smem, kt_smem, kt2_smem, KS, ks_off, ready, empty, lo, hi, seqlen_q, seqlen_k, window_left,
               window_right, MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
               SOFTCAP: gl.constexpr, ROW_TERM: gl.constexpr, QK_SPLIT: gl.constexpr, ORDER: gl.constexpr,
-              s_layout: gl.constexpr,
+              IS_VARLEN: gl.constexpr, s_layout: gl.constexpr,
               dp_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key tiles ``[lo, hi)`` for one warpgroup's 64 queries: ``dQ += dS K`` (backward._dq_tile's numerics;
     ``QK_SPLIT``: K's channels past the first block into ``acc2``); with ``SOFTCAP`` and ``ROW_TERM`` also
@@ -651,7 +651,10 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, s
     dp_zero = gl.zeros([HALF_N, BLOCK_K], gl.float32, dp_layout)
     diag = seqlen_k - seqlen_q
     BAND: gl.constexpr = MASKED and (MASK_LEFT or MASK_RIGHT)
-    ks_ptr = KS + ks_off + lo + BLOCK_K     # band-masked loops: 32-bit key indices (forward_hopper._consume)
+    # band-masked and packed loops: 32-bit key indices (forward_hopper._consume; packed masked loops took 1,043
+    # instructions a tile at D=128 without, 911 padded)
+    KS_PTR: gl.constexpr = BAND or IS_VARLEN
+    ks_ptr = KS + ks_off + lo + BLOCK_K
     for start_n in range(lo, hi, BLOCK_K):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
@@ -660,7 +663,7 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, s
             s_tok = warpgroup_mma(q8b, k2_smem.index(s).permute((1, 0)), s_tok, is_async=True)
         # dP = dO V^T in the input dtype (quantizing it would feed error into dS), beside S
         dp_tok = warpgroup_mma(do16, v_smem.index(s).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
-        if BAND:
+        if KS_PTR:
             ks_next = gl.load(ks_ptr, mask=start_n + BLOCK_K < seqlen_k, other=0.0)
             ks_ptr += BLOCK_K
         else:
@@ -676,7 +679,7 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, s
         else:   # lse is +inf past the end: 0
             row_mul = q_scale * ks
             p = gl.exp2(gl.fma(t, row_mul[:, None], (row_mul * -12582912.0 - lse)[:, None]))
-        if BAND:
+        if BAND or (MASKED and IS_VARLEN):
             p = gl.where(_tile_band_mask(offs_n, rows, start_n, seqlen_k, diag, window_left, window_right, MASK_LEFT,
                                          MASK_RIGHT), p, 0.0)
         elif MASKED:
@@ -749,17 +752,17 @@ def _dq_consumer(q8, q8b, do16, C: gl.constexpr, k_smem, k2_smem, v_smem, kt_sme
                                               softcap2, lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem,
                                               KS, ks_off, ready, empty, lo, full_lo, seqlen_q, seqlen_k, window_left,
                                               window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT,
-                                              ORDER, s_layout, dp_layout, o_layout, p_layout)
+                                              ORDER, IS_VARLEN, s_layout, dp_layout, o_layout, p_layout)
         acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b,
                                               softcap2, lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem,
                                               KS, ks_off, ready, empty, full_lo, full_hi, seqlen_q, seqlen_k,
                                               window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                              ROW_TERM, QK_SPLIT, ORDER, s_layout, dp_layout, o_layout, p_layout)
+                                              ROW_TERM, QK_SPLIT, ORDER, IS_VARLEN, s_layout, dp_layout, o_layout, p_layout)
         acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b,
                                               softcap2, lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem,
                                               KS, ks_off, ready, empty, full_hi, hi, seqlen_q, seqlen_k, window_left,
                                               window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT,
-                                              ORDER, s_layout, dp_layout, o_layout, p_layout)
+                                              ORDER, IS_VARLEN, s_layout, dp_layout, o_layout, p_layout)
         mbarrier.arrive(q_empty, count=1)     # every product with this item's Q and dO was waited for
         if ROW_TERM:   # dQ += rowsum(dS) mean(k): the kernel's own row sums with a cap, else the sinks' (given)
             if not SOFTCAP:

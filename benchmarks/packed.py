@@ -6,7 +6,7 @@ A packed batch of equal sequences does the padded batch's work, so its time per 
 auto, i.e. Gluon on Hopper, and triton): forward and forward+backward ms (median of CUDA-event timings) and
 TFLOP/s-equivalent (4*H*sum(n_i^2)*D forward, 3.5x that for both, halved when causal), and which kernels ran.
 
-    python benchmarks/packed.py [--head-dims 128 64] [--tokens 32768]
+    python benchmarks/packed.py [--head-dims 128 64] [--tokens 32768] [--kernels auto]
 """
 import argparse
 import os
@@ -47,6 +47,8 @@ def main():
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--width", type=int, default=2048, help="H * D (query heads)")
     p.add_argument("--kv-heads", type=int, default=None, help="default: as many as the query heads")
+    p.add_argument("--kernels", nargs="+", default=["auto", "triton"], choices=["auto", "triton"],
+                   help="kernel families (SAGEBWD_KERNELS) to time")
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {__import__('triton').__version__}")
     print(f"{'shape':<16} {'D':>3} {'causal':>6} {'layout':<7} {'kernels':<8} {'fwd ms':>8} {'TFLOP/s':>8} "
@@ -64,7 +66,7 @@ def main():
             k, v = (torch.randn(total, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             for causal in (False, True):
                 flops = 4.0 * h * d * sum(n * n for n in lengths) * (0.5 if causal else 1.0)
-                for kernels in ("auto", "triton"):
+                for kernels in args.kernels:
                     os.environ["SAGEBWD_KERNELS"] = kernels
                     for layout in ("packed", "padded"):
                         if layout == "packed":

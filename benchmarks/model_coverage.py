@@ -9,10 +9,11 @@ gets one status:
 
 * ``sagebwd``: every attention call ran on SageBwd. Logits and all parameter gradients are compared with the
   reference (cosine similarity, relative L2); below the bounds it is a *silent mismatch*, a bug.
-* ``fallback: <reasons>``: some or all calls ran through SDPA for a reason the adapter documents
-  (``FALLBACK_REASONS`` in ``sagebwd_hf/transformers_integration.py``); compared with the reference too.
-* ``raises``: the adapter refuses a call by design (``ValueError: sagebwd: ...``, e.g. soft-capping or sinks
-  on a call that would need an SDPA fallback).
+* ``fallback: <reasons>``: some or all calls ran through SDPA (eager attention where they carry a soft cap or
+  sinks) for a reason the adapter documents (``FALLBACK_REASONS`` in ``sagebwd_hf/transformers_integration.py``);
+  compared with the reference too.
+* ``raises``: the adapter refuses a call by design (``ValueError: sagebwd: ...``, e.g. a sink per query, which
+  neither the kernels nor a fallback compute).
 * ``not routed``: no call reached the attention interface (the model has its own attention code: falcon,
   bloom, mpt, ...); its logits stay what the reference gives.
 * ``cannot build tiny``: the tiny config, the model or its reference training step fails.
@@ -837,7 +838,7 @@ def describe(r: Result) -> str:
         if r.status == "fallback":
             total = r.calls + sum(r.fallback.values())
             reasons = ", ".join(f"`{k}`" for k in sorted(r.fallback))
-            parts.insert(0, f"{sum(r.fallback.values())} of {total} calls through SDPA ({reasons})")
+            parts.insert(0, f"{sum(r.fallback.values())} of {total} calls through a fallback ({reasons})")
         else:
             paths = ", ".join(f"{k} {v}" for k, v in sorted(r.paths.items()))
             parts.insert(0, f"{r.calls} calls ({paths})")
@@ -892,10 +893,10 @@ def render(results: List[Result], device: str, dtype: torch.dtype, seconds: floa
         "|---|---|---|",
         f"| `sagebwd` | {counts['sagebwd']} | every attention call ran on SageBwd; logits and gradients within "
         f"the bounds below |",
-        f"| `fallback: <reasons>` | {counts['fallback']} | some or all calls ran through SDPA, for a reason the "
-        f"adapter documents (`FALLBACK_REASONS`) |",
-        f"| `raises` | {counts['raises']} | the adapter refuses a call by design (a soft cap or sinks on a call "
-        f"that needs SDPA) |",
+        f"| `fallback: <reasons>` | {counts['fallback']} | some or all calls ran through SDPA (eager attention where "
+        f"they carry a soft cap or sinks), for a reason the adapter documents (`FALLBACK_REASONS`) |",
+        f"| `raises` | {counts['raises']} | the adapter refuses a call by design (a sink per query, which neither "
+        f"the kernels nor a fallback compute) |",
         f"| `not routed` | {counts['not routed']} | the model's attention does not go through Transformers' "
         f"attention interface (its own attention code) |",
         f"| `cannot build tiny` | {counts['cannot build tiny']} | the tiny config, the model or its reference "

@@ -11,7 +11,8 @@
 * ``sagebwd_attention_forward`` in ``AttentionInterface``: picks the kernel path the way
   ``_flash_attention_forward`` does (padding mask -> unpad + varlen; else ``cu_seq_lens_q/k`` -> varlen; else
   restarting ``position_ids`` -> varlen; else one dense call), and runs SDPA, with a one-time warning and a
-  counter, for what the kernel cannot do. What SDPA cannot do either raises.
+  counter, for what the kernel cannot do; where such a call has a soft cap or sinks, which SDPA does not
+  compute, PyTorch eager attention instead (``_eager_with_extras``).
 
 Transformers' conventions kept here: causality from the ``is_causal`` kwarg, else ``module.is_causal``;
 ``sliding_window=W`` means a query sees W keys including itself, i.e. FlashAttention's
@@ -493,11 +494,45 @@ def _with_selected_keys(mask, indices, batch, q_len, kv_len, causal, window, dev
     return mask & selected
 
 
+def _eager_with_extras(module, query, key, value, mask, dropout, scaling, softcap, s_aux, position_bias=None):
+    """Attention with what SDPA does not compute, a soft cap and sinks, in plain PyTorch as the models' own eager
+    code computes them (Gemma 2: the cap on the scaled scores before the mask; gpt-oss: the sink a logit of the
+    softmax, dropped after it; softmax in float32). ``mask``: bool (True: attend) or additive, [B or 1, 1 or H,
+    q, >= kv]; ``position_bias`` added to the scores as SDPA's fallback adds it. Rows that see no key and no sink
+    give zeros. Returns ``[B, q, H, Dv]``, as _sdpa."""
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)).float() * (scaling if scaling is not None
+                                                                  else query.shape[-1] ** -0.5)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if position_bias is not None:
+        scores = scores + position_bias.float()
+    if mask is not None:
+        mask = mask[..., :key.shape[2]]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    if s_aux is not None:
+        sink = s_aux.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    top = scores.amax(dim=-1, keepdim=True)
+    probs = torch.exp(scores - torch.where(torch.isfinite(top), top, 0.0))    # a row of -inf only: zeros
+    probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    if s_aux is not None:
+        probs = probs[..., :-1]
+    probs = F.dropout(probs.to(query.dtype), p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
+
+
 def _sdpa_fallback(reason, module, query, key, value, attention_mask, dropout, scaling, causal, window,
-                   kwargs, segments=None):
+                   kwargs, segments=None, softcap=None, s_aux=None):
+    """The call through SDPA, or, where it has a soft cap or sinks that SDPA does not compute, through
+    _eager_with_extras (either way counted under ``reason`` in attention_stats()["fallback"])."""
     _fallback_calls[reason] += 1
-    _warn_once("fallback:" + reason, f"sagebwd: {FALLBACK_REASONS[reason]}: this attention call runs "
-                                     f"through SDPA instead (counted in sagebwd_hf.attention_stats()).")
+    eager = bool(softcap) or s_aux is not None
+    _warn_once("fallback:" + reason + (":eager" if eager else ""),
+               f"sagebwd: {FALLBACK_REASONS[reason]}: this attention call runs through "
+               f"{'PyTorch eager attention (SDPA has no soft cap or sinks)' if eager else 'SDPA'} instead "
+               f"(counted in sagebwd_hf.attention_stats()).")
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     if attention_mask is not None and attention_mask.dim() == 4:
@@ -506,6 +541,9 @@ def _sdpa_fallback(reason, module, query, key, value, attention_mask, dropout, s
         if segments is None and attention_mask is None:
             segments = _sequence_ids(batch, q_len, kv_len, kwargs, check=not torch.compiler.is_compiling())
         mask = _dense_mask(batch, q_len, kv_len, causal, window, attention_mask, segments, query.device)
+    if eager:
+        return _eager_with_extras(module, query, key, value, mask, dropout, scaling, softcap, s_aux,
+                                  kwargs.get("position_bias"))
     return _sdpa(module, query, key, value, mask, dropout, scaling, kwargs)
 
 
@@ -576,10 +614,8 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         query, key, value, mask, dropout, kwargs)
     if reason is None and causal and q_len > kv_len:
         reason = "shape"
-    if reason is not None and extras:
-        # SDPA has neither a soft cap nor sinks: falling back would silently drop them
-        raise ValueError(f"sagebwd: this attention call needs an SDPA fallback ({FALLBACK_REASONS[reason]}), and "
-                         f"SDPA cannot compute {' and '.join(extras)}: use attn_implementation='eager' for it.")
+    # SDPA has neither a soft cap nor sinks: such a call's fallback is eager attention, which has both
+    eager = dict(softcap=softcap, s_aux=s_aux)
     if reason == "sparse_indices":
         # DeepSeek sparse attention hands backends that are not eager/sdpa its top-k keys per query and leaves
         # them out of the mask (a sparse MLA kernel would consume them; flash_attention_2 ignores them): fold
@@ -587,10 +623,10 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         mask = _with_selected_keys(mask, kwargs["indices"], batch, q_len, kv_len, causal, window, query.device)
         kwargs = {k: v for k, v in kwargs.items() if k != "indices"}
         return _sdpa_fallback("sparse_indices", module, query, key, value, mask, dropout, scaling, causal, window,
-                              kwargs), None
+                              kwargs, **eager), None
     if reason is not None:
         out = _sdpa_fallback(reason, module, query, key, value, mask, dropout, scaling, causal, window, kwargs,
-                             segments=chunks)
+                             segments=chunks, **eager)
         return out, None
 
     out_dtype = query.dtype

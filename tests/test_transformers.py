@@ -8,6 +8,7 @@ fail when a window or a padding mask is lost (test_bounds_detect_a_dropped_windo
 GPU tests (python -m pytest -m gpu) repeat the comparisons on CUDA in bfloat16.
 """
 import warnings
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -745,15 +746,51 @@ def test_bad_calls_raise():
         ti.sagebwd_attention_forward(attn, q, k, v, None, s_aux=torch.zeros(2))
 
 
-def test_softcap_or_sinks_that_would_need_sdpa_raise():
-    """SDPA has neither: a call that must fall back (here: dropout) would silently lose them, so it raises."""
-    attn = tiny_model("llama").model.layers[0].self_attn
-    q = torch.randn(1, 4, 8, 16)
-    k = v = torch.randn(1, 2, 8, 16)
-    with pytest.raises(ValueError, match="SDPA cannot compute logit soft-capping"):
-        ti.sagebwd_attention_forward(attn, q, k, v, None, dropout=0.1, softcap=50.0)
-    with pytest.raises(ValueError, match=r"SDPA cannot compute attention sinks \(s_aux\)"):
-        ti.sagebwd_attention_forward(attn, q, k, v, _IRREGULAR[:, :, :8, :8], s_aux=torch.zeros(4))
+def _exact_with_extras(q, k, v, mask, softcap=None, sinks=None, scale=None):
+    """Float64 attention with a soft cap and sinks as the models' eager code has them; [B, q, H, Dv]."""
+    q, k, v = (x.double() for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = q @ k.transpose(2, 3) * (scale or q.shape[-1] ** -0.5)
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+    top = s.amax(-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(top), top, 0.0))
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-300)
+    return (p[..., :k.shape[2]] @ v).transpose(1, 2)
+
+
+def test_softcap_or_sinks_that_need_a_fallback_run_eager(fresh_warnings):
+    """SDPA has neither a soft cap nor sinks, so a call that must fall back (dropout, a 4D mask no kernel pattern
+    matches) runs them in eager PyTorch attention, counted under its reason, against float64 attention; a row
+    that sees no key gives zeros (with a sink too: the sink takes the whole row), not NaN."""
+    attn = tiny_model("llama").model.layers[0].self_attn.eval()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 8, 16, generator=gen) * 3
+    k, v = (torch.randn(1, 2, 8, 16, generator=gen) for _ in range(2))
+    mask = _IRREGULAR[:, :, :8, :8].clone()
+    mask[..., 3, :] = False                       # query 3 sees no key
+    sinks = torch.randn(4, generator=gen)
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()[None, None]
+    calls = [(dict(dropout=0.1, softcap=5.0), None, causal),   # dropout: eval mode, so none applied
+             (dict(s_aux=sinks), mask, mask), (dict(softcap=5.0, s_aux=sinks), mask, mask),
+             (dict(softcap=5.0), mask, mask)]
+    for kw, given, meant in calls:
+        with pytest.warns(UserWarning, match="PyTorch eager attention") if kw is calls[0][0] else nullcontext():
+            out = ti.sagebwd_attention_forward(attn, q, k, v, given, **kw)[0]
+        want = _exact_with_extras(q, k, v, meant, kw.get("softcap"), kw.get("s_aux"))
+        assert torch.isfinite(out).all() and out.shape == want.shape, kw
+        torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{kw}: {m}")
+        if given is not None:
+            assert out[:, 3].abs().max() == 0, kw
+    assert sagebwd_hf.attention_stats()["fallback"] == {"dropout": 1, "mask_4d": 3}
+    attn.train()    # in training the fallback applies the dropout it was given
+    outs = [ti.sagebwd_attention_forward(attn, q, k, v, None, dropout=0.5, softcap=5.0)[0] for _ in range(2)]
+    assert torch.isfinite(outs[0]).all() and not torch.equal(outs[0], outs[1])
 
 
 def test_sinks_under_their_other_name():

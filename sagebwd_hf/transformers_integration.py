@@ -353,15 +353,12 @@ def _fallback_reason(query, key, value, attention_mask, dropout, kwargs) -> Opti
     return None
 
 
-def _score_extras(softcap, s_aux, query) -> list:
-    """What this call adds to the softmax (checked): names for an error message, empty when nothing."""
-    extras = []
-    if softcap is not None and check_softcap(softcap) > 0:
-        extras.append(f"logit soft-capping (softcap={softcap})")
+def _check_score_extras(softcap, s_aux, query) -> None:
+    """What this call adds to the softmax, checked before any path takes it (a clear error on bad values)."""
+    if softcap is not None:
+        check_softcap(softcap)
     if s_aux is not None:
         check_sinks(s_aux, query.shape[1], query.device)
-        extras.append("attention sinks (s_aux)")
-    return extras
 
 
 def _query_positions(q_len, kv_len, padding, device):
@@ -609,7 +606,7 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                              lambda m: _as_kernel_pattern(m, batch, q_len, kv_len))   # once per forward
         if pattern is not None:          # the mask says which pattern: it, not the layer's kwargs, decides
             causal, window, mask = pattern
-    extras = _score_extras(softcap, s_aux, query)
+    _check_score_extras(softcap, s_aux, query)
     reason = "sparse_indices" if kwargs.get("indices") is not None else _fallback_reason(
         query, key, value, mask, dropout, kwargs)
     if reason is None and causal and q_len > kv_len:

@@ -757,7 +757,8 @@ def _dq_consumer(q8, q8b, do16, C: gl.constexpr, k_smem, k2_smem, v_smem, kt_sme
                                               softcap2, lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem,
                                               KS, ks_off, ready, empty, full_lo, full_hi, seqlen_q, seqlen_k,
                                               window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                              ROW_TERM, QK_SPLIT, ORDER, IS_VARLEN, s_layout, dp_layout, o_layout, p_layout)
+                                              ROW_TERM, QK_SPLIT, ORDER, IS_VARLEN, s_layout, dp_layout, o_layout,
+                                              p_layout)
         acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b,
                                               softcap2, lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem,
                                               KS, ks_off, ready, empty, full_hi, hi, seqlen_q, seqlen_k, window_left,

@@ -52,7 +52,7 @@ accumulators for dK and dQ), no Q-smoothing (``dispatch.use_gluon(..., backward=
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .launch import launch
 from .layout import cdiv, tma_addressable, token_rows
@@ -60,7 +60,7 @@ from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
 from .forward_hopper import (HEAD_DIMS, _as_operand, _ceil_to, _claim_item, _floor_to, _inside, _key_tiles,
                              _next_item, _post_item, _round_to_int8, _split_item, _tanh_scores, _tile_band_mask,
-                             _tma_desc, persistent_grid, qk_blocks, tma_descriptor, wgmma_layout)
+                             _tma_desc, persistent_grid, qk_blocks, tma_descriptor, tma_load, wgmma_layout)
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
@@ -209,11 +209,11 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
         _post_item(item_smem, item_bar, t)
         mbarrier.expect(k_ready, 2 * kv_bytes)
         for c in gl.static_range(2):
-            tma.async_copy_global_to_shared(k_desc, [k_row + c * HALF_N, 0], k_ready, k_smem.index(c))
+            tma_load(k_desc, [k_row + c * HALF_N, 0], k_ready, k_smem.index(c))
             if QK_SPLIT:
-                tma.async_copy_global_to_shared(k2_desc, [k_row + c * HALF_N, D1], k_ready, k2_smem.index(c))
+                tma_load(k2_desc, [k_row + c * HALF_N, D1], k_ready, k2_smem.index(c))
             if DO_DK:
-                tma.async_copy_global_to_shared(v_desc, [v_row + c * HALF_N, v_col], k_ready, v_smem.index(c))
+                tma_load(v_desc, [v_row + c * HALF_N, v_col], k_ready, v_smem.index(c))
         for g in range(group):
             for start_m in range(lo, hi, BLOCK_Q):
                 s = i % STAGES
@@ -221,19 +221,19 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
                 mbarrier.expect(ready.index(s), nbytes)
                 q_row = (q_head0 + g) * n_q + q0 + start_m
                 t_row = (q_head0 + g) * HEAD_DIM    # Q8^T's rows: [B*H*D, Nq_pad]; dO8^T's: [B*H*Dv, Nq_pad]
-                tma.async_copy_global_to_shared(q_desc, [q_row, 0], ready.index(s), q_smem.index(s))
+                tma_load(q_desc, [q_row, 0], ready.index(s), q_smem.index(s))
                 if QK_SPLIT:
-                    tma.async_copy_global_to_shared(q2_desc, [q_row, D1], ready.index(s), q2_smem.index(s))
+                    tma_load(q2_desc, [q_row, D1], ready.index(s), q2_smem.index(s))
                 if DO_DV:
-                    tma.async_copy_global_to_shared(dot_desc, [(q_head0 + g) * HEAD_DIM_V, qt0 + start_m],
+                    tma_load(dot_desc, [(q_head0 + g) * HEAD_DIM_V, qt0 + start_m],
                                                     ready.index(s), dot_smem.index(s))
                 if DO_DK:
-                    tma.async_copy_global_to_shared(do_desc, [do_row0 + g * do_rh + start_m, do_col0 + g * do_ch],
+                    tma_load(do_desc, [do_row0 + g * do_rh + start_m, do_col0 + g * do_ch],
                                                     ready.index(s), do_smem.index(s))
-                    tma.async_copy_global_to_shared(qt_desc, [t_row, qt0 + start_m], ready.index(s),
+                    tma_load(qt_desc, [t_row, qt0 + start_m], ready.index(s),
                                                     qt_smem.index(s))
                     if QK_SPLIT:
-                        tma.async_copy_global_to_shared(qt2_desc, [t_row + D1, qt0 + start_m], ready.index(s),
+                        tma_load(qt2_desc, [t_row + D1, qt0 + start_m], ready.index(s),
                                                         qt2_smem.index(s))
                 rows = start_m + offs
                 ok = rows < seqlen_q
@@ -612,20 +612,20 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_d
         _post_item(item_smem, item_bar, t)
         mbarrier.expect(q_ready, 2 * q_bytes)
         for c in gl.static_range(2):
-            tma.async_copy_global_to_shared(q_desc, [q_row + c * HALF_N, 0], q_ready, q_smem.index(c))
+            tma_load(q_desc, [q_row + c * HALF_N, 0], q_ready, q_smem.index(c))
             if QK_SPLIT:
-                tma.async_copy_global_to_shared(q2_desc, [q_row + c * HALF_N, D1], q_ready, q2_smem.index(c))
-            tma.async_copy_global_to_shared(do_desc, [do_row + c * HALF_N, h * do_ch], q_ready, do_smem.index(c))
+                tma_load(q2_desc, [q_row + c * HALF_N, D1], q_ready, q2_smem.index(c))
+            tma_load(do_desc, [do_row + c * HALF_N, h * do_ch], q_ready, do_smem.index(c))
         for start_n in range(lo, hi, BLOCK_K):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
-            tma.async_copy_global_to_shared(v_desc, [v_row + start_n, hk * v_ch], ready.index(s), v_smem.index(s))
-            tma.async_copy_global_to_shared(kt_desc, [kt_row, kt0 + start_n], ready.index(s), kt_smem.index(s))
+            tma_load(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
+            tma_load(v_desc, [v_row + start_n, hk * v_ch], ready.index(s), v_smem.index(s))
+            tma_load(kt_desc, [kt_row, kt0 + start_n], ready.index(s), kt_smem.index(s))
             if QK_SPLIT:
-                tma.async_copy_global_to_shared(k2_desc, [k_row + start_n, D1], ready.index(s), k2_smem.index(s))
-                tma.async_copy_global_to_shared(kt2_desc, [kt_row + D1, kt0 + start_n], ready.index(s),
+                tma_load(k2_desc, [k_row + start_n, D1], ready.index(s), k2_smem.index(s))
+                tma_load(kt2_desc, [kt_row + D1, kt0 + start_n], ready.index(s),
                                                 kt2_smem.index(s))
             i += 1
         j += 1

@@ -43,6 +43,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+# The TMA load is ``async_load`` from Triton 3.8 on (3.9 removed the old name); 3.6 and 3.7 have only
+# ``async_copy_global_to_shared``. Same arguments in all four.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 from .dispatch import GLUON_HEAD_DIMS as HEAD_DIMS   # (Q/K, V) head dim pairs: see qk_blocks for 192
 from .launch import launch
 from .layout import cdiv
@@ -325,9 +329,9 @@ def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q
         _post_item(item_smem, item_bar, t)
         mbarrier.expect(q_ready, CONSUMERS * q_bytes)
         for c in gl.static_range(CONSUMERS):
-            tma.async_copy_global_to_shared(q_desc, [q_row + c * HALF_M, 0], q_ready, q_smem.index(c))
+            tma_load(q_desc, [q_row + c * HALF_M, 0], q_ready, q_smem.index(c))
             if QK_SPLIT:
-                tma.async_copy_global_to_shared(q2_desc, [q_row + c * HALF_M, D1], q_ready, q2_smem.index(c))
+                tma_load(q2_desc, [q_row + c * HALF_M, D1], q_ready, q2_smem.index(c))
         for start_n in range(lo, hi, BLOCK_N):
             s = i % STAGES
             if NAMED_BARRIERS:   # every consumer thread arrived when done with the buffer's last contents
@@ -336,10 +340,10 @@ def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q
             else:   # a fresh barrier's "previous phase" counts as complete: the first STAGES waits pass at once
                 mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
+            tma_load(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
             if QK_SPLIT:
-                tma.async_copy_global_to_shared(k2_desc, [k_row + start_n, D1], ready.index(s), k2_smem.index(s))
-            tma.async_copy_global_to_shared(vt_desc, [v_row, v0 + start_n], ready.index(s), v_smem.index(s))
+                tma_load(k2_desc, [k_row + start_n, D1], ready.index(s), k2_smem.index(s))
+            tma_load(vt_desc, [v_row, v0 + start_n], ready.index(s), v_smem.index(s))
             i += 1
         j += 1
         t = _claim_item(t, COUNTER, DYNAMIC)

@@ -24,7 +24,7 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
-TESTED = ("3.6",)           # Triton major.minor releases whose launcher call this module was checked on
+TESTED = ("3.6", "3.7", "3.9")   # Triton major.minor releases whose launcher call this module was checked on
 _MAJOR_MINOR = ".".join(triton.__version__.split(".")[:2])
 
 
@@ -62,8 +62,9 @@ def _arg_key(a):
         return a
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
-    if cls in _descriptor_types:
-        return a.base.dtype, tuple(a.block_shape), a.layout
+    if cls in _descriptor_types:   # (padding, and 3.8's tf32 rounding: what else Triton specializes them on)
+        return (a.base.dtype, tuple(a.block_shape), a.layout, getattr(a, "padding", None),
+                getattr(a, "round_f32_to_tf32", None))
     if cls is float:
         return float
     if cls is bool:
@@ -83,7 +84,9 @@ def _key(args):
 
 def _hooks_installed() -> bool:
     rt = triton.knobs.runtime
-    return any(getattr(h, "calls", h) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+    # (3.7 on: a stages-inspection hook adds a field to Triton's cache key that ours does not see)
+    return (any(getattr(h, "calls", h) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+            or getattr(rt, "add_stages_inspection_hook", None) is not None)
 
 
 def _triton_pick(kernel, args, kwargs):
@@ -95,6 +98,8 @@ def _triton_pick(kernel, args, kwargs):
     kernel_cache, kernel_key_cache, _, _, binder = kernel.device_caches[device]
     kw = dict(kwargs, debug=kwargs.get("debug", kernel.debug) or knobs.runtime.debug,
               instrumentation_mode=knobs.compilation.instrumentation_mode)
+    if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):     # 3.9 on: one more option JITFunction.run sets
+        kw["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
     _, specialization, options = binder(*args, **kw)
     return kernel_cache.get(compute_cache_key(kernel_key_cache, specialization, options))
 

@@ -187,11 +187,24 @@ def _quantize_kernel(
         t0_t = t0
         if HAS_T_CU:   # the transposed copy's own sequence starts (16-aligned for TMA)
             t0_t = tl.load(T_CU + b).to(tl.int64)
-        cols = rows
-        if OPERAND_ORDER:   # each 16 tokens' columns in operand_order_columns's order (a permutation inside them)
-            c = rows % 16
-            cols = rows - c + (c & 1) + ((c >> 3) & 1) * 2 + ((c >> 1) & 1) * 4 + ((c >> 2) & 1) * 8
-        tl.store(X8T + bx * s_tb + h * s_th + offs_d[None, :] * s_td + (t0_t + cols)[:, None], x8, mask=ok)
+        # X8T holds tokens last: the tile is transposed in registers and stored at contiguous token addresses, so
+        # every Triton lays the store along the tokens (each warp writes neighbouring tokens of a channel). The
+        # operand order's permutation is applied to the data, not the addresses: with permuted addresses the
+        # contiguity is unknown and Triton 3.9 laid the lanes along the channels instead (32 rows of X8T a
+        # store: the pass ran 5-8x slower than on 3.6, which picked the tokens; H100, session 25).
+        x8t = tl.trans(x8)
+        # Where each sequence's copy is padded to 16 tokens of its own (padded batches; packed ones with their
+        # own starts), whole groups of 16 are written, those past the sequence's end as the zeros of its rows
+        # past it: a mask constant over 16 tokens lets each thread store 16 bytes at once. Packed sequences
+        # without starts of their own abut: there only their own tokens.
+        OWN_PADDING: tl.constexpr = HAS_T_CU or not IS_VARLEN
+        t_keep = (rows // 16) * 16 < seqlen if OWN_PADDING else t_ok
+        if OPERAND_ORDER:   # token 8*b3 + 4*b2 + 2*b1 + b0 of each 16 at 8*b2 + 4*b1 + 2*b3 + b0 (operand_order_columns)
+            tl.static_assert(OWN_PADDING, "the operand order permutes whole groups of 16 tokens")
+            x8t = tl.reshape(tl.permute(tl.reshape(x8t, [BLOCK_D, BLOCK_T // 16, 2, 2, 2, 2]), [0, 1, 3, 4, 2, 5]),
+                             [BLOCK_D, BLOCK_T])
+        tl.store(X8T + bx * s_tb + h * s_th + offs_d[:, None] * s_td + (t0_t + rows)[None, :], x8t,
+                 mask=d_ok[:, None] & t_keep[None, :])
     if WITH_DELTA:  # dO's pass also gives the backward's delta = rowsum(dO * O)
         o = tl.load(O + bx * s_ob + h * s_oh + (t0 + rows)[:, None] * s_ot + offs_d[None, :] * s_od,
                     mask=ok, other=0.0).to(tl.float32)

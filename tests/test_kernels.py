@@ -476,6 +476,38 @@ def test_operand_order_v_layout_permutes_each_16_tokens(device):
         filled[cols] = True
     assert (ordered[..., ~filled.to(device)] == 0).all()
 
+
+@pytest.mark.parametrize("device", kernel_devices())
+def test_token_major_copy_holds_the_natural_bytes(device):
+    """quantize's token-major copy (Q^T, K^T, dO^T for the backward) is the natural INT8 tile transposed, with
+    zeros in the padding: a padded batch with N not a multiple of 16 (whole groups of 16 are written there), a
+    packed batch whose sequences abut (each writes only its own tokens: a group's write would clobber the next
+    sequence's first ones) and one with 16-aligned starts."""
+    from sagebwd_hf.kernels.layout import SeqLayout
+    from sagebwd_hf.kernels.quantize import aligned_starts, quantize
+
+    x = torch.randn(2, 3, 37, 32, device=device, dtype=torch.float16)
+    out = quantize(x, SeqLayout(2, 37, None), transposed=True)
+    assert out["x8t"].shape == (2, 3, 32, 48)
+    assert torch.equal(out["x8t"][..., :37], out["x8"].transpose(-1, -2))
+    assert (out["x8t"][..., 37:] == 0).all()
+
+    lengths = [5, 0, 17, 16, 33]
+    cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
+    x = torch.randn(1, 2, int(cu[-1]), 32, device=device, dtype=torch.float16)
+    lay = SeqLayout(len(lengths), max(lengths), cu)
+    out = quantize(x, lay, transposed=True)
+    assert torch.equal(out["x8t"][..., : int(cu[-1])], out["x8"].transpose(-1, -2))
+    starts = aligned_starts(lay)
+    aligned = quantize(x, lay, transposed=True, t_starts=starts)
+    filled = torch.zeros(aligned["x8t"].shape[-1], dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        a, b = int(cu[i]), int(starts[i])
+        assert torch.equal(aligned["x8t"][..., b:b + n], out["x8"][..., a:a + n, :].transpose(-1, -2))
+        filled[b:b + n] = True
+    assert (aligned["x8t"][..., ~filled.to(device)] == 0).all()
+
+
 def _layouts(b, h, n, d):
     """The same [B, H, N, D] values in the memory layouts callers hand the op."""
     x = torch.randn(b, h, n, d)

@@ -43,14 +43,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# The TMA load is ``async_load`` from Triton 3.8 on (3.9 removed the old name); 3.6 and 3.7 have only
-# ``async_copy_global_to_shared``. Same arguments in all four.
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
 from .dispatch import GLUON_HEAD_DIMS as HEAD_DIMS   # (Q/K, V) head dim pairs: see qk_blocks for 192
 from .launch import launch
 from .layout import cdiv
 from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
+
+# The TMA load is ``async_load`` from Triton 3.8 on (3.9 removed the old name); 3.6 and 3.7 have only
+# ``async_copy_global_to_shared``. Same arguments in all four.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 HALF_M = gl.constexpr(64)     # query rows per consumer warpgroup (one wgmma M)
 BLOCK_M = gl.constexpr(128)   # query rows per program: two consumers (three: 192, the ``consumers`` option)

@@ -60,7 +60,8 @@ from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
 from .forward_hopper import (HEAD_DIMS, _as_operand, _ceil_to, _claim_item, _floor_to, _inside, _key_tiles,
                              _next_item, _post_item, _round_to_int8, _split_item, _tanh_scores, _tile_band_mask,
-                             _tma_desc, persistent_grid, qk_blocks, tma_descriptor, tma_load, wgmma_layout)
+                             _tma_desc, persistent_grid, ptx_options, qk_blocks, tma_descriptor, tma_load,
+                             wgmma_layout)
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
@@ -925,7 +926,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
             HEAD_DIM_V=head_dim_v,
             QK_SPLIT=bool(d2), DO_DK=do_dk, DO_DV=do_dv,
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, SOFTCAP=bool(softcap),
-            BLOCK_Q=block_q, DYNAMIC=dynamic, ORDER=operand_order, TILE_KS=tile_ks, num_warps=4)
+            BLOCK_Q=block_q, DYNAMIC=dynamic, ORDER=operand_order, TILE_KS=tile_ks, num_warps=4, ptx_options=ptx_options())
 
 
 def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
@@ -983,7 +984,7 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
         float(softcap) * LOG2E if softcap else 1.0, num_items, num_m,
     ), dict(IS_VARLEN=varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
             QK_SPLIT=bool(d2), CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, SOFTCAP=bool(softcap),
-            ROW_TERM=k_mean is not None, DYNAMIC=dynamic, ORDER=operand_order, num_warps=4)
+            ROW_TERM=k_mean is not None, DYNAMIC=dynamic, ORDER=operand_order, num_warps=4, ptx_options=ptx_options())
 
 
 def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale, **tuning):

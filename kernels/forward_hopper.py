@@ -52,6 +52,35 @@ from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
 # ``async_copy_global_to_shared``. Same arguments in all four.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
+# ptxas's register allocator at its own default level. Triton 3.7 on passes ``--regAllocOptLevel=2`` to every
+# ptxas call (its comment: a workaround for a ptxas 13.x bug), and from 3.9 sm_90 compiles with CUDA 13's ptxas
+# (3.6-3.8: CUDA 12's, which ignores the level). At level 2 CUDA 13.4's ptxas spills more in the loops that run
+# near the register budget: spill stores / loads in bytes, level 2 against ptxas's default, forward D=128 with three
+# consumers 488 / 604 against 328 / 388, D=64 40 / 156 against 20 / 40, dQ D=128 160 / 248 against 104 / 132
+# (causal 392 / 520 against 76 / 100). Level 4 is that default: cubins byte-identical to no flag for 13 kernel
+# configurations (compile_offline.py, ptxas 13.4). None leaves Triton's choice.
+PTXAS_REGALLOC_LEVEL = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _ptx_options(level):
+    try:
+        from triton import knobs
+        from triton.backends.nvidia.compiler import get_ptxas
+        cuda13 = int(get_ptxas(90).version.split(".")[0]) >= 13
+        theirs = knobs.nvidia.ptxas_options
+    except Exception:   # another Triton layout: leave its options alone
+        return None
+    if level is None or not cuda13:
+        return None
+    # after ours, a user's PTXAS_OPTIONS (Triton's knob, which an explicit ptx_options replaces) still wins
+    return " ".join(o for o in (f"--regAllocOptLevel={level}", theirs) if o)
+
+
+def ptx_options():
+    """The ``ptx_options`` of a Gluon launch (a Triton compile option): see PTXAS_REGALLOC_LEVEL."""
+    return _ptx_options(PTXAS_REGALLOC_LEVEL)
+
 HALF_M = gl.constexpr(64)     # query rows per consumer warpgroup (one wgmma M)
 BLOCK_M = gl.constexpr(128)   # query rows per program: two consumers (three: 192, the ``consumers`` option)
 BLOCK_N = gl.constexpr(128)   # keys per tile: part of the numerics (P's per-row scale is per tile), as forward.py;
@@ -731,7 +760,8 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
             LOADER_REGS=loader_regs, PINGPONG=pingpong,
             SINK_MODE=0 if sinks is None else 2 if sink_shift is not None else 1, EXP_POLY=exp_poly,
             V_ORDER=v_operand_order,
-            SOFTCAP=bool(softcap), NAMED_BARRIERS=bool(named_barriers), DYNAMIC=dynamic, num_warps=4)
+            SOFTCAP=bool(softcap), NAMED_BARRIERS=bool(named_barriers), DYNAMIC=dynamic, num_warps=4,
+            ptx_options=ptx_options())
 
 
 def launch_forward_hopper(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim, window,

@@ -146,6 +146,35 @@ def test_persistent_grid_hands_out_every_item_once():
         assert grid == (1000, ) and not dynamic and counter is stand_in
 
 
+def test_gluon_kernels_ask_ptxas_for_its_default_register_allocation(monkeypatch):
+    """Under CUDA 13's ptxas (Triton 3.9's for sm_90) the Gluon launches undo Triton's --regAllocOptLevel=2
+    (which spills in the three-consumer forward and in dQ), keeping a user's PTXAS_OPTIONS after theirs; CUDA 12's
+    ptxas, or the level set to None, leaves Triton's options as they are."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")   # forward_hopper imports Gluon
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    import types
+
+    import triton.backends.nvidia.compiler as nv_compiler
+    from triton import knobs
+
+    from sagebwd_hf.kernels import forward_hopper
+
+    def options(ptxas_version, user=None, level=4):
+        monkeypatch.setattr(nv_compiler, "get_ptxas", lambda arch: types.SimpleNamespace(version=ptxas_version))
+        monkeypatch.setattr(knobs.nvidia, "ptxas_options", user)
+        monkeypatch.setattr(forward_hopper, "PTXAS_REGALLOC_LEVEL", level)
+        forward_hopper._ptx_options.cache_clear()
+        return forward_hopper.ptx_options()
+
+    try:
+        assert options("13.4") == "--regAllocOptLevel=4"
+        assert options("13.0", user="--maxrregcount=200") == "--regAllocOptLevel=4 --maxrregcount=200"
+        assert options("12.8") is None and options("12.9", user="-O2") is None
+        assert options("13.4", level=None) is None
+    finally:
+        forward_hopper._ptx_options.cache_clear()
+
+
 def test_stats_say_which_kernels_ran():
     reset_attention_stats()
     q, k, v, do = (x.requires_grad_() for x in make_qkv(1, 2, 2, 9, 9, 16, torch.bfloat16, "cpu"))
@@ -164,6 +193,15 @@ needs_sm90 = pytest.mark.skipif(not IS_SM90, reason="the Gluon kernels need an s
 # Same algorithm, same tiles: the kernels differ from the reference only by fp32 rounding order and the
 # hardware exp2, which flip a rare INT8 rounding of P (see test_kernels.ORACLE_REL_GPU).
 ORACLE_REL = 6e-3
+# A tensor of a few hundred elements (the one-token decode's 4 rows x 128) moves by 2-3e-3 for each flipped INT8
+# rounding, with no other rows to average it out. Over 100 fresh draws of that case on an H100 (Triton 3.6 and 3.9
+# gave the same numbers) dQ against the reference had median 2.3e-3, 95th percentile 5.5e-3, max 6.26e-3, 2 draws
+# over 6e-3, and the portable kernels the same: test_kernels.ORACLE_REL_TINY, that file's bound for such tensors.
+ORACLE_REL_TINY = 1.5e-2
+
+
+def _oracle_rel(t):
+    return ORACLE_REL_TINY if t.numel() <= 1024 else ORACLE_REL
 # (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, window[, V's head dim])
 GLUON_CASES = [
     (2, 4, 4, 300, 300, 128, False, (-1, -1)),      # N not a multiple of the 128-row / 128-key tiles
@@ -220,8 +258,8 @@ def test_gluon_forward_matches_reference(case, dtype, monkeypatch):
     cos, rel = error_stats(out, ref)
     print(f"{_case_id(case)} {dtype}: gluon vs reference cos {cos:.6f} rel {rel:.2e}; "
           f"vs portable rel {error_stats(out, portable)[1]:.2e}")
-    assert rel <= ORACLE_REL and cos >= 0.9999
-    assert error_stats(out, portable)[1] <= ORACLE_REL
+    assert rel <= _oracle_rel(out) and cos >= 0.9999
+    assert error_stats(out, portable)[1] <= _oracle_rel(out)
     seen = torch.isfinite(lse_ref)              # rows that see no key have lse -inf in all three
     assert torch.equal(seen, torch.isfinite(lse)) and torch.equal(seen, torch.isfinite(lse_portable))
     # The portable kernel shares the quantization kernels: the same INT8 bytes, so only fp32 rounding and exp2
@@ -338,8 +376,8 @@ def test_gluon_backward_matches_reference(case, monkeypatch):
         cos, rel = error_stats(got[name], ref[name])
         rel_port = error_stats(got[name], portable[name])[1]
         print(f"{_case_id(case)} {name}: gluon vs reference cos {cos:.6f} rel {rel:.2e}; vs portable {rel_port:.2e}")
-        assert cos >= 0.9999 and rel <= ORACLE_REL, (name, cos, rel)
-        assert rel_port <= ORACLE_REL, (name, rel_port)
+        assert cos >= 0.9999 and rel <= _oracle_rel(got[name]), (name, cos, rel)
+        assert rel_port <= _oracle_rel(got[name]), (name, rel_port)
     if causal and nq > nk:                      # rows that see no key have zero dQ
         assert (got["dQ"][:, :, : nq - nk] == 0).all()
 

@@ -39,6 +39,15 @@ def _off_reason():
 
 
 ENABLED = _off_reason() is None
+# Triton 3.10 turns FP fusion off by default (3.9 warns that it will). The kernels were written, timed and their test
+# bounds set with it on, and some of their FMAs come from it: the Gluon dQ loop has ~130 a tile (D=128, Triton 3.9:
+# 885 instructions a tile, 950 without fusion; compile_offline.py), the forward's are explicit (792, 795). So
+# every launch asks for it, unless the user chose with TRITON_DEFAULT_FP_FUSION (then Triton's default is theirs).
+def _fp_fusion(environ=os.environ):
+    return None if "TRITON_DEFAULT_FP_FUSION" in environ else True
+
+
+FP_FUSION = _fp_fusion()
 CHECK = os.environ.get("SAGEBWD_CHECK_LAUNCH") == "1"
 
 # (id(kernel), device, key) -> (compiled kernel, its launcher, function, packed metadata, trailing arguments)
@@ -107,6 +116,8 @@ def _triton_pick(kernel, args, kwargs):
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, re-launching the compiled kernel directly once one exists for the
     arguments' specialization. Runtime arguments go positionally, constexprs and options by keyword."""
+    if FP_FUSION is not None:
+        kwargs.setdefault("enable_fp_fusion", FP_FUSION)
     if not ENABLED or not isinstance(kernel, JITFunction) or _hooks_installed():
         return kernel[grid](*args, **kwargs)
     try:

@@ -63,6 +63,26 @@ def test_other_arguments_take_tritons_own_path():
         launch_mod._arg_key("a string")
 
 
+def test_launches_ask_for_fp_fusion_unless_the_user_chose(monkeypatch):
+    """Every launch compiles with FP fusion on (Triton 3.10's default is off: the kernels' timings and test bounds
+    were measured with it on); a user's TRITON_DEFAULT_FP_FUSION, read when the module loads, leaves Triton's
+    default alone, and an explicit option is never overridden."""
+    seen = []
+
+    class Recorder:      # not a JITFunction: launch takes Triton's own path, kernel[grid](...)
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs)
+
+    monkeypatch.setattr(launch_mod, "FP_FUSION", True)
+    launch_mod.launch(Recorder(), (1,), 3, BLOCK=16)
+    launch_mod.launch(Recorder(), (1,), 3, enable_fp_fusion=False)
+    monkeypatch.setattr(launch_mod, "FP_FUSION", None)
+    launch_mod.launch(Recorder(), (1,), 3, BLOCK=16)
+    assert seen == [dict(BLOCK=16, enable_fp_fusion=True), dict(enable_fp_fusion=False), dict(BLOCK=16)]
+    assert launch_mod._fp_fusion({}) is True
+    assert launch_mod._fp_fusion({"TRITON_DEFAULT_FP_FUSION": "0"}) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])

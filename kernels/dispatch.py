@@ -28,7 +28,7 @@ ENV_VAR = "SAGEBWD_KERNELS"
 CHOICES = ("auto", "gluon", "triton")
 # Triton major.minor releases the Gluon kernels were run and checked on (the GPU suite on an H100: 3.6, the GPU
 # machines' own; 3.7, 3.8 and 3.9, carried there by benchmarks/device_triton.sh, session 25; the op's speed
-# measured on 3.6, 3.7 and 3.9). torch 2.12 and 2.13 require Triton 3.7, torch 2.14 requires 3.8.
+# measured on each, 3.8 in session 26). torch 2.12 and 2.13 require Triton 3.7, torch 2.14 requires 3.8.
 GLUON_TESTED = ("3.6", "3.7", "3.8", "3.9")
 # (Q/K head dim, V head dim) pairs the Gluon kernels take: MLA's 192/128 (DeepSeek V2/V3, session 17) beside
 # the square ones; forward_hopper.qk_blocks says how 192 is tiled

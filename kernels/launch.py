@@ -24,7 +24,7 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
-TESTED = ("3.6", "3.7", "3.9")   # Triton major.minor releases whose launcher call this module was checked on
+TESTED = ("3.6", "3.7", "3.8", "3.9")   # Triton major.minor releases whose launcher call this module was checked on
 _MAJOR_MINOR = ".".join(triton.__version__.split(".")[:2])
 
 

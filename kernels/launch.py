@@ -39,11 +39,14 @@ def _off_reason():
 
 
 ENABLED = _off_reason() is None
-# Triton 3.10 turns FP fusion off by default (3.9 warns that it will). The kernels were written, timed and their test
-# bounds set with it on, and some of their FMAs come from it: the Gluon dQ loop has ~130 a tile (D=128, Triton 3.9:
-# 885 instructions a tile, 950 without fusion; compile_offline.py), the forward's are explicit (792, 795). So
-# every launch asks for it, unless the user chose with TRITON_DEFAULT_FP_FUSION (then Triton's default is theirs).
+
+
 def _fp_fusion(environ=os.environ):
+    """The ``enable_fp_fusion`` every launch asks for: True, unless the user chose with TRITON_DEFAULT_FP_FUSION
+    (None: Triton's default, theirs). Triton 3.10 turns fusion off by default (3.9 warns that it will); the
+    kernels were written, timed and their test bounds set with it on, and some of their FMAs come from it: the
+    Gluon dQ loop has ~130 a tile (D=128, Triton 3.9: 885 instructions a tile, 950 without fusion;
+    compile_offline.py), the forward's are explicit (792, 795)."""
     return None if "TRITON_DEFAULT_FP_FUSION" in environ else True
 
 

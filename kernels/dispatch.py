@@ -157,6 +157,22 @@ def gluon_forward_consumers(head_dim: int, masked: bool, softcap: bool, max_len_
     return 3 if three else 2
 
 
+# Ping-pong turns between the two consumer warpgroups of a Gluon forward at V's head dim 128 (forward_hopper_args's
+# ``pingpong``; FlashAttention 3's scheduler barrier). On in every such launch until session 26, which measured it
+# again on the persistent kernels (H100, kernels alone, B*N = 32K, three alternated runs each, outputs
+# bit-identical; time with it over time without): D=128 causal 1K 1.01, 2K 0.99, 4K 0.97, 16K 0.94; D=128 1K
+# without a mask 1.05; MLA's 192/128 1K 1.03, 4K causal 1.04. So on for masked square-head calls from this many
+# query rows; soft-capped calls, not measured, keep it; off at 64 (session 18).
+GLUON_PINGPONG_MIN_QUERIES = 2048
+
+
+def gluon_forward_pingpong(head_dim: int, head_dim_v: int, masked: bool, softcap: bool, max_len_q: int) -> bool:
+    """Whether a two-consumer Gluon forward launch takes turns (``forward_hopper_args``'s ``pingpong``)."""
+    if head_dim_v != 128:
+        return False
+    return softcap or (head_dim == 128 and masked and max_len_q >= GLUON_PINGPONG_MIN_QUERIES)
+
+
 def gluon_programs(device: torch.device, backward: bool = False) -> Optional[int]:
     """Programs of a Gluon launch (``forward_hopper_args``'s and the backward's ``programs``): one per SM, or
     None (one per work item) without GLUON_FORWARD_PERSISTENT / GLUON_BACKWARD_PERSISTENT."""

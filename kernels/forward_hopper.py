@@ -15,8 +15,8 @@ into each row's constant), P quantized per row of every BLOCK_N-key tile with th
   wgmma; while one warpgroup does its softmax the other's products can use the tensor cores.
 * ``P`` goes to ``P V`` from registers (wgmma's A operand); V^T tiles are token-contiguous, as 8-bit wgmma
   wants its B operand K-major.
-* the two consumers take turns to issue ``S = Q K^T`` (``PINGPONG``, on at D=128); each reads the next tile's
-  K scale one tile ahead, so it never waits on a global load mid-tile.
+* the two consumers take turns to issue ``S = Q K^T`` (``PINGPONG``: ``dispatch.gluon_forward_pingpong`` says
+  when); each reads the next tile's K scale one tile ahead, so it never waits on a global load mid-tile.
 * ``consumers=3``: three consumer warpgroups (192 query rows a program, no turns, 160 registers each),
   FlashAttention 3's tile for head dim 64: spill-free there, a few spilled registers a tile at 128, faster at
   both without a mask (``dispatch.gluon_forward_consumers`` says when).
@@ -704,8 +704,9 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
                         sinks=None, sink_shift=None, exp_poly=0, softcap=0.0, shift=None, named_barriers=None,
                         programs=None, v_operand_order=False):
     """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift``,
-    ``softcap``, ``shift`` as there). ``pingpong`` defaults to on at head dim 128 (faster there on an H100) and
-    off at 64 (slower there).
+    ``softcap``, ``shift`` as there). ``pingpong`` defaults to on at V's head dim 128 and off at 64; the op
+    passes ``dispatch.gluon_forward_pingpong``'s choice (session 26: off is faster for short unmasked calls and
+    MLA's head dims).
     ``exp_poly`` 2 or 4: that fraction of each tile's exp2 on the FMA units (off: measured slower, session 10).
     ``named_barriers``: the turns and the buffer releases on hardware named barriers, each thread arriving for
     itself, instead of mbarriers (whose one-thread arrivals Gluon precedes with a ``bar.sync`` of the warpgroup:

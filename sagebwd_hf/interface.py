@@ -196,9 +196,11 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
     cap_args = dict(softcap=softcap, shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
     if gluon:
         from .kernels.forward_hopper import launch_forward_hopper   # imports Gluon: only where it runs
-        consumers = dispatch.gluon_forward_consumers(q4.shape[3], tuple(window) != (-1, -1), bool(softcap),
-                                                     lay_q.max_len)
-        launch_forward_hopper(*args, v_starts=v_starts, consumers=consumers, v_operand_order=True,
+        masked = tuple(window) != (-1, -1)
+        consumers = dispatch.gluon_forward_consumers(q4.shape[3], masked, bool(softcap), lay_q.max_len)
+        pingpong = consumers == 2 and dispatch.gluon_forward_pingpong(q4.shape[3], v4.shape[3], masked,
+                                                                      bool(softcap), lay_q.max_len)
+        launch_forward_hopper(*args, v_starts=v_starts, consumers=consumers, pingpong=pingpong, v_operand_order=True,
                               programs=dispatch.gluon_programs(q.device), **cap_args, **sink_args)
         dispatch.count("fwd_gluon")
     else:

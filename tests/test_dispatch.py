@@ -119,6 +119,21 @@ def test_three_consumer_warpgroups_only_where_measured_faster():
     assert consumers(96, False, False, 8 * long_enough) == 2        # not a Gluon head dim: as the default
 
 
+def test_ping_pong_only_where_measured_faster():
+    """Two-consumer Gluon forwards take turns at V's head dim 128 for causal or windowed square-head calls from
+    GLUON_PINGPONG_MIN_QUERIES query rows, and for soft-capped ones; not without a mask, not for MLA's 192/128
+    uncapped, never at 64."""
+    pingpong = dispatch.gluon_forward_pingpong
+    long_enough = dispatch.GLUON_PINGPONG_MIN_QUERIES
+    assert pingpong(128, 128, True, False, long_enough)
+    assert not pingpong(128, 128, True, False, long_enough - 1)
+    assert not pingpong(128, 128, False, False, long_enough - 1)      # unmasked (longer: three consumers)
+    assert not pingpong(192, 128, True, False, 8 * long_enough)       # MLA
+    assert not pingpong(192, 128, False, False, 1024)
+    assert pingpong(128, 128, False, True, 1024) and pingpong(192, 128, True, True, 1024)   # capped
+    assert not pingpong(64, 64, True, False, 8 * long_enough) and not pingpong(64, 64, False, True, 1024)
+
+
 def test_persistent_launches_take_one_program_per_sm(monkeypatch):
     """The Gluon forward and backward launch one program per SM (each taking work items from a counter), or one
     program a work item with the persistent schedule off."""

@@ -226,16 +226,14 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
                 if QK_SPLIT:
                     tma_load(q2_desc, [q_row, D1], ready.index(s), q2_smem.index(s))
                 if DO_DV:
-                    tma_load(dot_desc, [(q_head0 + g) * HEAD_DIM_V, qt0 + start_m],
-                                                    ready.index(s), dot_smem.index(s))
+                    tma_load(dot_desc, [(q_head0 + g) * HEAD_DIM_V, qt0 + start_m], ready.index(s),
+                             dot_smem.index(s))
                 if DO_DK:
-                    tma_load(do_desc, [do_row0 + g * do_rh + start_m, do_col0 + g * do_ch],
-                                                    ready.index(s), do_smem.index(s))
-                    tma_load(qt_desc, [t_row, qt0 + start_m], ready.index(s),
-                                                    qt_smem.index(s))
+                    tma_load(do_desc, [do_row0 + g * do_rh + start_m, do_col0 + g * do_ch], ready.index(s),
+                             do_smem.index(s))
+                    tma_load(qt_desc, [t_row, qt0 + start_m], ready.index(s), qt_smem.index(s))
                     if QK_SPLIT:
-                        tma_load(qt2_desc, [t_row + D1, qt0 + start_m], ready.index(s),
-                                                        qt2_smem.index(s))
+                        tma_load(qt2_desc, [t_row + D1, qt0 + start_m], ready.index(s), qt2_smem.index(s))
                 rows = start_m + offs
                 ok = rows < seqlen_q
                 base = vec_head0 + g * s_qsh + rows
@@ -626,8 +624,7 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_d
             tma_load(kt_desc, [kt_row, kt0 + start_n], ready.index(s), kt_smem.index(s))
             if QK_SPLIT:
                 tma_load(k2_desc, [k_row + start_n, D1], ready.index(s), k2_smem.index(s))
-                tma_load(kt2_desc, [kt_row + D1, kt0 + start_n], ready.index(s),
-                                                kt2_smem.index(s))
+                tma_load(kt2_desc, [kt_row + D1, kt0 + start_n], ready.index(s), kt2_smem.index(s))
             i += 1
         j += 1
         t = _claim_item(t, COUNTER, DYNAMIC)

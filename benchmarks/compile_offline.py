@@ -115,6 +115,8 @@ def make_inputs(mod, a):
                                   h // hk, d, window, d ** -0.5, **kw)
     do8t = torch.empty(b, h, dv, npad, dtype=torch.int8)
     grads = torch.empty(b, hk, n, dv, dtype=torch.bfloat16), torch.empty(b, hk, n, d, dtype=torch.bfloat16)
+    if a.kernel == "dkdvq":
+        kw.update(dq_acc=torch.empty(b, h, n, d))
     return mod.dkdv_hopper_args(a.kernel, quant, lse, do4, do8t, vec(), vec(), v4, grads[0], grads[1], h, h // hk, d,
                                 window, d ** -0.5, **kw)
 
@@ -186,8 +188,9 @@ def main():
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--seqlen", type=int, default=4096)
-    p.add_argument("--kernel", choices=["fwd", "dv", "dk", "dkdv", "dq"], default="fwd",
-                   help="the forward, or one backward launch (backward_hopper; dkdv: dK and dV in one program)")
+    p.add_argument("--kernel", choices=["fwd", "dv", "dk", "dkdv", "dkdvq", "dq"], default="fwd",
+                   help="the forward, or one backward launch (backward_hopper; dkdv: dK and dV in one program, "
+                        "dkdvq: and dQ by reduce-adds)")
     p.add_argument("--kernel-file", default=None)
     p.add_argument("--packed", action="store_true", help="a packed batch (--batch sequences of --seqlen tokens)")
     p.add_argument("--kw", default="{}", help="JSON dict of extra forward_hopper_args keywords")

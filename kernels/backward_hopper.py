@@ -22,6 +22,16 @@ tile once they released the last one and streams the other side's operands and p
 two-stage TMA ring whose count runs on across items; two consumer warpgroups of 64 rows each.
 No atomics: every gradient is written once, so the backward is deterministic run to run.
 
+``part="dkdvq"`` (``launch_backward_hopper(..., fused_dq=True)``, an option): FlashAttention 3's one launch. The
+key-tile programs also compute dQ: each consumer stores its dS^T tile (bf16) to shared memory, and once both did,
+each adds up its half of dQ's channels as ``dS K`` in the input dtype over the program's 128 keys (a 16-bit A
+operand may be read transposed from shared memory, an 8-bit one may not: session 11's INT8 version of this cost
+2,686 instructions a tile), K being the item's int8 K as exact bf16 integers times its one scale; then a TMA
+reduce-add of the fp32 result into a zeroed accumulator. Seven product units where the three launches take ten
+(dQ's product in bf16 is two), dQ more accurate (its product is not quantized), not deterministic (the adds'
+order varies). D=64, 64-query tiles (FUSED_QUERY_TILE), H100: 1.04-1.13x the three launches except 0.94-0.97x
+at N=1K causal (docs/speed_notes.md, session 27); D=128 spills (0.36-0.42x).
+
 Why three launches and not FlashAttention 3's one: INT8 wgmma accumulates in int32 and the quantization
 scale changes per tile, so each product is dequantized through its own int32 registers into an fp32
 accumulator (an integer add and an FMA per accumulator element per tile, whatever the tile's query count).
@@ -50,18 +60,31 @@ copies start 16-aligned, ``quantize.aligned_starts``), head dims 64 and 128, and
 accumulators for dK and dQ), no Q-smoothing (``dispatch.use_gluon(..., backward=True)``).
 """
 import torch
+from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
+from triton.experimental.gluon.language._core import builtin as gl_builtin
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 
 from .launch import launch
 from .layout import cdiv, tma_addressable, token_rows
 from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
 from .forward_hopper import (HEAD_DIMS, _as_operand, _ceil_to, _claim_item, _floor_to, _inside, _key_tiles,
-                             _next_item, _post_item, _round_to_int8, _split_item, _tanh_scores, _tile_band_mask,
+                             _named_barrier, _next_item, _post_item, _round_to_int8, _split_item, _tanh_scores, _tile_band_mask,
                              _tma_desc, persistent_grid, ptx_options, qk_blocks, tma_descriptor, tma_load,
                              wgmma_layout)
+
+@gl_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Triton 3.8's ``tma.async_atomic_add`` (a TMA reduce-add from shared memory) for 3.6 and 3.7, whose Gluon
+    builder has the op but no function for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+tma_atomic_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add
 
 HALF_N = gl.constexpr(64)     # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
@@ -69,6 +92,13 @@ BLOCK_M = gl.constexpr(128)   # queries per dQ program (two consumers); its key 
 STAGES = gl.constexpr(2)
 # per-query vectors the loader stages beside each query tile: one row each of vec_smem per stage
 VQS, VLSE, VDOS, VDELTA, VQSR, VSHIFT, NVEC = (gl.constexpr(i) for i in range(7))
+# the hardware barrier both consumers meet at once both stored their dS tile for dQ (Gluon's own take ids 0-4)
+DQ_BARRIER = gl.constexpr(8)
+
+
+# The one launch's query tile (``part="dkdvq"``): with 128 queries S^T and dP^T take 64 registers each and its
+# loop spilled ~1 KB at D=64 (sm_90, Triton 3.6); 64 is FlashAttention 3's tile there too
+FUSED_QUERY_TILE = 64
 
 
 def dkdv_query_tile(head_dim: int, fused: bool) -> int:
@@ -330,15 +360,20 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
                    window_right, softcap2, MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                    DO_DK: gl.constexpr, DO_DV: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr,
                    BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr, ORDER: gl.constexpr, TILE_KS: gl.constexpr,
-                   s_layout: gl.constexpr, dp_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+                   s_layout: gl.constexpr, dp_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+                   DO_DQ: gl.constexpr, C: gl.constexpr, ds_smem, kb_smem, dq_smem, dq_desc, dq_row, dq_scale):
     """Query tiles ``[lo, hi)`` of one head for one warpgroup's 64 keys: dV += P^T dO and/or dK += dS^T Q
     (``QK_SPLIT``: Q's channels past the first block into ``dk2_acc``). ``TILE_KS``: the item's keys share one K
     scale, which the loader folded into the per-query vectors with the add trick's offset (q_scale * k_scale and
-    that times -1.5 * 2^23 less lse), so S^T's dequantization and P^T's exponent are one FMA a score."""
+    that times -1.5 * 2^23 less lse), so S^T's dequantization and P^T's exponent are one FMA a score.
+    ``DO_DQ``: also dQ += dS K in the input dtype, added to the fp32 ``DQ`` (_dq_product)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     offs_m = gl.arange(0, BLOCK_Q, layout=col_layout)
     s_zero = gl.zeros([HALF_N, BLOCK_Q], gl.int32, s_layout)
     dp_zero = gl.zeros([HALF_N, BLOCK_Q], gl.float32, dp_layout)
+    DQ_COLS: gl.constexpr = kb_smem.shape[2]   # (a consumer's half of dQ's channels)
+    dq_layout: gl.constexpr = wgmma_layout(DQ_COLS, 16)
+    dq_zero = gl.zeros([BLOCK_Q, DQ_COLS], gl.float32, dq_layout)
     diag = seqlen_k - seqlen_q
     for start_m in range(lo, hi, BLOCK_Q):
         s = it % STAGES
@@ -367,6 +402,8 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
         else:
             st = gl.fma(bits, k_scale[:, None], k_bias[:, None])
             pt = gl.exp2(gl.fma(st, q_scale[None, :], -lse[None, :]))   # lse is +inf past the end: 0
+        if DO_DQ:   # keys past the sequence's end: their dK and dV rows are never stored, but dQ sums over keys
+            pt = gl.where((keys < seqlen_k)[:, None], pt, 0.0)
         if MASKED and (MASK_LEFT or MASK_RIGHT):   # (the sequences' ends: _query_band_mask)
             pt = gl.where(_query_band_mask(offs_m, keys, start_m, diag, window_left, window_right, MASK_LEFT,
                                            MASK_RIGHT), pt, 0.0)
@@ -385,10 +422,21 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_tok, ))
             delta = vec_smem.index(NVEC * s + VDELTA).load(col_layout)
             xk = pt * (gl.convert_layout(dpt, s_layout) - delta[None, :])
-            if not FOLD:   # (FOLD: Q's scale already sits in P^T's exponent)
+            if DO_DQ:   # dS^T itself first (no FOLD here): dQ's operand, issued under the rest of the tile
+                if SOFTCAP:
+                    xk = xk * (1.0 - tht * tht)
+                if it % 2 == 0:   # (constant buffer indices: see _dq_product)
+                    dq_tok = _dq_product(xk, ds_smem.index(C), ds_smem.index(0), ds_smem.index(1),
+                                         kb_smem.index(C), kb_smem.index(2 + C), dq_zero)
+                else:
+                    dq_tok = _dq_product(xk, ds_smem.index(2 + C), ds_smem.index(2), ds_smem.index(3),
+                                         kb_smem.index(C), kb_smem.index(2 + C), dq_zero)
                 xk = xk * vec_smem.index(NVEC * s + VQSR).load(col_layout)[None, :]
-            if SOFTCAP:   # dS^T with respect to the uncapped score: times 1 - tanh^2
-                xk = xk * (1.0 - tht * tht)
+            else:
+                if not FOLD:   # (FOLD: Q's scale already sits in P^T's exponent)
+                    xk = xk * vec_smem.index(NVEC * s + VQSR).load(col_layout)[None, :]
+                if SOFTCAP:   # dS^T with respect to the uncapped score: times 1 - tanh^2
+                    xk = xk * (1.0 - tht * tht)
             ds8, ds_scale = _quantize_rows(xk, gl.max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
         if DO_DV:
             dv_acc = _accumulate_product(dv_acc, pv8, pv_scale, dot_smem.index(s))
@@ -397,8 +445,62 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
             if QK_SPLIT:
                 dk2_acc = _accumulate_product(dk2_acc, ds8, ds_scale, qt2_smem.index(s))
         mbarrier.arrive(empty.index(s), count=1)
+        if DO_DQ:
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, )) * dq_scale
+            _reduce_dq(dq, it, C, dq_smem, dq_desc, dq_row + start_m)
         it += 1
     return dv_acc, dk_acc, dk2_acc, it
+
+
+@gluon.jit
+def _k_operand(k_smem, kb_smem, C: gl.constexpr):
+    """dQ's B operand for this consumer: the item's int8 K (both 64-key halves, K-smoothed as the scores use it)
+    as bf16 integers (exact), this consumer's half of the channels; the item's one K scale multiplies the product.
+    Once an item: the consumer's own buffers, so its own warps' barrier suffices."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    H: gl.constexpr = kb_smem.shape[2]
+    for h in gl.static_range(2):
+        k = k_smem.index(h).load(layout).to(kb_smem.dtype)
+        lower, upper = gl.split(gl.permute(gl.reshape(k, [HALF_N, 2, H]), (0, 2, 1)))
+        if C == 0:
+            kb_smem.index(2 * h + C).store(lower)
+        else:
+            kb_smem.index(2 * h + C).store(upper)
+    fence_async_shared()
+    _named_barrier(False, DQ_BARRIER + 1 + C, 128, 4)
+
+
+@gluon.jit
+def _dq_product(ds, mine, half0, half1, kb0, kb1, dq_zero):
+    """This warpgroup's dS^T tile (its 64 keys) into ``mine``; once both consumers stored theirs, its share of
+    the tile's dQ (its half of the channels, over the program's 128 keys) ``dS_0 K_0 + dS_1 K_1``, issued async
+    in the input dtype: a 16-bit A operand may be read transposed from shared memory (an 8-bit one may not, which
+    is what made dQ in INT8 inside this program cost 2,686 instructions a tile, session 11). Two buffers a
+    consumer by the tile's parity: a consumer stores the next tile's dS only past the next barrier, which the
+    other passes once its product from this tile was waited for. (Constant indices: a run-time index of a wgmma
+    A operand's shared memory read wrong rows on Triton 3.6, forward_hopper._loader.)"""
+    mine.store(ds.to(kb0.dtype))
+    fence_async_shared()
+    _named_barrier(False, DQ_BARRIER, 256, 4)
+    tok = warpgroup_mma(half0.permute((1, 0)), kb0, dq_zero, use_acc=False, is_async=True)
+    return warpgroup_mma(half1.permute((1, 0)), kb1, tok, is_async=True)
+
+
+@gluon.jit
+def _reduce_dq(dq, it, C: gl.constexpr, dq_smem, dq_desc, row):
+    """This consumer's share of a tile's dQ added to the fp32 accumulator by one TMA reduce-add from shared
+    memory (``cp.reduce.async.bulk.tensor``: the copy engine does the adds, the warps go on). A ring of buffers a
+    consumer; before one is rewritten its reduce-add must have read it (Gluon syncs the warpgroup after the wait
+    and before the copy is issued). Rows past a sequence's end add zeros (their dS is 0) to the next head's or
+    sequence's rows. (Each thread adding its own values, ``red.global.add``, the one-launch backward ran 0.89x the
+    three launches at D=64 N=4K; one warp adding them for the consumers 0.37x; without any adds 1.26x: H100,
+    session 27.)"""
+    BUFFERS: gl.constexpr = dq_smem.shape[0] // 2
+    buf = dq_smem.index(BUFFERS * C + it % BUFFERS)
+    tma.store_wait(BUFFERS - 1)
+    buf.store(dq)
+    fence_async_shared()
+    tma_atomic_add(dq_desc, [row, C * dq.shape[1]], buf)
 
 
 @gluon.jit
@@ -419,7 +521,8 @@ def _bwd_consumer(k8, k8b, v16, C: gl.constexpr, q_smem, q2_smem, qt_smem, qt2_s
                   HEAD_DIM_V: gl.constexpr, IS_VARLEN: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
                   FOLD: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr,
-                  ORDER: gl.constexpr, TILE_KS: gl.constexpr):
+                  ORDER: gl.constexpr, TILE_KS: gl.constexpr, DO_DQ: gl.constexpr, k_smem, ds_smem, kb_smem, dq_smem,
+                  dq_desc):
     """One warpgroup, per work item the loader posts: keys ``[start_n + C * 64, ... + 64)`` (their int8 K in
     ``k8``, and ``k8b`` past the first ``D1`` channels with ``QK_SPLIT``; V in ``v16``) against every query tile
     of every query head of the group; writes their dV and/or dK rows (K released first, so the loader brings the
@@ -445,22 +548,31 @@ def _bwd_consumer(k8, k8b, v16, C: gl.constexpr, q_smem, q2_smem, qt_smem, qt2_s
         dk_acc = gl.zeros([HALF_N, D1], gl.float32, dk_layout)
         dk2_acc = gl.zeros([HALF_N, D2], gl.float32, dk2_layout)
         mbarrier.wait(k_ready, j & 1)
+        # the item's one K scale (TILE_KS) and the softmax scale, on both consumers' dQ products: from its first key,
+        # not this consumer's (whose keys may all lie past the sequence's end)
+        dq_scale = gl.load(KS + ks_off + start_n, mask=start_n < seqlen_k, other=0.0) * softmax_scale
+        if DO_DQ:
+            _k_operand(k_smem, kb_smem, C)
         for g in range(group):
+            dq_row = (bt * num_kv_heads * group + hk * group + g) * n_q + q0    # (DO_DQ: the accumulator's rows)
             dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
                 dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem,
                 do_smem, dot_smem, vec_smem, ready, empty, keys, lo, full_lo, seqlen_q, seqlen_k, window_left,
                 window_right, softcap2, True, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT,
-                ORDER, TILE_KS, s_layout, dp_layout, dk_layout, p_layout)
+                ORDER, TILE_KS, s_layout, dp_layout, dk_layout, p_layout, DO_DQ, C, ds_smem, kb_smem, dq_smem,
+                dq_desc, dq_row, dq_scale)
             dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
                 dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem,
                 do_smem, dot_smem, vec_smem, ready, empty, keys, full_lo, full_hi, seqlen_q, seqlen_k, window_left,
                 window_right, softcap2, False, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT,
-                ORDER, TILE_KS, s_layout, dp_layout, dk_layout, p_layout)
+                ORDER, TILE_KS, s_layout, dp_layout, dk_layout, p_layout, DO_DQ, C, ds_smem, kb_smem, dq_smem,
+                dq_desc, dq_row, dq_scale)
             dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
                 dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem,
                 do_smem, dot_smem, vec_smem, ready, empty, keys, full_hi, hi, seqlen_q, seqlen_k, window_left,
                 window_right, softcap2, True, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT,
-                ORDER, TILE_KS, s_layout, dp_layout, dk_layout, p_layout)
+                ORDER, TILE_KS, s_layout, dp_layout, dk_layout, p_layout, DO_DQ, C, ds_smem, kb_smem, dq_smem,
+                dq_desc, dq_row, dq_scale)
         mbarrier.arrive(k_empty, count=1)     # every product with this item's K and V was waited for
         if DO_DV:
             dv_off = bt.to(gl.int64) * s_dvb + hk.to(gl.int64) * s_dvh + k0.to(gl.int64) * s_dvt
@@ -472,18 +584,21 @@ def _bwd_consumer(k8, k8b, v16, C: gl.constexpr, q_smem, q2_smem, qt_smem, qt2_s
                 _store_rows(dk2_acc, keys, seqlen_k, DK, dk_off, s_dkt, softmax_scale, D1)
         j += 1
         t = _next_item(item_smem, item_bar, j)
+    if DO_DQ:   # the last reduce-adds read their buffers before the program's memory goes
+        tma.store_wait(0)
 
 
 @gluon.jit
 def _attn_bwd_dkdv_hopper_kernel(
-    q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, QS, LSE, DOS, DELTA, QSR, SHIFT,
-    KS, DV, DK, COUNTER, CU_Q, CU_K, CU_QT, s_qsb, s_qsh, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt,
+    q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, dq_desc, QS, LSE, DOS, DELTA, QSR,
+    SHIFT, KS, DV, DK, COUNTER, CU_Q, CU_K, CU_QT, s_qsb, s_qsh, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt,
     do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right,
     softmax_scale, softcap2, num_items, num_n, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr,
     MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr,
     BLOCK_Q: gl.constexpr, DYNAMIC: gl.constexpr, ORDER: gl.constexpr, TILE_KS: gl.constexpr,
+    DO_DQ: gl.constexpr, DQ_BUFFERS: gl.constexpr,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
@@ -513,6 +628,18 @@ def _attn_bwd_dkdv_hopper_kernel(
         qt2_smem = q_smem
     D1: gl.constexpr = q_desc.block_type.shape[1]
     D2: gl.constexpr = q2_desc.block_type.shape[1] if QK_SPLIT else D1    # (unused without the split)
+    if DO_DQ:   # dQ's B operand (_k_operand): by 64 keys and half the channels; dS^T tiles, two per consumer
+        IO: gl.constexpr = do_desc.dtype
+        kb_smem = gl.allocate_shared_memory(IO, [4, HALF_N, HEAD_DIM // 2],
+                                            gl.NVMMASharedLayout.get_default_for([HALF_N, HEAD_DIM // 2], IO))
+        ds_smem = gl.allocate_shared_memory(IO, [4, HALF_N, BLOCK_Q],
+                                            gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_Q], IO))
+        # each consumer's share of a tile's dQ, two buffers each (_reduce_dq)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS] + dq_desc.block_type.shape, dq_desc.layout)
+    else:
+        kb_smem = v_smem
+        ds_smem = v_smem
+        dq_smem = v_smem
     vec_smem = gl.allocate_shared_memory(gl.float32, [NVEC * STAGES, BLOCK_Q],
                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     k_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -536,13 +663,13 @@ def _attn_bwd_dkdv_hopper_kernel(
                          CU_Q, CU_K, CU_QT, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, n_q, n_k,
                          num_kv_heads, window_left, window_right, group, num_items, num_n, softmax_scale, softcap2,
                          D1, D2, HEAD_DIM_V, IS_VARLEN, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q,
-                         QK_SPLIT, ORDER, TILE_KS)),
+                         QK_SPLIT, ORDER, TILE_KS, DO_DQ, k_smem, ds_smem, kb_smem, dq_smem, dq_desc)),
         (_bwd_consumer, (k_smem.index(1), k2_smem.index(1), v_smem.index(1), 1, q_smem, q2_smem, qt_smem, qt2_smem,
                          do_smem, dot_smem, vec_smem, k_ready, k_empty, ready, empty, item_smem, item_bar, KS, DV, DK,
                          CU_Q, CU_K, CU_QT, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, n_q, n_k,
                          num_kv_heads, window_left, window_right, group, num_items, num_n, softmax_scale, softcap2,
                          D1, D2, HEAD_DIM_V, IS_VARLEN, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q,
-                         QK_SPLIT, ORDER, TILE_KS)),
+                         QK_SPLIT, ORDER, TILE_KS, DO_DQ, k_smem, ds_smem, kb_smem, dq_smem, dq_desc)),
         (_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, q_smem, qt_smem,
                    do_smem, dot_smem, k_smem, v_smem, q2_smem, qt2_smem, k2_smem, vec_smem, k_ready, k_empty, ready,
                    empty, item_smem, item_bar, COUNTER, QS, LSE, DOS, DELTA, QSR, SHIFT, KS, CU_Q, CU_K, CU_QT,
@@ -862,7 +989,8 @@ def _caller_desc(x4, block_shape, dtype):
 
 def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
                      window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None, block_q=None, softcap=0.0,
-                     shift=None, programs=None, operand_order=False, packing=None, tile_ks=None):
+                     shift=None, programs=None, operand_order=False, packing=None, tile_ks=None, dq_acc=None,
+                     dq_buffers=3):
     """(grid, args, kwargs) of one launch, ``part`` "dv", "dk" or "dkdv" (both in one program): ``[B, H, N, D]``
     tensors as ``backward.launch_backward`` takes them (``quant`` from ``quantize_qk(..., transposed=True)``;
     ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None where not written. ``operand_order``:
@@ -871,14 +999,15 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     one ([1, H, T, D]) ``(layout_q, layout_k, t_starts)``, ``do8t`` and ``q8t`` laid out with ``t_starts``
     (``quantize.aligned_starts(layout_q)``). ``tile_ks`` (default: wherever it applies, head dims with one K scale
     a key block): the loader folds the item's K scale into the per-query vectors, one FMA a score less in S^T's
-    dequantization (with a cap: in the cap's argument)."""
+    dequantization (with a cap: in the cap's argument). ``part="dkdvq"``: dV and dK, and dQ added to ``dq_acc``
+    (fp32, ``[B, H, N, D]`` contiguous, zeroed) by reduce-adds (_reduce_dq; dS K in the input dtype: _k_operand)."""
     head_dim_v = v4.shape[3]
-    assert part in ("dv", "dk", "dkdv") and (head_dim, head_dim_v) in HEAD_DIMS
-    do_dv, do_dk = part in ("dv", "dkdv"), part in ("dk", "dkdv")
+    assert part in ("dv", "dk", "dkdv", "dkdvq") and (head_dim, head_dim_v) in HEAD_DIMS
+    do_dv, do_dk, do_dq = part in ("dv", "dkdv", "dkdvq"), part in ("dk", "dkdv", "dkdvq"), part == "dkdvq"
     if fold is None:    # dV alone 1.09-1.12x with it (H100, session 5); dK alone 1.00-1.03x (H200, session 21)
         fold = part in ("dv", "dk")
-    assert not (fold and part == "dkdv"), "FOLD scales P^T by one product's scale: the other needs it unscaled"
-    block_q = block_q or dkdv_query_tile(head_dim, part == "dkdv")
+    assert not (fold and do_dv and do_dk), "FOLD scales P^T by one product's scale: the other needs it unscaled"
+    block_q = block_q or dkdv_query_tile(head_dim, do_dv and do_dk)
     can_tile_ks = head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == BLOCK_N.value
     tile_ks = can_tile_ks if tile_ks is None else bool(tile_ks)
     assert can_tile_ks or not tile_ks, "tile_ks needs one K scale a key tile"
@@ -906,6 +1035,12 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     else:
         qt_desc, qt2_desc, do_desc, v_desc = q_desc, q_desc, q_desc, k_desc          # unused
         do_coords = v_coords = (0, 0, 0)
+    if do_dq:
+        assert not d2 and tile_ks and dq_acc is not None and dq_acc.dtype == torch.float32
+        assert dq_acc.shape == q8.shape and dq_acc.is_contiguous()
+        dq_desc = _tma_desc(dq_acc.view(-1, head_dim), [block_q, head_dim // 2], gl.float32)
+    else:
+        dq_desc = k_desc       # unused
     dv4 = dv4 if do_dv else dk4
     dk4 = dk4 if do_dk else dv4
     assert dv4.stride(3) == 1 and dk4.stride(3) == 1
@@ -914,16 +1049,17 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     num_items = num_n * num_seqs * hk
     grid, counter, dynamic = persistent_grid(num_items, programs, lse)
     return grid, (
-        q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, q_scale, lse, do_scale,
-        delta, q_scale_raw, shift, k_scale, dv4, dk4, counter, cu_q, cu_k, cu_qt, q_scale.stride(0), q_scale.stride(1),
-        k_scale.stride(0), k_scale.stride(1),
+        q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, dq_desc, q_scale, lse,
+        do_scale, delta, q_scale_raw, shift, k_scale, dv4, dk4, counter, cu_q, cu_k, cu_qt, q_scale.stride(0),
+        q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
         *dv4.stride()[:3], *dk4.stride()[:3], *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1],
         softmax_scale, float(softcap) * LOG2E if softcap else 1.0, num_items, num_n,
     ), dict(IS_VARLEN=varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
             HEAD_DIM_V=head_dim_v,
             QK_SPLIT=bool(d2), DO_DK=do_dk, DO_DV=do_dv,
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, SOFTCAP=bool(softcap),
-            BLOCK_Q=block_q, DYNAMIC=dynamic, ORDER=operand_order, TILE_KS=tile_ks, num_warps=4,
+            BLOCK_Q=block_q, DYNAMIC=dynamic, ORDER=operand_order, TILE_KS=tile_ks, DO_DQ=do_dq,
+            DQ_BUFFERS=dq_buffers, num_warps=4,
             ptx_options=ptx_options())
 
 
@@ -995,12 +1131,13 @@ def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim
 
 def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4, dv4, num_heads, num_kv_heads,
                            head_dim, window, softmax_scale, split_dkdv=True, softcap=0.0, shift=None, row_ds=None,
-                           k_mean=None, packing=None, **tuning):
+                           k_mean=None, packing=None, fused_dq=False, **tuning):
     """backward.launch_backward's contract on the Gluon kernels, without Q-smoothing: dK and dV in one launch
     (or two with ``split_dkdv``), then dQ; each deterministic (no atomics). ``softcap`` > 0: capped scores
     (``shift`` as the forward's); ``k_mean``, ``row_ds``: as there. ``packing``: None for a padded batch; for a
     packed one ``(layout_q, layout_k, q_starts, k_starts)``, the token-major copies (``do8t``, ``q8t``; ``k8t``)
-    laid out with those starts (``quantize.aligned_starts``)."""
+    laid out with those starts (``quantize.aligned_starts``). ``fused_dq``: one launch instead (``part="dkdvq"``,
+    64-query tiles), dQ added up by reduce-adds in fp32, so not bit-identical run to run; no cap, no sinks."""
     group = num_heads // num_kv_heads
     common = (num_heads, group, head_dim, window, softmax_scale)
     lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides
@@ -1010,6 +1147,15 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
         key_tiles_packing, dq_packing = (layout_q, layout_k, q_starts), (layout_q, layout_k, k_starts)
     tuning = dict(tuning, softcap=softcap, shift=shift)
     do4, v4 = tma_addressable(do4), tma_addressable(v4)     # a copy, if one is needed, once for all launches
+    if fused_dq:   # one launch: dQ by reduce-adds of dS K from the key-tile programs (not deterministic)
+        assert not softcap and k_mean is None, "the one launch has no K-smoothing row term (caps, sinks)"
+        dq_acc = torch.zeros(quant["q8"].shape, dtype=torch.float32, device=dq4.device)
+        tuning.setdefault("block_q", FUSED_QUERY_TILE)
+        tuning.setdefault("fold", False)
+        launch_dkdv_hopper("dkdvq", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common,
+                           packing=key_tiles_packing, dq_acc=dq_acc, **tuning)
+        dq4.copy_(dq_acc)
+        return
     if split_dkdv:
         launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, None, *common,
                            packing=key_tiles_packing, **tuning)

@@ -67,6 +67,16 @@ GLUON_FORWARD_PERSISTENT = True
 # The Gluon backward's dV, dK and dQ launches on the same schedule (session 20, same shapes, all three launches
 # against the previous kernels): 1.01-1.03x at D=128, 1.03-1.08x at D=64 without a mask, 0.98-1.00x D=64 causal.
 GLUON_BACKWARD_PERSISTENT = True
+# The backward's determinism (``BACKWARD_ENV``): "deterministic" (default) runs dV, dK and dQ as three launches,
+# each gradient written once, bit-identical run to run; "fast" lets Hopper calls at head dim 64 without a cap or
+# sinks run FlashAttention 3's one launch (backward_hopper ``fused_dq``: dQ added up by fp32 reduce-adds, whose
+# order varies; 64-query tiles and dQ's product unquantized, so other numbers, more accurate ones). H100, the
+# backward's kernels (session 27): 1.04-1.13x, except 0.94-0.97x causal with 1K keys, hence the threshold.
+# ``torch.use_deterministic_algorithms(True)`` keeps the three launches whatever the variable says.
+BACKWARD_ENV = "SAGEBWD_BACKWARD"
+BACKWARD_CHOICES = ("deterministic", "fast")
+ONE_LAUNCH_HEAD_DIMS = ((64, 64), )
+ONE_LAUNCH_MIN_KEYS_MASKED = 2048
 
 _counts = collections.Counter()    # "fwd_gluon", "fwd_triton", ... -> launches
 _warned = set()
@@ -171,6 +181,24 @@ def gluon_forward_pingpong(head_dim: int, head_dim_v: int, masked: bool, softcap
     if head_dim_v != 128:
         return False
     return softcap or (head_dim == 128 and masked and max_len_q >= GLUON_PINGPONG_MIN_QUERIES)
+
+
+def backward_requested() -> str:
+    value = os.environ.get(BACKWARD_ENV, "deterministic").strip().lower() or "deterministic"
+    if value not in BACKWARD_CHOICES:
+        raise ValueError(f"{BACKWARD_ENV} must be one of {BACKWARD_CHOICES}, got {os.environ.get(BACKWARD_ENV)!r}")
+    return value
+
+
+def gluon_one_launch_backward(head_dim: int, head_dim_v: int, softcap: bool, row_term: bool, masked: bool,
+                              max_len_k: int) -> bool:
+    """Whether a backward that runs on the Gluon kernels takes the one launch (``BACKWARD_ENV``): "fast" asked,
+    determinism not demanded by torch, head dims it fits, no cap and no K-smoothing row term (sinks), and with a
+    causal or windowed mask from ONE_LAUNCH_MIN_KEYS_MASKED keys."""
+    if backward_requested() != "fast" or torch.are_deterministic_algorithms_enabled():
+        return False
+    return ((head_dim, head_dim_v) in ONE_LAUNCH_HEAD_DIMS and not softcap and not row_term
+            and (not masked or max_len_k >= ONE_LAUNCH_MIN_KEYS_MASKED))
 
 
 def gluon_programs(device: torch.device, backward: bool = False) -> Optional[int]:

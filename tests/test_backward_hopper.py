@@ -178,3 +178,57 @@ def test_gluon_backward_on_packed_batches(d, window, extra, monkeypatch):
         for got, want, name in zip(gluon, [out] + [x.grad for x in leaves], names):
             cos, rel = error_stats(got[a:e].transpose(0, 1)[None], want)
             assert cos >= 0.99999 and rel <= 2e-3, (n, name, cos, rel)
+
+
+# (batch, heads, kv_heads, seqlen, window): head dim 64, where the one launch fits its registers
+ONE_LAUNCH_CASES = [
+    (2, 4, 4, 1024, (-1, -1)),
+    (1, 8, 2, 1000, (-1, 0)),      # GQA, causal, N not a multiple of the tiles
+    (2, 4, 1, 777, (-1, -1)),      # MQA; the last key tile past the end (its keys must not reach dQ)
+    (1, 4, 2, 1100, (100, 0)),     # sliding window
+    (1, 2, 2, 600, (130, 77)),     # two-sided window
+]
+
+
+@pytest.mark.parametrize("case", ONE_LAUNCH_CASES, ids=lambda c: f"b{c[0]}h{c[1]}kv{c[2]}-n{c[3]}-w{c[4][0]}_{c[4][1]}")
+def test_one_launch_backward_with_dq_reduce_adds(case):
+    """``launch_backward_hopper(..., fused_dq=True)``: dV and dK as the portable launches give them at the one
+    launch's 64-query tile, and dQ (dS K in bf16 from the quantized K, added by TMA reduce-adds) against float64,
+    poisoned outputs, K outliers."""
+    from sagebwd_hf.kernels.backward_hopper import launch_backward_hopper
+    from sagebwd_hf.testing import exact_reference
+
+    b, h, hk, n, window = case
+    d = 64
+    q, k, v, do = make_qkv(b, h, hk, n, n, d, torch.bfloat16, "cuda", k_outliers=8.0)
+    scale = d ** -0.5
+    lay = SeqLayout(b, n, None)
+    cfg = tile_configs(d, q.device)
+    quant = quantize_qk(q, k, lay, lay, scale, True, False, transposed=True)
+    v8t, v_scale = quantize_v(v, lay)
+    out, lse = torch.empty_like(do), torch.empty(b, h, n, device="cuda")
+    launch_forward(quant, v8t, v_scale, out, lse, lay, lay, h, h // hk, d, window, cfg["fwd"])
+    do_q = quantize(do, lay, natural=False, transposed=True, out_for_delta=out)
+    want = {"dq": torch.full_like(q, float("nan")), "dk": torch.full_like(k, float("nan")),
+            "dv": torch.full_like(v, float("nan"))}
+    dkdv_cfg = (64,) + cfg["dkdv"][1:]     # the one launch's query tile: P^T's and dS^T's scales span it
+    launch_backward(quant, quant["q8t"], quant["q_scale_raw"], quant["k8t"], v, do, do_q["x8t"], do_q["scale"],
+                    lse, do_q["delta"], want["dq"], want["dk"], want["dv"], lay, lay, h, hk, d, window, scale,
+                    (dkdv_cfg, dkdv_cfg), cfg["dq"], split_dkdv=True)
+    quant_ordered = quantize_qk(q, k, lay, lay, scale, True, False, transposed=True, operand_order=True)
+    do8t = quantize(do, lay, natural=False, transposed=True, operand_order=True)["x8t"]
+    got = {name: torch.full_like(t, float("nan")) for name, t in want.items()}
+    launch_backward_hopper(quant_ordered, v, do, do8t, do_q["scale"], lse, do_q["delta"], got["dq"], got["dk"],
+                           got["dv"], h, hk, d, window, scale, fused_dq=True, block_q=64, fold=False,
+                           operand_order=True, programs=7)
+    for name in ("dk", "dv"):
+        assert torch.isfinite(got[name]).all(), f"{name}: an element the kernel never wrote"
+        cos, rel = error_stats(got[name], want[name])
+        print(f"{case} {name}: one launch vs portable cos {cos:.6f} rel {rel:.2e}")
+        assert cos >= 0.9999 and rel <= 6e-3, name
+    ref = exact_reference(q, k, v, do, scale, window)
+    assert torch.isfinite(got["dq"]).all(), "dq: an element never written"
+    cos, rel = error_stats(got["dq"], ref["dQ"])
+    cos3, rel3 = error_stats(want["dq"], ref["dQ"])
+    print(f"{case} dq against float64: one launch cos {cos:.6f} rel {rel:.2e}; three launches {cos3:.6f} {rel3:.2e}")
+    assert cos >= 0.9995 and rel <= 3e-2

@@ -534,3 +534,82 @@ def test_dispatch_picks_each_path_on_hopper(monkeypatch):
         reset_attention_stats()
         sagebwd_attn_func(q, k, v, causal=True)
         assert attention_stats()["kernels"] == {f"fwd_{choice}": 1}
+
+
+def test_one_launch_backward_rule(monkeypatch):
+    """SAGEBWD_BACKWARD: deterministic by default; "fast" takes the one launch where it fits and measured faster,
+    never under torch.use_deterministic_algorithms(True); a bad value names the variable and its choices."""
+    rule = dispatch.gluon_one_launch_backward
+    plain = dict(head_dim=64, head_dim_v=64, softcap=False, row_term=False, masked=False, max_len_k=1024)
+    monkeypatch.delenv(dispatch.BACKWARD_ENV, raising=False)
+    assert not rule(**plain)
+    monkeypatch.setenv(dispatch.BACKWARD_ENV, " Fast ")
+    assert rule(**plain)
+    assert not rule(**dict(plain, head_dim=128, head_dim_v=128))
+    assert not rule(**dict(plain, softcap=True))
+    assert not rule(**dict(plain, row_term=True))
+    assert not rule(**dict(plain, masked=True))
+    assert rule(**dict(plain, masked=True, max_len_k=dispatch.ONE_LAUNCH_MIN_KEYS_MASKED))
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not rule(**plain)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    monkeypatch.setenv(dispatch.BACKWARD_ENV, "atomic")
+    with pytest.raises(ValueError, match="SAGEBWD_BACKWARD must be one of .*'deterministic', 'fast'.*'atomic'"):
+        rule(**plain)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_one_launch_backward_through_the_op(causal, packed, monkeypatch):
+    """SAGEBWD_BACKWARD=fast at head dim 64 on Hopper: the op's gradients through the one launch (it ran, and the
+    three launches did not) within the accuracy bar against float64, close to the deterministic backward's, and
+    deterministic again under torch.use_deterministic_algorithms(True)."""
+    from sagebwd_hf.testing import exact_reference
+    monkeypatch.setenv(dispatch.ENV_VAR, "auto")
+    n = 2048 if causal else 1000
+    q, k, v, do = make_qkv(2, 8, 2, n, n, 64, torch.bfloat16, "cuda", k_outliers=8.0)
+    if packed:   # two sequences of n and n - 300 tokens as one [T, H, D] batch
+        lens = [n, n - 300]
+        cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device="cuda")
+        pack = lambda x: torch.cat([x[i, :, :lens[i]].transpose(0, 1) for i in range(2)])  # noqa: E731
+        fn = lambda a, b, c: sagebwd_attn_varlen_func(a, b, c, cu, cu, n, n, causal=causal)  # noqa: E731
+        args = [pack(x) for x in (q, k, v, do)]
+    else:
+        fn = lambda a, b, c: sagebwd_attn_func(a, b, c, causal=causal)  # noqa: E731
+        args = [q, k, v, do]
+    window = (-1, 0) if causal else (-1, -1)
+    runs = {}
+    for mode in ("deterministic", "fast"):
+        monkeypatch.setenv(dispatch.BACKWARD_ENV, mode)
+        reset_attention_stats()
+        runs[mode] = run_with_grads(fn, *args)
+        kernels = attention_stats()["kernels"]
+        assert kernels.get("bwd_gluon_one_launch", 0) == (mode == "fast"), kernels
+        assert kernels.get("bwd_gluon", 0) == (mode == "deterministic"), kernels
+    torch.use_deterministic_algorithms(True)
+    try:
+        reset_attention_stats()
+        again = run_with_grads(fn, *args)
+        assert attention_stats()["kernels"].get("bwd_gluon_one_launch", 0) == 0
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name in ("dQ", "dK", "dV"):
+        assert torch.equal(again[name], runs["deterministic"][name]), name
+    if packed:
+        refs = [exact_reference(*(x[None, :, :lens[i]] for x in (q[i], k[i], v[i], do[i])), 64 ** -0.5, window)
+                for i in range(2)]
+        ref = {name: torch.cat([r[name][0].transpose(0, 1) for r in refs]) for name in ("dQ", "dK", "dV")}
+    else:
+        ref = exact_reference(q, k, v, do, 64 ** -0.5, window)
+    for name, bound in (("dQ", 0.99), ("dK", 0.99), ("dV", 0.999)):
+        got = runs["fast"][name]
+        assert torch.isfinite(got).all(), name
+        cos, rel = error_stats(got, ref[name])
+        cos_d, rel_d = error_stats(runs["deterministic"][name], ref[name])
+        print(f"{name}: fast cos {cos:.6f} rel {rel:.2e}; deterministic cos {cos_d:.6f} rel {rel_d:.2e}")
+        assert cos >= bound and rel <= 1.25 * rel_d + 2e-3, name

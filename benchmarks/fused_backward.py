@@ -5,7 +5,8 @@ Per shape: the whole backward's kernels (ms) for the three launches and for the 
 asked (its fp32 dQ accumulator zeroed and scaled into dQ included), and each variant's gradients against a float64
 reference (cosine, relative L2 per tensor) on a smaller shape with K outliers, as the accuracy bar asks.
 
-    python benchmarks/fused_backward.py [--shapes d64_n4k d64_n1k llama] [--variants block_q=64,dq_buffers=2] [--check-only]
+    python benchmarks/fused_backward.py [--shapes d64_n4k d64_n1k llama] [--variants block_q=64,dq_buffers=2]
+        [--check-only]
 """
 import argparse
 

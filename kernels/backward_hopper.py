@@ -72,9 +72,9 @@ from .layout import cdiv, tma_addressable, token_rows
 from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
 # the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
 from .forward_hopper import (HEAD_DIMS, _as_operand, _ceil_to, _claim_item, _floor_to, _inside, _key_tiles,
-                             _named_barrier, _next_item, _post_item, _round_to_int8, _split_item, _tanh_scores, _tile_band_mask,
-                             _tma_desc, persistent_grid, ptx_options, qk_blocks, tma_descriptor, tma_load,
-                             wgmma_layout)
+                             _named_barrier, _next_item, _post_item, _round_to_int8, _split_item, _tanh_scores,
+                             _tile_band_mask, _tma_desc, persistent_grid, ptx_options, qk_blocks, tma_descriptor,
+                             tma_load, wgmma_layout)
 
 @gl_builtin
 def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -635,7 +635,8 @@ def _attn_bwd_dkdv_hopper_kernel(
         ds_smem = gl.allocate_shared_memory(IO, [4, HALF_N, BLOCK_Q],
                                             gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_Q], IO))
         # each consumer's share of a tile's dQ, two buffers each (_reduce_dq)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS] + dq_desc.block_type.shape, dq_desc.layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS] + dq_desc.block_type.shape,
+                                            dq_desc.layout)
     else:
         kb_smem = v_smem
         ds_smem = v_smem

@@ -548,8 +548,10 @@ def test_one_launch_backward_rule(monkeypatch):
     assert not rule(**dict(plain, head_dim=128, head_dim_v=128))
     assert not rule(**dict(plain, softcap=True))
     assert not rule(**dict(plain, row_term=True))
+    assert rule(**dict(plain, masked=True))
+    monkeypatch.setattr(dispatch, "ONE_LAUNCH_MIN_KEYS_MASKED", 2048)   # the knob, should a GPU need it
     assert not rule(**dict(plain, masked=True))
-    assert rule(**dict(plain, masked=True, max_len_k=dispatch.ONE_LAUNCH_MIN_KEYS_MASKED))
+    assert rule(**dict(plain, masked=True, max_len_k=2048))
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:

@@ -193,12 +193,15 @@ def backward_requested() -> str:
     return value
 
 
-def gluon_one_launch_backward(head_dim: int, head_dim_v: int, softcap: bool, row_term: bool, masked: bool,
-                              max_len_k: int) -> bool:
-    """Whether a backward that runs on the Gluon kernels takes the one launch (``BACKWARD_ENV``): "fast" asked,
-    determinism not demanded by torch, head dims it fits, no cap and no K-smoothing row term (sinks), and with a
-    causal or windowed mask from ONE_LAUNCH_MIN_KEYS_MASKED keys."""
-    if backward_requested() != "fast" or torch.are_deterministic_algorithms_enabled():
+def gluon_one_launch_backward(deterministic: Optional[bool], head_dim: int, head_dim_v: int, softcap: bool,
+                              row_term: bool, masked: bool, max_len_k: int) -> bool:
+    """Whether a backward that runs on the Gluon kernels takes the one launch: ``deterministic`` False (the op's
+    argument; None asks ``BACKWARD_ENV``, "fast" meaning False), determinism not demanded by torch, head dims it
+    fits, no cap and no K-smoothing row term (sinks), and with a causal or windowed mask from
+    ONE_LAUNCH_MIN_KEYS_MASKED keys."""
+    if deterministic is None:
+        deterministic = backward_requested() == "deterministic"
+    if deterministic or torch.are_deterministic_algorithms_enabled():
         return False
     return ((head_dim, head_dim_v) in ONE_LAUNCH_HEAD_DIMS and not softcap and not row_term
             and (not masked or max_len_k >= ONE_LAUNCH_MIN_KEYS_MASKED))

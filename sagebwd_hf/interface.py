@@ -210,15 +210,16 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
 
 
 def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
-              q_smoothing, backend, softcap=0.0, sinks=None):
-    """Returns (dq, dk, dv, dsinks or None).
+              q_smoothing, backend, softcap=0.0, sinks=None, deterministic=None):
+    """Returns (dq, dk, dv, dsinks or None). ``deterministic``: the caller's choice (None: SAGEBWD_BACKWARD's;
+    kernels/dispatch.py).
 
     With a cap or sinks, dQ owes K-smoothing's ``rowsum(dS) * mean(k)`` (the rows' dS no longer sum to zero):
     the dQ kernels add it in their epilogue; the PyTorch path here."""
     need_shift = k_smoothing and (bool(softcap) or sinks is not None)
     if backend != "naive":
         return _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
-                                 q_smoothing, softcap, need_shift, sinks)
+                                 q_smoothing, softcap, need_shift, sinks, deterministic)
     dq, dk, dv = _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, scale, window, k_smoothing, q_smoothing,
                                  softcap)
     dsinks = None
@@ -253,7 +254,7 @@ def _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, scale, window, k_smooth
 
 
 def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
-                      q_smoothing, softcap, need_shift, sinks):
+                      q_smoothing, softcap, need_shift, sinks, deterministic=None):
     """The Triton or Gluon kernels' (dq, dk, dv, dsinks or None)."""
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device, v.shape[-1])
@@ -289,8 +290,8 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     cap_args = dict(softcap=softcap, shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
     if gluon:
         from .kernels.backward_hopper import launch_backward_hopper   # imports Gluon: only where it runs
-        one_launch = dispatch.gluon_one_launch_backward(q4.shape[3], v4.shape[3], bool(softcap), need_shift,
-                                                        tuple(window) != (-1, -1), lay_k.max_len)
+        one_launch = dispatch.gluon_one_launch_backward(deterministic, q4.shape[3], v4.shape[3], bool(softcap),
+                                                        need_shift, tuple(window) != (-1, -1), lay_k.max_len)
         launch_backward_hopper(quant, v4, do4, do_q["x8t"], do_q["scale"], lse, do_q["delta"], as_bhnd(dq, varlen),
                                as_bhnd(dk, varlen), as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3],
                                window, scale, programs=dispatch.gluon_programs(q.device, backward=True),
@@ -340,7 +341,7 @@ OP_TAGS = (torch.Tag.needs_exact_strides,) if hasattr(torch.Tag, "needs_exact_st
 def _attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
               cu_k: Optional[torch.Tensor], max_q: int, max_k: int, scale: float, window_left: int,
               window_right: int, k_smoothing: bool, q_smoothing: bool, backend: str, softcap: float,
-              sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+              deterministic: Optional[bool], sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, (window_left, window_right), k_smoothing,
                     q_smoothing, backend, softcap, sinks)
 
@@ -348,10 +349,11 @@ def _attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[
 def _attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor], max_q: int,
               max_k: int, scale: float, window_left: int, window_right: int, k_smoothing: bool,
-              q_smoothing: bool, backend: str, softcap: float, sinks: Optional[torch.Tensor]
-              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              q_smoothing: bool, backend: str, softcap: float, deterministic: Optional[bool],
+              sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale,
-                                   (window_left, window_right), k_smoothing, q_smoothing, backend, softcap, sinks)
+                                   (window_left, window_right), k_smoothing, q_smoothing, backend, softcap, sinks,
+                                   deterministic)
     return dq, dk, dv, _no_sinks_grad(q) if dsinks is None else dsinks
 
 
@@ -365,7 +367,7 @@ def _no_sinks_grad(q):
 
 @_attn_fwd_op.register_fake
 def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing, q_smoothing, backend,
-      softcap, sinks):
+      softcap, deterministic, sinks):
     varlen = cu_q is not None
     lse_shape = (1, q.shape[1], q.shape[0]) if varlen else q.shape[:3]
     return _new_like(q, varlen, v.shape[-1]), q.new_empty(lse_shape, dtype=torch.float32)
@@ -373,7 +375,7 @@ def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smo
 
 @_attn_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing,
-      q_smoothing, backend, softcap, sinks):
+      q_smoothing, backend, softcap, deterministic, sinks):
     varlen = cu_q is not None
     dsinks = _no_sinks_grad(q) if sinks is None else sinks.new_empty(sinks.shape)
     return _new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen), dsinks
@@ -419,7 +421,7 @@ def autograd_op(name, fwd_op, fwd, bwd_op, bwd, setup_context, num_inputs):
     return call
 
 
-_attn = autograd_op("SageBwdAttention", _attn_fwd_op, _attn_fwd, _attn_bwd_op, _attn_bwd, _setup_context, 15)
+_attn = autograd_op("SageBwdAttention", _attn_fwd_op, _attn_fwd, _attn_bwd_op, _attn_bwd, _setup_context, 16)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -434,6 +436,12 @@ def _true_lse(lse2, q, k, cu_q, cu_k, scale, k_smoothing, softcap):
     if not k_smoothing or softcap:
         return lse
     return lse + _torch_shift(q, k, cu_q, cu_k, scale).rows
+
+
+def _check_deterministic(deterministic):
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be None, True or False, got {deterministic!r}")
+    return deterministic
 
 
 def _check_tensors(q, k, v, rank, layout_name):
@@ -553,7 +561,8 @@ def _backend(q, backend):
 def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                       softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
                       k_smoothing: bool = True, q_smoothing: bool = False, return_lse: bool = False,
-                      backend: Optional[str] = None, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None):
+                      backend: Optional[str] = None, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+                      deterministic: Optional[bool] = None):
     """INT8 attention with an INT8 backward (SageBwd).
 
     Args:
@@ -573,6 +582,10 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
             fp32 scores after the INT8 product; 0 is off. Runs the portable kernels (also on Hopper).
         sinks: ``[heads]``, one learned logit per query head in every row's softmax denominator (gpt-oss's
             attention sinks); differentiable. None is off.
+        deterministic: False lets the backward trade bit-identical gradients for speed where it can (Hopper, head
+            dim 64, no cap or sinks: one launch, dQ added up by reduce-adds; README, "Supported"); True keeps
+            three launches, each gradient written once. None (default): ``SAGEBWD_BACKWARD``'s choice,
+            deterministic unless it says ``fast``. ``torch.use_deterministic_algorithms(True)`` wins over False.
 
     Returns:
         ``out`` ``[batch, heads, seqlen_q, head_dim of v]`` in q's dtype, and ``lse`` if asked.
@@ -586,7 +599,8 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     backend = _backend(q, backend)
     q, k, v, restore = _compute_dtype(q, k, v)
     out, lse = _attn(q, k, v, None, None, q.shape[2], k.shape[2], scale, *window,
-                     bool(k_smoothing), bool(q_smoothing), backend, softcap, sinks)
+                     bool(k_smoothing), bool(q_smoothing), backend, softcap, _check_deterministic(deterministic),
+                     sinks)
     if restore is not None:
         out = out.to(restore)
     if not return_lse:
@@ -600,7 +614,7 @@ def sagebwd_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
                              k_smoothing: bool = True, q_smoothing: bool = False, return_lse: bool = False,
                              backend: Optional[str] = None, softcap: float = 0.0,
-                             sinks: Optional[torch.Tensor] = None):
+                             sinks: Optional[torch.Tensor] = None, deterministic: Optional[bool] = None):
     """Packed (padding-free) batches, as ``flash_attn_varlen_func``.
 
     ``q`` is ``[total_q, heads, head_dim]``, ``k``/``v`` ``[total_k, kv_heads, head_dim]`` (v's head dim may
@@ -619,7 +633,8 @@ def sagebwd_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     backend = _backend(q, backend)
     q, k, v, restore = _compute_dtype(q, k, v)
     out, lse = _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *window,
-                     bool(k_smoothing), bool(q_smoothing), backend, softcap, sinks)
+                     bool(k_smoothing), bool(q_smoothing), backend, softcap, _check_deterministic(deterministic),
+                     sinks)
     if restore is not None:
         out = out.to(restore)
     if not return_lse:

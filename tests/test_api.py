@@ -55,6 +55,14 @@ def test_option_errors(kwargs, match):
         sagebwd_attn_func(*_qkv(), **kwargs)
 
 
+def test_deterministic_is_a_bool_or_none():
+    with pytest.raises(TypeError, match="deterministic must be None, True or False, got 'fast'"):
+        sagebwd_attn_func(*_qkv(), deterministic="fast")
+    q, k, v = _qkv()   # on CPU every choice is the PyTorch path's one backward
+    outs = [sagebwd_attn_func(q, k, v, deterministic=d) for d in (None, True, False)]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
 def test_varlen_errors():
     q = torch.randn(10, 2, 64, dtype=torch.float16)
     good = torch.tensor([0, 4, 10], dtype=torch.int32)

@@ -538,13 +538,16 @@ def test_dispatch_picks_each_path_on_hopper(monkeypatch):
 
 def test_one_launch_backward_rule(monkeypatch):
     """SAGEBWD_BACKWARD: deterministic by default; "fast" takes the one launch where it fits and measured faster,
-    never under torch.use_deterministic_algorithms(True); a bad value names the variable and its choices."""
+    never under torch.use_deterministic_algorithms(True); the op's argument wins over the variable; a bad value
+    names the variable and its choices."""
     rule = dispatch.gluon_one_launch_backward
-    plain = dict(head_dim=64, head_dim_v=64, softcap=False, row_term=False, masked=False, max_len_k=1024)
+    plain = dict(deterministic=None, head_dim=64, head_dim_v=64, softcap=False, row_term=False, masked=False, max_len_k=1024)
     monkeypatch.delenv(dispatch.BACKWARD_ENV, raising=False)
     assert not rule(**plain)
+    assert rule(**dict(plain, deterministic=False))
     monkeypatch.setenv(dispatch.BACKWARD_ENV, " Fast ")
     assert rule(**plain)
+    assert not rule(**dict(plain, deterministic=True))
     assert not rule(**dict(plain, head_dim=128, head_dim_v=128))
     assert not rule(**dict(plain, softcap=True))
     assert not rule(**dict(plain, row_term=True))
@@ -555,7 +558,7 @@ def test_one_launch_backward_rule(monkeypatch):
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert not rule(**plain)
+        assert not rule(**plain) and not rule(**dict(plain, deterministic=False))
     finally:
         torch.use_deterministic_algorithms(before)
     monkeypatch.setenv(dispatch.BACKWARD_ENV, "atomic")
@@ -593,6 +596,14 @@ def test_one_launch_backward_through_the_op(causal, packed, monkeypatch):
         kernels = attention_stats()["kernels"]
         assert kernels.get("bwd_gluon_one_launch", 0) == (mode == "fast"), kernels
         assert kernels.get("bwd_gluon", 0) == (mode == "deterministic"), kernels
+    # the op's argument over the variable (still "fast")
+    call = (lambda a, b, c: sagebwd_attn_varlen_func(a, b, c, cu, cu, n, n, causal=causal, deterministic=True)
+            if packed else lambda a, b, c: sagebwd_attn_func(a, b, c, causal=causal, deterministic=True))
+    reset_attention_stats()
+    by_argument = run_with_grads(call, *args)
+    assert attention_stats()["kernels"].get("bwd_gluon_one_launch", 0) == 0
+    for name in ("dQ", "dK", "dV"):
+        assert torch.equal(by_argument[name], runs["deterministic"][name]), name
     torch.use_deterministic_algorithms(True)
     try:
         reset_attention_stats()

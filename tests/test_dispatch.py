@@ -597,8 +597,11 @@ def test_one_launch_backward_through_the_op(causal, packed, monkeypatch):
         assert kernels.get("bwd_gluon_one_launch", 0) == (mode == "fast"), kernels
         assert kernels.get("bwd_gluon", 0) == (mode == "deterministic"), kernels
     # the op's argument over the variable (still "fast")
-    call = (lambda a, b, c: sagebwd_attn_varlen_func(a, b, c, cu, cu, n, n, causal=causal, deterministic=True)
-            if packed else lambda a, b, c: sagebwd_attn_func(a, b, c, causal=causal, deterministic=True))
+    if packed:
+        call = lambda a, b, c: sagebwd_attn_varlen_func(a, b, c, cu, cu, n, n, causal=causal,  # noqa: E731
+                                                        deterministic=True)
+    else:
+        call = lambda a, b, c: sagebwd_attn_func(a, b, c, causal=causal, deterministic=True)  # noqa: E731
     reset_attention_stats()
     by_argument = run_with_grads(call, *args)
     assert attention_stats()["kernels"].get("bwd_gluon_one_launch", 0) == 0

@@ -1130,6 +1130,23 @@ def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim
     return launch(_attn_bwd_dq_hopper_kernel, grid, *args, **kwargs)
 
 
+def _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing):
+    """The dQ launch's ``ROW_TERM`` for sinks after the one launch: ``dq_acc += scale * row_ds * mean(k)``, row_ds
+    the sink's share of each row's rowsum(dS) (given), k_mean ``[Hk, sequences, D]``, each query head reading its
+    KV head's mean (no copy per query head) and each token its sequence's."""
+    b, h, n, d = dq_acc.shape
+    hk = h // group
+    if packing is None:
+        assert k_mean.shape == (hk, b, d), k_mean.shape
+        mean = k_mean.permute(1, 0, 2).reshape(b, hk, 1, 1, d)
+    else:   # one [1, H, T, D] batch: each token's sequence
+        cu = packing[0].cu_seqlens
+        assert k_mean.shape == (hk, cu.numel() - 1, d), k_mean.shape
+        seq = torch.searchsorted(cu[1:].contiguous(), torch.arange(n, device=cu.device, dtype=cu.dtype), right=True)
+        mean = k_mean[:, seq].reshape(1, hk, 1, n, d)
+    dq_acc.view(b, hk, group, n, d).addcmul_(row_ds.reshape(b, hk, group, n, 1), mean, value=softmax_scale)
+
+
 def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4, dv4, num_heads, num_kv_heads,
                            head_dim, window, softmax_scale, split_dkdv=True, softcap=0.0, shift=None, row_ds=None,
                            k_mean=None, packing=None, fused_dq=False, **tuning):
@@ -1149,12 +1166,14 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
     tuning = dict(tuning, softcap=softcap, shift=shift)
     do4, v4 = tma_addressable(do4), tma_addressable(v4)     # a copy, if one is needed, once for all launches
     if fused_dq:   # one launch: dQ by reduce-adds of dS K from the key-tile programs (not deterministic)
-        assert not softcap and k_mean is None, "the one launch has no K-smoothing row term (caps, sinks)"
+        assert not softcap, "a cap's K-smoothing row term needs dS's row sums, which the one launch does not take"
         dq_acc = torch.zeros(quant["q8"].shape, dtype=torch.float32, device=dq4.device)
         tuning.setdefault("block_q", FUSED_QUERY_TILE)
         tuning.setdefault("fold", False)
         launch_dkdv_hopper("dkdvq", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common,
                            packing=key_tiles_packing, dq_acc=dq_acc, **tuning)
+        if k_mean is not None:
+            _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing)
         dq4.copy_(dq_acc)
         return
     if split_dkdv:

@@ -68,8 +68,8 @@ GLUON_FORWARD_PERSISTENT = True
 # against the previous kernels): 1.01-1.03x at D=128, 1.03-1.08x at D=64 without a mask, 0.98-1.00x D=64 causal.
 GLUON_BACKWARD_PERSISTENT = True
 # The backward's determinism (``BACKWARD_ENV``): "deterministic" (default) runs dV, dK and dQ as three launches,
-# each gradient written once, bit-identical run to run; "fast" lets Hopper calls at head dim 64 without a cap or
-# sinks run FlashAttention 3's one launch (backward_hopper ``fused_dq``: dQ added up by fp32 reduce-adds, whose
+# each gradient written once, bit-identical run to run; "fast" lets Hopper calls at head dim 64 without a cap run
+# FlashAttention 3's one launch (backward_hopper ``fused_dq``: dQ added up by fp32 reduce-adds, whose
 # order varies; 64-query tiles and dQ's product unquantized, so other numbers, more accurate ones). H100, the
 # backward's kernels against the three launches (session 27, B*N = 32K, H*D = 2048, and Llama-3.2-1B's 32/8 heads
 # at 8K): 1.11-1.15x at 1K-16K keys, causal or not, except 1.06x causal at 1K (0.94-0.97x before dQ's scale moved
@@ -194,16 +194,16 @@ def backward_requested() -> str:
 
 
 def gluon_one_launch_backward(deterministic: Optional[bool], head_dim: int, head_dim_v: int, softcap: bool,
-                              row_term: bool, masked: bool, max_len_k: int) -> bool:
+                              masked: bool, max_len_k: int) -> bool:
     """Whether a backward that runs on the Gluon kernels takes the one launch: ``deterministic`` False (the op's
     argument; None asks ``BACKWARD_ENV``, "fast" meaning False), determinism not demanded by torch, head dims it
-    fits, no cap and no K-smoothing row term (sinks), and with a causal or windowed mask from
-    ONE_LAUNCH_MIN_KEYS_MASKED keys."""
+    fits, no cap (its K-smoothing term needs dS's row sums; the sinks' is given), and with a causal or windowed
+    mask from ONE_LAUNCH_MIN_KEYS_MASKED keys."""
     if deterministic is None:
         deterministic = backward_requested() == "deterministic"
     if deterministic or torch.are_deterministic_algorithms_enabled():
         return False
-    return ((head_dim, head_dim_v) in ONE_LAUNCH_HEAD_DIMS and not softcap and not row_term
+    return ((head_dim, head_dim_v) in ONE_LAUNCH_HEAD_DIMS and not softcap
             and (not masked or max_len_k >= ONE_LAUNCH_MIN_KEYS_MASKED))
 
 

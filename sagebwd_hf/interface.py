@@ -291,7 +291,7 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     if gluon:
         from .kernels.backward_hopper import launch_backward_hopper   # imports Gluon: only where it runs
         one_launch = dispatch.gluon_one_launch_backward(deterministic, q4.shape[3], v4.shape[3], bool(softcap),
-                                                        need_shift, tuple(window) != (-1, -1), lay_k.max_len)
+                                                        tuple(window) != (-1, -1), lay_k.max_len)
         launch_backward_hopper(quant, v4, do4, do_q["x8t"], do_q["scale"], lse, do_q["delta"], as_bhnd(dq, varlen),
                                as_bhnd(dk, varlen), as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3],
                                window, scale, programs=dispatch.gluon_programs(q.device, backward=True),

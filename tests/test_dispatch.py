@@ -541,7 +541,7 @@ def test_one_launch_backward_rule(monkeypatch):
     never under torch.use_deterministic_algorithms(True); the op's argument wins over the variable; a bad value
     names the variable and its choices."""
     rule = dispatch.gluon_one_launch_backward
-    plain = dict(deterministic=None, head_dim=64, head_dim_v=64, softcap=False, row_term=False, masked=False, max_len_k=1024)
+    plain = dict(deterministic=None, head_dim=64, head_dim_v=64, softcap=False, masked=False, max_len_k=1024)
     monkeypatch.delenv(dispatch.BACKWARD_ENV, raising=False)
     assert not rule(**plain)
     assert rule(**dict(plain, deterministic=False))
@@ -550,7 +550,6 @@ def test_one_launch_backward_rule(monkeypatch):
     assert not rule(**dict(plain, deterministic=True))
     assert not rule(**dict(plain, head_dim=128, head_dim_v=128))
     assert not rule(**dict(plain, softcap=True))
-    assert not rule(**dict(plain, row_term=True))
     assert rule(**dict(plain, masked=True))
     monkeypatch.setattr(dispatch, "ONE_LAUNCH_MIN_KEYS_MASKED", 2048)   # the knob, should a GPU need it
     assert not rule(**dict(plain, masked=True))
@@ -568,60 +567,59 @@ def test_one_launch_backward_rule(monkeypatch):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_one_launch_backward_through_the_op(causal, packed, monkeypatch):
+def test_one_launch_backward_through_the_op(causal, packed, sinks, monkeypatch):
     """SAGEBWD_BACKWARD=fast at head dim 64 on Hopper: the op's gradients through the one launch (it ran, and the
-    three launches did not) within the accuracy bar against float64, close to the deterministic backward's, and
-    deterministic again under torch.use_deterministic_algorithms(True)."""
-    from sagebwd_hf.testing import exact_reference
+    three launches did not) within the accuracy bar against float64, close to the deterministic backward's (with
+    sinks too: their K-smoothing term added after the launch); ``deterministic=True`` and
+    torch.use_deterministic_algorithms(True) give the deterministic bits again."""
+    from sagebwd_hf.naive import attention_exact
     monkeypatch.setenv(dispatch.ENV_VAR, "auto")
-    n = 1000
+    n, scale = 1000, 64 ** -0.5
     q, k, v, do = make_qkv(2, 8, 2, n, n, 64, torch.bfloat16, "cuda", k_outliers=8.0)
-    if packed:   # two sequences of n and n - 300 tokens as one [T, H, D] batch
-        lens = [n, n - 300]
-        cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device="cuda")
-        pack = lambda x: torch.cat([x[i, :, :lens[i]].transpose(0, 1) for i in range(2)])  # noqa: E731
-        fn = lambda a, b, c: sagebwd_attn_varlen_func(a, b, c, cu, cu, n, n, causal=causal)  # noqa: E731
-        args = [pack(x) for x in (q, k, v, do)]
-    else:
-        fn = lambda a, b, c: sagebwd_attn_func(a, b, c, causal=causal)  # noqa: E731
-        args = [q, k, v, do]
+    sink = torch.randn(8, device="cuda") + 1.0 if sinks else None
     window = (-1, 0) if causal else (-1, -1)
+    lens = [n, n - 300]
+    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device="cuda")
+
+    def op(**kw):
+        if packed:
+            return lambda a, b, c: sagebwd_attn_varlen_func(a, b, c, cu, cu, n, n, causal=causal, sinks=sink, **kw)
+        return lambda a, b, c: sagebwd_attn_func(a, b, c, causal=causal, sinks=sink, **kw)
+    if packed:   # two sequences of n and n - 300 tokens as one [T, H, D] batch
+        args = [torch.cat([x[i, :, :lens[i]].transpose(0, 1) for i in range(2)]) for x in (q, k, v, do)]
+    else:
+        args = [q, k, v, do]
     runs = {}
     for mode in ("deterministic", "fast"):
         monkeypatch.setenv(dispatch.BACKWARD_ENV, mode)
         reset_attention_stats()
-        runs[mode] = run_with_grads(fn, *args)
+        runs[mode] = run_with_grads(op(), *args)
         kernels = attention_stats()["kernels"]
         assert kernels.get("bwd_gluon_one_launch", 0) == (mode == "fast"), kernels
         assert kernels.get("bwd_gluon", 0) == (mode == "deterministic"), kernels
-    # the op's argument over the variable (still "fast")
-    if packed:
-        call = lambda a, b, c: sagebwd_attn_varlen_func(a, b, c, cu, cu, n, n, causal=causal,  # noqa: E731
-                                                        deterministic=True)
-    else:
-        call = lambda a, b, c: sagebwd_attn_func(a, b, c, causal=causal, deterministic=True)  # noqa: E731
-    reset_attention_stats()
-    by_argument = run_with_grads(call, *args)
+    reset_attention_stats()   # the op's argument over the variable (still "fast")
+    by_argument = run_with_grads(op(deterministic=True), *args)
     assert attention_stats()["kernels"].get("bwd_gluon_one_launch", 0) == 0
-    for name in ("dQ", "dK", "dV"):
-        assert torch.equal(by_argument[name], runs["deterministic"][name]), name
     torch.use_deterministic_algorithms(True)
     try:
         reset_attention_stats()
-        again = run_with_grads(fn, *args)
+        again = run_with_grads(op(), *args)
         assert attention_stats()["kernels"].get("bwd_gluon_one_launch", 0) == 0
     finally:
         torch.use_deterministic_algorithms(False)
     for name in ("dQ", "dK", "dV"):
+        assert torch.equal(by_argument[name], runs["deterministic"][name]), name
         assert torch.equal(again[name], runs["deterministic"][name]), name
+    exact = lambda a, b, c: attention_exact(a, b, c, scale, window, sinks=sink)[0]  # noqa: E731
     if packed:
-        refs = [exact_reference(*(x[None, :, :lens[i]] for x in (q[i], k[i], v[i], do[i])), 64 ** -0.5, window)
+        refs = [run_with_grads(exact, *(x[None, :, :lens[i]].double() for x in (q[i], k[i], v[i], do[i])))
                 for i in range(2)]
         ref = {name: torch.cat([r[name][0].transpose(0, 1) for r in refs]) for name in ("dQ", "dK", "dV")}
     else:
-        ref = exact_reference(q, k, v, do, 64 ** -0.5, window)
+        ref = run_with_grads(exact, *(x.double() for x in (q, k, v, do)))
     for name, bound in (("dQ", 0.99), ("dK", 0.99), ("dV", 0.999)):
         got = runs["fast"][name]
         assert torch.isfinite(got).all(), name

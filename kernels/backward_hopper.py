@@ -1155,7 +1155,8 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
     (``shift`` as the forward's); ``k_mean``, ``row_ds``: as there. ``packing``: None for a padded batch; for a
     packed one ``(layout_q, layout_k, q_starts, k_starts)``, the token-major copies (``do8t``, ``q8t``; ``k8t``)
     laid out with those starts (``quantize.aligned_starts``). ``fused_dq``: one launch instead (``part="dkdvq"``,
-    64-query tiles), dQ added up by reduce-adds in fp32, so not bit-identical run to run; no cap, no sinks."""
+    64-query tiles), dQ added up by reduce-adds in fp32, so not bit-identical run to run; no cap (the sinks'
+    K-smoothing term is added after it: _add_sinks_row_term)."""
     group = num_heads // num_kv_heads
     common = (num_heads, group, head_dim, window, softmax_scale)
     lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides

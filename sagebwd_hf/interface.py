@@ -583,7 +583,7 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
         sinks: ``[heads]``, one learned logit per query head in every row's softmax denominator (gpt-oss's
             attention sinks); differentiable. None is off.
         deterministic: False lets the backward trade bit-identical gradients for speed where it can (Hopper, head
-            dim 64, no cap or sinks: one launch, dQ added up by reduce-adds; README, "Supported"); True keeps
+            dim 64, no soft cap: one launch, dQ added up by reduce-adds; README, "Supported"); True keeps
             three launches, each gradient written once. None (default): ``SAGEBWD_BACKWARD``'s choice,
             deterministic unless it says ``fast``. ``torch.use_deterministic_algorithms(True)`` wins over False.
 

@@ -29,8 +29,9 @@ operand may be read transposed from shared memory, an 8-bit one may not: session
 2,686 instructions a tile), K being the item's int8 K as exact bf16 integers times its one scale; then a TMA
 reduce-add of the fp32 result into a zeroed accumulator. Seven product units where the three launches take ten
 (dQ's product in bf16 is two), dQ more accurate (its product is not quantized), not deterministic (the adds'
-order varies). D=64, 64-query tiles (FUSED_QUERY_TILE), H100: 1.04-1.13x the three launches except 0.94-0.97x
-at N=1K causal (docs/speed_notes.md, session 27); D=128 spills (0.36-0.42x).
+order varies). D=64, 64-query tiles (FUSED_QUERY_TILE), H100: 1.06-1.15x the three launches at 1K-16K keys,
+causal or not (docs/speed_notes.md, session 27); D=128 spills (0.36-0.42x). The op runs it for
+``deterministic=False`` (dispatch.gluon_one_launch_backward).
 
 Why three launches and not FlashAttention 3's one: INT8 wgmma accumulates in int32 and the quantization
 scale changes per tile, so each product is dequantized through its own int32 registers into an fp32
@@ -366,7 +367,8 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
     (``QK_SPLIT``: Q's channels past the first block into ``dk2_acc``). ``TILE_KS``: the item's keys share one K
     scale, which the loader folded into the per-query vectors with the add trick's offset (q_scale * k_scale and
     that times -1.5 * 2^23 less lse), so S^T's dequantization and P^T's exponent are one FMA a score.
-    ``DO_DQ``: also dQ += dS K in the input dtype, added to the fp32 ``DQ`` (_dq_product)."""
+    ``DO_DQ``: also dQ += dS K in the input dtype (_dq_product), reduce-added to an fp32 accumulator
+    (_reduce_dq)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     offs_m = gl.arange(0, BLOCK_Q, layout=col_layout)
     s_zero = gl.zeros([HALF_N, BLOCK_Q], gl.int32, s_layout)

@@ -219,11 +219,14 @@ def _tiles(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(-1, -1),
-                           k_smoothing=True, q_smoothing=False, block_m_dkdv=64, block_n_dq=64, softcap=0.0):
+                           k_smoothing=True, q_smoothing=False, block_m_dkdv=64, block_n_dq=64, softcap=0.0,
+                           dq_int8=True):
     """Gradients (dq, dk, dv) of the quantized algorithm, in the inputs' dtypes.
 
     ``block_m_dkdv``: query tile of the dK/dV kernel (P and dS get one scale per key per tile);
-    ``block_n_dq``: key tile of the dQ kernel (dS gets one scale per query per tile)."""
+    ``block_n_dq``: key tile of the dQ kernel (dS gets one scale per query per tile). ``dq_int8`` False: dQ's
+    product as the one-launch Hopper backward computes it (``deterministic=False``; its query tile is 64): dS
+    rounded to the inputs' dtype times the int8 K (exact there) in fp32, times K's scales."""
     s, q8, q_scale_raw, k8, k_scale, mask, k_mean = _scores(q, k, softmax_scale, window_size, k_smoothing,
                                                              q_smoothing, softcap)
     if q_smoothing:   # dK needs the true Q, not the smoothed one the scores used
@@ -248,11 +251,13 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
 
     dv = over_queries(p, do8, do_scale, False)
     dk = over_queries(ds, q8, q_scale_raw, True) * softmax_scale
-    # dQ = dS K reduces over keys: one scale per query per key tile
-    t = _tiles(ds * k_scale[..., None, :], 3, block_n_dq)                     # [B, H, Nq, T, bn]
-    t8, t_scale = _row_quantize(t, 4, True)
-    k_tiles = _tiles(k8, 2, block_n_dq)                                       # [B, H, T, bn, D]
-    dq = ((t8.transpose(2, 3) @ k_tiles) * t_scale.transpose(2, 3)).sum(2) * softmax_scale
+    if dq_int8:   # dQ = dS K reduces over keys: one scale per query per key tile
+        t = _tiles(ds * k_scale[..., None, :], 3, block_n_dq)                 # [B, H, Nq, T, bn]
+        t8, t_scale = _row_quantize(t, 4, True)
+        k_tiles = _tiles(k8, 2, block_n_dq)                                   # [B, H, T, bn, D]
+        dq = ((t8.transpose(2, 3) @ k_tiles) * t_scale.transpose(2, 3)).sum(2) * softmax_scale
+    else:
+        dq = (ds.to(dout.dtype).float() @ (k8.float() * k_scale[..., None])) * softmax_scale
     if softcap and k_mean is not None:   # the scores used K - mean(k); their rows no longer sum dS to zero
         dq = dq + ds.sum(-1, keepdim=True) * k_mean * softmax_scale
 

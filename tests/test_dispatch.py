@@ -613,6 +613,16 @@ def test_one_launch_backward_through_the_op(causal, packed, sinks, monkeypatch):
     for name in ("dQ", "dK", "dV"):
         assert torch.equal(by_argument[name], runs["deterministic"][name]), name
         assert torch.equal(again[name], runs["deterministic"][name]), name
+    if not packed and not sinks:   # the reference of the one launch's rules (naive's dq_int8=False, 64-query tiles)
+        from sagebwd_hf.naive import sagebwd_backward_naive, sagebwd_forward_naive
+        from sagebwd_hf.interface import tile_configs
+        out_ref, lse_ref = sagebwd_forward_naive(q, k, v, scale, window, True, False,
+                                                 block_n=tile_configs(64, q.device)["fwd"][1])
+        rule = sagebwd_backward_naive(q, k, v, out_ref, lse_ref, do, scale, window, block_m_dkdv=64, dq_int8=False)
+        for name, want in zip(("dQ", "dK", "dV"), rule):
+            cos, rel = error_stats(runs["fast"][name], want)
+            print(f"{name}: one launch vs its reference cos {cos:.6f} rel {rel:.2e}")
+            assert rel <= ORACLE_REL, name
     exact = lambda a, b, c: attention_exact(a, b, c, scale, window, sinks=sink)[0]  # noqa: E731
     if packed:
         refs = [run_with_grads(exact, *(x[None, :, :lens[i]].double() for x in (q[i], k[i], v[i], do[i])))

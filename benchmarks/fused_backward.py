@@ -49,7 +49,7 @@ def backward(x, variant=None):
     from sagebwd_hf.kernels.backward_hopper import launch_backward_hopper
     q, k, v = x["q"], x["k"], x["v"]
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    extra = {} if variant is None else dict(variant, fused_dq=True, fold=False)
+    extra = {} if variant is None else dict(variant, fused_dq=True)
 
     def run():
         launch_backward_hopper(x["quant"], v, x["do"], x["do_q"]["x8t"], x["do_q"]["scale"], x["lse"],

@@ -424,9 +424,7 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_tok, ))
             delta = vec_smem.index(NVEC * s + VDELTA).load(col_layout)
             xk = pt * (gl.convert_layout(dpt, s_layout) - delta[None, :])
-            if DO_DQ:   # dS^T itself first (no FOLD here): dQ's operand, issued under the rest of the tile
-                if SOFTCAP:
-                    xk = xk * (1.0 - tht * tht)
+            if DO_DQ:   # dS^T itself first (no FOLD, no cap here): dQ's operand, issued under the rest of the tile
                 if it % 2 == 0:   # (constant buffer indices: see _dq_product)
                     dq_tok = _dq_product(xk, ds_smem.index(C), ds_smem.index(0), ds_smem.index(1),
                                          kb_smem.index(C), kb_smem.index(2 + C), dq_zero)
@@ -636,7 +634,7 @@ def _attn_bwd_dkdv_hopper_kernel(
                                             gl.NVMMASharedLayout.get_default_for([HALF_N, HEAD_DIM // 2], IO))
         ds_smem = gl.allocate_shared_memory(IO, [4, HALF_N, BLOCK_Q],
                                             gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_Q], IO))
-        # each consumer's share of a tile's dQ, two buffers each (_reduce_dq)
+        # each consumer's share of a tile's dQ, DQ_BUFFERS each (_reduce_dq)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS] + dq_desc.block_type.shape,
                                             dq_desc.layout)
     else:
@@ -1010,7 +1008,8 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     if fold is None:    # dV alone 1.09-1.12x with it (H100, session 5); dK alone 1.00-1.03x (H200, session 21)
         fold = part in ("dv", "dk")
     assert not (fold and do_dv and do_dk), "FOLD scales P^T by one product's scale: the other needs it unscaled"
-    block_q = block_q or dkdv_query_tile(head_dim, do_dv and do_dk)
+    assert not (do_dq and softcap), "a cap's K-smoothing row term needs dS's row sums, which the one launch lacks"
+    block_q = block_q or (FUSED_QUERY_TILE if do_dq else dkdv_query_tile(head_dim, do_dv and do_dk))
     can_tile_ks = head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == BLOCK_N.value
     tile_ks = can_tile_ks if tile_ks is None else bool(tile_ks)
     assert can_tile_ks or not tile_ks, "tile_ks needs one K scale a key tile"
@@ -1169,10 +1168,7 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
     tuning = dict(tuning, softcap=softcap, shift=shift)
     do4, v4 = tma_addressable(do4), tma_addressable(v4)     # a copy, if one is needed, once for all launches
     if fused_dq:   # one launch: dQ by reduce-adds of dS K from the key-tile programs (not deterministic)
-        assert not softcap, "a cap's K-smoothing row term needs dS's row sums, which the one launch does not take"
         dq_acc = torch.zeros(quant["q8"].shape, dtype=torch.float32, device=dq4.device)
-        tuning.setdefault("block_q", FUSED_QUERY_TILE)
-        tuning.setdefault("fold", False)
         launch_dkdv_hopper("dkdvq", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common,
                            packing=key_tiles_packing, dq_acc=dq_acc, **tuning)
         if k_mean is not None:

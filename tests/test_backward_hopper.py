@@ -219,7 +219,7 @@ def test_one_launch_backward_with_dq_reduce_adds(case):
     do8t = quantize(do, lay, natural=False, transposed=True, operand_order=True)["x8t"]
     got = {name: torch.full_like(t, float("nan")) for name, t in want.items()}
     launch_backward_hopper(quant_ordered, v, do, do8t, do_q["scale"], lse, do_q["delta"], got["dq"], got["dk"],
-                           got["dv"], h, hk, d, window, scale, fused_dq=True, block_q=64, fold=False,
+                           got["dv"], h, hk, d, window, scale, fused_dq=True,
                            operand_order=True, programs=7)
     for name in ("dk", "dv"):
         assert torch.isfinite(got[name]).all(), f"{name}: an element the kernel never wrote"

@@ -22,16 +22,17 @@ tile once they released the last one and streams the other side's operands and p
 two-stage TMA ring whose count runs on across items; two consumer warpgroups of 64 rows each.
 No atomics: every gradient is written once, so the backward is deterministic run to run.
 
-``part="dkdvq"`` (``launch_backward_hopper(..., fused_dq=True)``, an option): FlashAttention 3's one launch. The
-key-tile programs also compute dQ: each consumer stores its dS^T tile (bf16) to shared memory, and once both did,
-each adds up its half of dQ's channels as ``dS K`` in the input dtype over the program's 128 keys (a 16-bit A
+``part="dkdvq"`` (``launch_backward_hopper(..., fused_dq=True)``; the op's default at D=64 since session 28):
+FlashAttention 3's one launch. The key-tile programs also compute dQ: each consumer stores its dS^T tile (bf16) to
+shared memory and announces it (DQ_LAGGED: each waits for the other's only after its own dV product), and each
+adds up its half of dQ's channels as ``dS K`` in the input dtype over the program's 128 keys (a 16-bit A
 operand may be read transposed from shared memory, an 8-bit one may not: session 11's INT8 version of this cost
 2,686 instructions a tile), K being the item's int8 K as exact bf16 integers times its one scale; then a TMA
 reduce-add of the fp32 result into a zeroed accumulator. Seven product units where the three launches take ten
 (dQ's product in bf16 is two), dQ more accurate (its product is not quantized), not deterministic (the adds'
-order varies). D=64, 64-query tiles (FUSED_QUERY_TILE), H100: 1.06-1.15x the three launches at 1K-16K keys,
-causal or not (docs/speed_notes.md, session 27); D=128 spills (0.36-0.42x). The op runs it for
-``deterministic=False`` (dispatch.gluon_one_launch_backward).
+order varies). D=64, 64-query tiles (FUSED_QUERY_TILE), H100: 1.08-1.20x the three launches at 1K-8K keys,
+causal or not (docs/speed_notes.md, sessions 27 and 28); D=128 spills (0.36-0.42x). The op runs it unless
+determinism is asked for (dispatch.gluon_one_launch_backward).
 
 Why three launches and not FlashAttention 3's one: INT8 wgmma accumulates in int32 and the quantization
 scale changes per tile, so each product is dequantized through its own int32 registers into an fp32
@@ -68,6 +69,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
+from . import dispatch
 from .launch import launch
 from .layout import cdiv, tma_addressable, token_rows
 from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
@@ -95,11 +97,17 @@ STAGES = gl.constexpr(2)
 VQS, VLSE, VDOS, VDELTA, VQSR, VSHIFT, NVEC = (gl.constexpr(i) for i in range(7))
 # the hardware barrier both consumers meet at once both stored their dS tile for dQ (Gluon's own take ids 0-4)
 DQ_BARRIER = gl.constexpr(8)
+# DQ_LAGGED's: consumer C announces its dS^T tile of parity p on 11 + 2C + p (9 and 10: _k_operand's)
+DQ_SIGNALS = gl.constexpr(11)
+# How the one launch's consumers meet for dQ (``DO_DQ``; 0: no dQ): at every tile, before either quantizes its dS^T
+# (_dq_product), or each waiting for the other's dS^T only after its own dV product (_dq_signal)
+DQ_LOCKSTEP = gl.constexpr(1)
+DQ_LAGGED = gl.constexpr(2)
 
 
 # The one launch's query tile (``part="dkdvq"``): with 128 queries S^T and dP^T take 64 registers each and its
 # loop spilled ~1 KB at D=64 (sm_90, Triton 3.6); 64 is FlashAttention 3's tile there too
-FUSED_QUERY_TILE = 64
+FUSED_QUERY_TILE = dispatch.ONE_LAUNCH_QUERY_TILE
 
 
 def dkdv_query_tile(head_dim: int, fused: bool) -> int:
@@ -424,13 +432,19 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_tok, ))
             delta = vec_smem.index(NVEC * s + VDELTA).load(col_layout)
             xk = pt * (gl.convert_layout(dpt, s_layout) - delta[None, :])
-            if DO_DQ:   # dS^T itself first (no FOLD, no cap here): dQ's operand, issued under the rest of the tile
-                if it % 2 == 0:   # (constant buffer indices: see _dq_product)
+            if DO_DQ == DQ_LOCKSTEP:   # dS^T itself first (no FOLD, no cap here): dQ's operand, issued under the
+                if it % 2 == 0:        # rest of the tile (constant buffer indices: see _dq_product)
                     dq_tok = _dq_product(xk, ds_smem.index(C), ds_smem.index(0), ds_smem.index(1),
                                          kb_smem.index(C), kb_smem.index(2 + C), dq_zero)
                 else:
                     dq_tok = _dq_product(xk, ds_smem.index(2 + C), ds_smem.index(2), ds_smem.index(3),
                                          kb_smem.index(C), kb_smem.index(2 + C), dq_zero)
+            elif DO_DQ == DQ_LAGGED:   # stored and announced now, multiplied after dV's product (_dq_signal)
+                if it % 2 == 0:
+                    _dq_signal(xk, ds_smem.index(C), C, it)
+                else:
+                    _dq_signal(xk, ds_smem.index(2 + C), C, it)
+            if DO_DQ:
                 xk = xk * vec_smem.index(NVEC * s + VQSR).load(col_layout)[None, :]
             else:
                 if not FOLD:   # (FOLD: Q's scale already sits in P^T's exponent)
@@ -440,6 +454,14 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
             ds8, ds_scale = _quantize_rows(xk, gl.max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
         if DO_DV:
             dv_acc = _accumulate_product(dv_acc, pv8, pv_scale, dot_smem.index(s))
+        if DO_DQ == DQ_LAGGED:   # the other consumer's dS^T of this tile is stored by now, or soon
+            _named_barrier(False, DQ_SIGNALS + 2 * (1 - C) + it % 2, 256, 4)
+            if it % 2 == 0:
+                dq_tok = _dq_issue(ds_smem.index(0), ds_smem.index(1), kb_smem.index(C), kb_smem.index(2 + C),
+                                   dq_zero)
+            else:
+                dq_tok = _dq_issue(ds_smem.index(2), ds_smem.index(3), kb_smem.index(C), kb_smem.index(2 + C),
+                                   dq_zero)
         if DO_DK:
             dk_acc = _accumulate_product(dk_acc, ds8, ds_scale, qt_smem.index(s))
             if QK_SPLIT:
@@ -482,6 +504,26 @@ def _dq_product(ds, mine, half0, half1, kb0, kb1, dq_zero):
     mine.store(ds.to(kb0.dtype))
     fence_async_shared()
     _named_barrier(False, DQ_BARRIER, 256, 4)
+    tok = warpgroup_mma(half0.permute((1, 0)), kb0, dq_zero, use_acc=False, is_async=True)
+    return warpgroup_mma(half1.permute((1, 0)), kb1, tok, is_async=True)
+
+
+@gluon.jit
+def _dq_signal(ds, mine, C: gl.constexpr, it):
+    """DQ_LAGGED: this warpgroup's dS^T tile into ``mine``, announced to the other consumer by ``bar.arrive`` (no
+    wait): each waits (``bar.sync``) for the other's only once its own dV product ran, so the two drift apart by
+    up to a tile instead of meeting at every tile, and one's softmax work runs under the other's products. Two
+    hardware barriers a consumer, by the tile's parity: a consumer arrives at one again only two tiles on, past
+    its wait for the other's arrival of the tile between, which the other makes after its whole previous tile
+    (its dQ product of it waited for, so the buffer it read may be rewritten)."""
+    mine.store(ds.to(mine.dtype))
+    fence_async_shared()
+    _named_barrier(True, DQ_SIGNALS + 2 * C + it % 2, 256, 4)
+
+
+@gluon.jit
+def _dq_issue(half0, half1, kb0, kb1, dq_zero):
+    """This consumer's share of the tile's dQ (as _dq_product's), issued async once both halves are stored."""
     tok = warpgroup_mma(half0.permute((1, 0)), kb0, dq_zero, use_acc=False, is_async=True)
     return warpgroup_mma(half1.permute((1, 0)), kb1, tok, is_async=True)
 
@@ -991,7 +1033,7 @@ def _caller_desc(x4, block_shape, dtype):
 def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
                      window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None, block_q=None, softcap=0.0,
                      shift=None, programs=None, operand_order=False, packing=None, tile_ks=None, dq_acc=None,
-                     dq_buffers=3):
+                     dq_buffers=3, dq_lagged=True):
     """(grid, args, kwargs) of one launch, ``part`` "dv", "dk" or "dkdv" (both in one program): ``[B, H, N, D]``
     tensors as ``backward.launch_backward`` takes them (``quant`` from ``quantize_qk(..., transposed=True)``;
     ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None where not written. ``operand_order``:
@@ -1001,7 +1043,9 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     (``quantize.aligned_starts(layout_q)``). ``tile_ks`` (default: wherever it applies, head dims with one K scale
     a key block): the loader folds the item's K scale into the per-query vectors, one FMA a score less in S^T's
     dequantization (with a cap: in the cap's argument). ``part="dkdvq"``: dV and dK, and dQ added to ``dq_acc``
-    (fp32, ``[B, H, N, D]`` contiguous, zeroed) by reduce-adds (_reduce_dq; dS K in the input dtype: _k_operand)."""
+    (fp32, ``[B, H, N, D]`` contiguous, zeroed) by reduce-adds (_reduce_dq; dS K in the input dtype: _k_operand);
+    ``dq_lagged``: its consumers meet for dQ as DQ_LAGGED says (1.01-1.07x faster than DQ_LOCKSTEP at D=64, 1K-8K
+    keys, H100, session 28), else DQ_LOCKSTEP."""
     head_dim_v = v4.shape[3]
     assert part in ("dv", "dk", "dkdv", "dkdvq") and (head_dim, head_dim_v) in HEAD_DIMS
     do_dv, do_dk, do_dq = part in ("dv", "dkdv", "dkdvq"), part in ("dk", "dkdv", "dkdvq"), part == "dkdvq"
@@ -1060,7 +1104,8 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
             HEAD_DIM_V=head_dim_v,
             QK_SPLIT=bool(d2), DO_DK=do_dk, DO_DV=do_dv,
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, SOFTCAP=bool(softcap),
-            BLOCK_Q=block_q, DYNAMIC=dynamic, ORDER=operand_order, TILE_KS=tile_ks, DO_DQ=do_dq,
+            BLOCK_Q=block_q, DYNAMIC=dynamic, ORDER=operand_order, TILE_KS=tile_ks,
+            DO_DQ=(DQ_LAGGED.value if dq_lagged else DQ_LOCKSTEP.value) if do_dq else 0,
             DQ_BUFFERS=dq_buffers, num_warps=4,
             ptx_options=ptx_options())
 
@@ -1157,7 +1202,8 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
     packed one ``(layout_q, layout_k, q_starts, k_starts)``, the token-major copies (``do8t``, ``q8t``; ``k8t``)
     laid out with those starts (``quantize.aligned_starts``). ``fused_dq``: one launch instead (``part="dkdvq"``,
     64-query tiles), dQ added up by reduce-adds in fp32, so not bit-identical run to run; no cap (the sinks'
-    K-smoothing term is added after it: _add_sinks_row_term)."""
+    K-smoothing term is added after it: _add_sinks_row_term); ``dq4`` None: the fp32 dQ is returned instead of
+    copied into it (the caller frees the launch's inputs first)."""
     group = num_heads // num_kv_heads
     common = (num_heads, group, head_dim, window, softmax_scale)
     lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides
@@ -1168,13 +1214,15 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
     tuning = dict(tuning, softcap=softcap, shift=shift)
     do4, v4 = tma_addressable(do4), tma_addressable(v4)     # a copy, if one is needed, once for all launches
     if fused_dq:   # one launch: dQ by reduce-adds of dS K from the key-tile programs (not deterministic)
-        dq_acc = torch.zeros(quant["q8"].shape, dtype=torch.float32, device=dq4.device)
+        dq_acc = torch.zeros(quant["q8"].shape, dtype=torch.float32, device=quant["q8"].device)
         launch_dkdv_hopper("dkdvq", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common,
                            packing=key_tiles_packing, dq_acc=dq_acc, **tuning)
         if k_mean is not None:
             _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing)
+        if dq4 is None:
+            return dq_acc
         dq4.copy_(dq_acc)
-        return
+        return None
     if split_dkdv:
         launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, None, *common,
                            packing=key_tiles_packing, **tuning)

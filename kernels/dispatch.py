@@ -13,6 +13,9 @@
   other call runs the portable kernels, with one warning. On a GPU that is
   not sm_90, or without Gluon, it raises.
 
+``SAGEBWD_BACKWARD`` (read on every call; the op's ``deterministic`` argument wins over it): ``fast`` (default)
+or ``deterministic``, see ``BACKWARD_ENV`` below.
+
 ``kernel_counts()`` says which ran (``sagebwd_hf.attention_stats()["kernels"]`` too).
 """
 import collections
@@ -67,18 +70,23 @@ GLUON_FORWARD_PERSISTENT = True
 # The Gluon backward's dV, dK and dQ launches on the same schedule (session 20, same shapes, all three launches
 # against the previous kernels): 1.01-1.03x at D=128, 1.03-1.08x at D=64 without a mask, 0.98-1.00x D=64 causal.
 GLUON_BACKWARD_PERSISTENT = True
-# The backward's determinism (``BACKWARD_ENV``): "deterministic" (default) runs dV, dK and dQ as three launches,
-# each gradient written once, bit-identical run to run; "fast" lets Hopper calls at head dim 64 without a cap run
-# FlashAttention 3's one launch (backward_hopper ``fused_dq``: dQ added up by fp32 reduce-adds, whose
-# order varies; 64-query tiles and dQ's product unquantized, so other numbers, more accurate ones). H100, the
-# backward's kernels against the three launches (session 27, B*N = 32K, H*D = 2048, and Llama-3.2-1B's 32/8 heads
-# at 8K): 1.11-1.15x at 1K-16K keys, causal or not, except 1.06x causal at 1K (0.94-0.97x before dQ's scale moved
-# into the kernel: the masked threshold, kept as a knob, is 0). Training steps (e2e.py, Llama-3.2-1B's shape, 8K):
-# 840.9 ms against 855.9. ``torch.use_deterministic_algorithms(True)`` keeps the three launches whatever the
-# variable says.
+# The backward's determinism (``BACKWARD_ENV``): "fast" (default) lets Hopper calls at head dim 64 without a cap run
+# FlashAttention 3's one launch (backward_hopper ``fused_dq``: dQ added up by fp32 reduce-adds, whose order varies;
+# 64-query tiles and dQ's product unquantized, so other numbers, more accurate ones: naive's ``dq_int8=False``,
+# interface.backward_rule); "deterministic" runs dV, dK and dQ as three launches, each gradient written once,
+# bit-identical run to run. Every other call is deterministic either way. H100, the backward's kernels against
+# the three launches (session 27, B*N = 32K, H*D = 2048, and Llama-3.2-1B's 32/8 heads at 8K): 1.11-1.15x at
+# 1K-16K keys, causal or not, except 1.06x causal at 1K (0.94-0.97x before dQ's scale moved into the kernel: the
+# masked threshold, kept as a knob, is 0). Training steps (e2e.py, Llama-3.2-1B's shape, 8K): 840.9 ms against
+# 855.9. The default since session 28 (issue 11: the fast mode by default, determinism on request).
+# ``torch.use_deterministic_algorithms(True)`` keeps the three launches whatever the variable says.
 BACKWARD_ENV = "SAGEBWD_BACKWARD"
 BACKWARD_CHOICES = ("deterministic", "fast")
+BACKWARD_DEFAULT = "fast"
 ONE_LAUNCH_HEAD_DIMS = ((64, 64), )
+# Its query tile (backward_hopper.FUSED_QUERY_TILE): P^T's and dS^T's per-key scales span this many queries, so it
+# is part of the numerics (interface.backward_rule); here so that CPU code can say it without importing Gluon
+ONE_LAUNCH_QUERY_TILE = 64
 ONE_LAUNCH_MIN_KEYS_MASKED = 0
 
 _counts = collections.Counter()    # "fwd_gluon", "fwd_triton", ... -> launches
@@ -187,7 +195,7 @@ def gluon_forward_pingpong(head_dim: int, head_dim_v: int, masked: bool, softcap
 
 
 def backward_requested() -> str:
-    value = os.environ.get(BACKWARD_ENV, "deterministic").strip().lower() or "deterministic"
+    value = os.environ.get(BACKWARD_ENV, BACKWARD_DEFAULT).strip().lower() or BACKWARD_DEFAULT
     if value not in BACKWARD_CHOICES:
         raise ValueError(f"{BACKWARD_ENV} must be one of {BACKWARD_CHOICES}, got {os.environ.get(BACKWARD_ENV)!r}")
     return value

@@ -21,6 +21,7 @@ layout, the scales, and for dO also ``delta = rowsum(dO * O)``). Each program re
 fixed order: no atomics, so forward and backward quantize the same input to the same bytes.
 """
 import functools
+from typing import Optional
 
 import torch
 import triton
@@ -398,7 +399,7 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
 
 def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float,
                 k_smoothing: bool, q_smoothing: bool, transposed: bool = False, row_shift: bool = False, v4=None,
-                operand_order: bool = False, t_starts_q=None, t_starts_k=None):
+                operand_order: bool = False, t_starts_q=None, t_starts_k=None, k_transposed: Optional[bool] = None):
     """INT8 Q and K for ``S = Q K^T`` (and, with ``transposed``, their token-major copies for the backward).
 
     Returns a dict: ``q8, q_scale`` (softmax scale and log2(e) folded in, so the kernels use exp2),
@@ -408,14 +409,17 @@ def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale:
     how far K-smoothing moved each row's scores; soft-capping and sinks need it back). With ``v4`` (the forward)
     also ``v_scale`` (``[Hkv, S, Dv]``, for ``quantize_v``), from the same launches as K's mean.
     ``operand_order``: ``q8t`` and ``k8t`` in ``quantize``'s operand order (the Gluon backward's);
-    ``t_starts_q`` / ``t_starts_k``: their sequences' first columns (packed batches: ``aligned_starts``)."""
+    ``t_starts_q`` / ``t_starts_k``: their sequences' first columns (packed batches: ``aligned_starts``).
+    ``k_transposed`` (default: ``transposed``): whether K's token-major copy is made (the Hopper one launch reads
+    only Q's; its ``k8t`` is then None)."""
     k_sub = k_cu = v_scale = None
     v_stats = (v4, True, 1.0 / 127.0) if v4 is not None else None
     if k_smoothing:   # softmax is unchanged: every score of a row moves by the same q . mean(k)
         k_sub, k_cu, v_scale = _stats(k4, layout_k, False, second=v_stats)
     elif v4 is not None:
         v_scale = _stats(v4, layout_k, True, factor=1.0 / 127.0)[0]
-    k = quantize(k4, layout_k, sub=k_sub, sub_cu=k_cu, sub_block=1 << 30, transposed=transposed,
+    k_transposed = transposed if k_transposed is None else k_transposed
+    k = quantize(k4, layout_k, sub=k_sub, sub_cu=k_cu, sub_block=1 << 30, transposed=k_transposed,
                  block_scale=k4.shape[-1] in K_BLOCK_HEAD_DIMS, operand_order=operand_order, t_starts=t_starts_k)
     q_mean = q_cu = None
     if q_smoothing:   # S = (q - q_mean) K^T + q_mean K^T; the second term is added back in fp32

@@ -91,6 +91,36 @@ def dkdv_block_m(cfg) -> int:
     return cfg["dkdv"][0][0] if cfg["split_dkdv"] else cfg["dkdv"][0]
 
 
+class BackwardRule(NamedTuple):
+    """What a backward computes, beside the forward's tiles (naive.sagebwd_backward_naive's arguments of the same
+    names): P and dS get one scale per key per ``block_m_dkdv`` queries; with ``dq_int8`` dQ = dS K runs in INT8,
+    dS with one scale per query per ``block_n_dq`` keys; without it dS in the inputs' dtype times the int8 K (the
+    Hopper one launch's, ``one_launch``)."""
+    block_m_dkdv: int
+    block_n_dq: int
+    dq_int8: bool
+    one_launch: bool
+
+
+def backward_rule(device: torch.device, head_dim: int, head_dim_v: Optional[int] = None, *, masked: bool = True,
+                  softcap: float = 0.0, q_smoothing: bool = False, max_len_k: int = 1 << 30, varlen: bool = False,
+                  deterministic: Optional[bool] = None) -> BackwardRule:
+    """The rule of a backward call on ``device`` (``masked``: causal or windowed; ``max_len_k``: the longest key
+    sequence; ``deterministic``: the op's argument). The kernels compute it, and so does the PyTorch path on the
+    same device (``backend="naive"``): on a Hopper GPU at head dim 64 the default is the one launch's rule
+    (kernels/dispatch.py, ``SAGEBWD_BACKWARD``), elsewhere and with ``deterministic=True`` the three launches'."""
+    cfg = tile_configs(head_dim, device, head_dim_v)
+    head_dim_v = head_dim_v or head_dim
+    one_launch = (dispatch.gluon_one_launch_backward(deterministic, head_dim, head_dim_v, bool(softcap), masked,
+                                                     max_len_k)
+                  and dispatch.gluon_unavailable(device) is None
+                  and dispatch.use_gluon(device, head_dim, q_smoothing, varlen, max_len_k, backward=True,
+                                         softcap=bool(softcap), head_dim_v=head_dim_v))
+    if one_launch:
+        return BackwardRule(dispatch.ONE_LAUNCH_QUERY_TILE, cfg["dq"][1], False, True)
+    return BackwardRule(dkdv_block_m(cfg), cfg["dq"][1], True, False)
+
+
 def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -220,8 +250,8 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
     if backend != "naive":
         return _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
                                  q_smoothing, softcap, need_shift, sinks, deterministic)
-    dq, dk, dv = _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, scale, window, k_smoothing, q_smoothing,
-                                 softcap)
+    dq, dk, dv = _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, max_k, scale, window, k_smoothing,
+                                 q_smoothing, softcap, deterministic)
     dsinks = None
     if sinks is not None:
         shift = _torch_shift(q, k, cu_q, cu_k, scale) if need_shift else None
@@ -232,24 +262,28 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
     return dq, dk, dv, dsinks
 
 
-def _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, scale, window, k_smoothing, q_smoothing, softcap):
-    """The PyTorch path's dq, dk, dv (into the op's layouts)."""
+def _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, max_k, scale, window, k_smoothing, q_smoothing, softcap,
+                    deterministic):
+    """The PyTorch path's dq, dk, dv (into the op's layouts), by the rule the kernels would compute on this
+    device (backward_rule)."""
     varlen = cu_q is not None
-    cfg = tile_configs(q.shape[-1], q.device, v.shape[-1])
+    rule = backward_rule(q.device, q.shape[-1], v.shape[-1], masked=tuple(window) != (-1, -1),
+                         softcap=softcap, q_smoothing=q_smoothing, max_len_k=max_k if varlen else k.shape[2],
+                         varlen=varlen, deterministic=deterministic)
+    tiles = dict(block_m_dkdv=rule.block_m_dkdv, block_n_dq=rule.block_n_dq, softcap=softcap, dq_int8=rule.dq_int8)
     dq, dk, dv = _poisoned(_new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen))
     dispatch.count("bwd_naive")
     if varlen:
         lse_t = lse[0].transpose(0, 1)      # [T, H] so it splits like the tokens
         grads = _per_sequence(
             lambda qs, ks, vs, os_, ls, dos: naive.sagebwd_backward_naive(
-                qs, ks, vs, os_, ls[:, :, :, 0], dos, scale, window, k_smoothing, q_smoothing,
-                dkdv_block_m(cfg), cfg["dq"][1], softcap=softcap)
+                qs, ks, vs, os_, ls[:, :, :, 0], dos, scale, window, k_smoothing, q_smoothing, **tiles)
             if qs.shape[2] and ks.shape[2] else   # an empty sequence has zero gradients
             (torch.zeros_like(qs), torch.zeros_like(ks), torch.zeros_like(vs)),
             q, k, v, cu_q, cu_k, extra_q=(out, lse_t.unsqueeze(-1), dout))
     else:
         grads = naive.sagebwd_backward_naive(q, k, v, out, lse, dout, scale, window, k_smoothing,
-                                             q_smoothing, dkdv_block_m(cfg), cfg["dq"][1], softcap=softcap)
+                                             q_smoothing, **tiles)
     return tuple(dst.copy_(src) for dst, src in zip((dq, dk, dv), grads))
 
 
@@ -258,7 +292,7 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     """The Triton or Gluon kernels' (dq, dk, dv, dsinks or None)."""
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device, v.shape[-1])
-    dq, dk, dv = _poisoned(_new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen))
+    dk, dv = _poisoned(_new_like(k, varlen), _new_like(v, varlen))
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
     do4, o4 = as_bhnd(dout, varlen), as_bhnd(out, varlen)
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
@@ -266,13 +300,18 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     gluon = q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
                                                                       lay_k.max_len, backward=True,
                                                                       softcap=bool(softcap), head_dim_v=v4.shape[3])
+    one_launch = gluon and dispatch.gluon_one_launch_backward(deterministic, q4.shape[3], v4.shape[3], bool(softcap),
+                                                              tuple(window) != (-1, -1), lay_k.max_len)
+    # the one launch's dQ accumulates in fp32 (B*H*N*D*4 bytes): its bf16 dQ is made only once the launch's
+    # inputs are freed, which keeps the op's peak memory below flash attention's (docs/speed_notes.md, session 28)
+    dq = None if one_launch else _poisoned(_new_like(q, varlen))[0]
     # the forward's bytes again (same inputs, same deterministic quantization), plus token-major copies (for the
     # Gluon kernels in the order their P and dS registers hold the tokens: quantize.operand_order_columns)
     # packed batches on the Gluon kernels: each sequence's token-major copy starts 16-aligned (TMA)
     starts_q = aligned_starts(lay_q) if gluon and varlen else None
     starts_k = aligned_starts(lay_k) if gluon and varlen else None
     quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, transposed=True, row_shift=need_shift,
-                        operand_order=gluon, t_starts_q=starts_q, t_starts_k=starts_k)
+                        operand_order=gluon, t_starts_q=starts_q, t_starts_k=starts_k, k_transposed=not one_launch)
     shift = _kernel_shift(quant) if need_shift else None
     if q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
         raw = quantize(q4, lay_q, natural=False, transposed=True)
@@ -290,14 +329,17 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     cap_args = dict(softcap=softcap, shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
     if gluon:
         from .kernels.backward_hopper import launch_backward_hopper   # imports Gluon: only where it runs
-        one_launch = dispatch.gluon_one_launch_backward(deterministic, q4.shape[3], v4.shape[3], bool(softcap),
-                                                        tuple(window) != (-1, -1), lay_k.max_len)
-        launch_backward_hopper(quant, v4, do4, do_q["x8t"], do_q["scale"], lse, do_q["delta"], as_bhnd(dq, varlen),
-                               as_bhnd(dk, varlen), as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3],
-                               window, scale, programs=dispatch.gluon_programs(q.device, backward=True),
-                               operand_order=True, packing=(lay_q, lay_k, starts_q, starts_k) if varlen else None,
-                               fused_dq=one_launch, **term, **cap_args)
+        dq_acc = launch_backward_hopper(quant, v4, do4, do_q["x8t"], do_q["scale"], lse, do_q["delta"],
+                                        None if one_launch else as_bhnd(dq, varlen), as_bhnd(dk, varlen),
+                                        as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3], window, scale,
+                                        programs=dispatch.gluon_programs(q.device, backward=True),
+                                        operand_order=True, packing=(lay_q, lay_k, starts_q, starts_k) if varlen
+                                        else None, fused_dq=one_launch, **term, **cap_args)
         dispatch.count("bwd_gluon_one_launch" if one_launch else "bwd_gluon")
+        if one_launch:
+            del quant, q8rt, q_scale_raw, do_q, term
+            dq = _new_like(q, varlen)
+            as_bhnd(dq, varlen).copy_(dq_acc)
     else:
         launch_backward(quant, q8rt, q_scale_raw, quant["k8t"], v4, do4, do_q["x8t"], do_q["scale"], lse,
                         do_q["delta"], as_bhnd(dq, varlen), as_bhnd(dk, varlen), as_bhnd(dv, varlen), lay_q, lay_k,

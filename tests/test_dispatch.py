@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sagebwd_hf import attention_stats, reset_attention_stats, sagebwd_attn_func, sagebwd_attn_varlen_func
+from sagebwd_hf.interface import backward_rule
 from sagebwd_hf.kernels import dispatch
 from sagebwd_hf.naive import LOG2E
 from sagebwd_hf.testing import error_stats, make_qkv, run_with_grads
@@ -365,12 +366,16 @@ def test_gluon_forward_schedules_agree(case, softcap):
         assert torch.equal(out, out0) and torch.equal(lse, lse0), key
 
 
-def _grads(monkeypatch, choice, q, k, v, do, **kw):
+def _grads(monkeypatch, choice, q, k, v, do, backward="deterministic", one_launch=False, **kw):
+    """The op's gradients on the kernels of ``choice`` with ``SAGEBWD_BACKWARD=backward`` (left set, so that a
+    reference computed next follows the same rule), asserting which backward ran."""
     monkeypatch.setenv(dispatch.ENV_VAR, choice)
+    monkeypatch.setenv(dispatch.BACKWARD_ENV, backward)
     reset_attention_stats()
     grads = run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, **kw), q, k, v, do)
     ran = attention_stats()["kernels"]
-    assert ran.get(f"bwd_{'gluon' if choice == 'gluon' else 'triton'}") == 1, ran
+    name = "bwd_gluon_one_launch" if one_launch else f"bwd_{'gluon' if choice == 'gluon' else 'triton'}"
+    assert ran.get(name) == 1, ran
     return grads
 
 
@@ -380,23 +385,36 @@ def _grads(monkeypatch, choice, q, k, v, do, **kw):
 def test_gluon_backward_matches_reference(case, monkeypatch):
     """dQ, dK, dV of the Gluon backward (kernels/backward_hopper.py) against the reference and the portable
     kernels, over the padded grid (GQA summed over the group, Nq != Nk, rows that see no key, windows, MLA's
-    head dims)."""
+    head dims); where the default (``SAGEBWD_BACKWARD=fast``) takes the one launch (head dim 64), that too,
+    against the reference of its rule (interface.backward_rule)."""
     b, h, hk, nq, nk, d, causal, window, dv = _unpack(case)
     q, k, v, do = make_qkv(b, h, hk, nq, nk, d, torch.bfloat16, "cuda", head_dim_v=dv)
     kw = dict(causal=causal, window_size=window)
-    got = _grads(monkeypatch, "gluon", q, k, v, do, **kw)
+    runs = {"three launches": _grads(monkeypatch, "gluon", q, k, v, do, **kw)}
     portable = _grads(monkeypatch, "triton", q, k, v, do, **kw)
     monkeypatch.setenv(dispatch.ENV_VAR, "auto")
-    ref = run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, backend="naive", **kw), q, k, v, do)
-    for name in ("dQ", "dK", "dV"):
-        assert torch.isfinite(got[name]).all(), f"{name}: an element the Gluon kernels never wrote"
-        cos, rel = error_stats(got[name], ref[name])
-        rel_port = error_stats(got[name], portable[name])[1]
-        print(f"{_case_id(case)} {name}: gluon vs reference cos {cos:.6f} rel {rel:.2e}; vs portable {rel_port:.2e}")
-        assert cos >= 0.9999 and rel <= _oracle_rel(got[name]), (name, cos, rel)
-        assert rel_port <= _oracle_rel(got[name]), (name, rel_port)
-    if causal and nq > nk:                      # rows that see no key have zero dQ
-        assert (got["dQ"][:, :, : nq - nk] == 0).all()
+    refs = {"three launches": run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, backend="naive", **kw),
+                                             q, k, v, do)}
+    monkeypatch.delenv(dispatch.BACKWARD_ENV)
+    rule = backward_rule(q.device, d, dv, masked=causal or window != (-1, -1), max_len_k=nk)
+    if rule.one_launch:
+        runs["one launch"] = _grads(monkeypatch, "gluon", q, k, v, do, backward=dispatch.BACKWARD_DEFAULT,
+                                    one_launch=True, **kw)
+        monkeypatch.setenv(dispatch.ENV_VAR, "auto")
+        refs["one launch"] = run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, backend="naive", **kw),
+                                            q, k, v, do)
+    for path, got in runs.items():
+        for name in ("dQ", "dK", "dV"):
+            assert torch.isfinite(got[name]).all(), f"{path} {name}: an element the Gluon kernels never wrote"
+            cos, rel = error_stats(got[name], refs[path][name])
+            rel_port = error_stats(got[name], portable[name])[1]
+            print(f"{_case_id(case)} {path} {name}: gluon vs reference cos {cos:.6f} rel {rel:.2e}; "
+                  f"vs portable {rel_port:.2e}")
+            assert cos >= 0.9999 and rel <= _oracle_rel(got[name]), (path, name, cos, rel)
+            if path == "three launches":     # (the portable kernels compute the three launches' rule)
+                assert rel_port <= _oracle_rel(got[name]), (name, rel_port)
+        if causal and nq > nk:                      # rows that see no key have zero dQ
+            assert (got["dQ"][:, :, : nq - nk] == 0).all(), path
 
 
 SOFTCAP_REF_REL = 2e-2
@@ -523,12 +541,15 @@ def test_dispatch_picks_each_path_on_hopper(monkeypatch):
     # head dim 64: auto takes the Gluon forward at any length there
     q, k, v, do = (x.requires_grad_() for x in make_qkv(1, 2, 2, 256, 256, 64, torch.bfloat16, "cuda"))
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    monkeypatch.delenv(dispatch.BACKWARD_ENV, raising=False)
     reset_attention_stats()
     sagebwd_attn_func(q, k, v, causal=True).backward(do)
     default = dispatch.GLUON_BY_DEFAULT and dispatch._triton_minor() in dispatch.GLUON_TESTED
     default_bwd = dispatch.GLUON_BWD_BY_DEFAULT and dispatch._triton_minor() in dispatch.GLUON_TESTED
+    one_launch = default_bwd and dispatch.BACKWARD_DEFAULT == "fast"     # head dim 64, no cap
     assert attention_stats()["kernels"] == {"fwd_gluon" if default else "fwd_triton": 1,
-                                            "bwd_gluon" if default_bwd else "bwd_triton": 1}
+                                            ("bwd_gluon_one_launch" if one_launch else "bwd_gluon") if default_bwd
+                                            else "bwd_triton": 1}
     for choice in ("gluon", "triton"):
         monkeypatch.setenv(dispatch.ENV_VAR, choice)
         reset_attention_stats()
@@ -537,12 +558,15 @@ def test_dispatch_picks_each_path_on_hopper(monkeypatch):
 
 
 def test_one_launch_backward_rule(monkeypatch):
-    """SAGEBWD_BACKWARD: deterministic by default; "fast" takes the one launch where it fits and measured faster,
+    """SAGEBWD_BACKWARD: fast by default (issue 11), taking the one launch where it fits and measured faster,
     never under torch.use_deterministic_algorithms(True); the op's argument wins over the variable; a bad value
     names the variable and its choices."""
     rule = dispatch.gluon_one_launch_backward
     plain = dict(deterministic=None, head_dim=64, head_dim_v=64, softcap=False, masked=False, max_len_k=1024)
     monkeypatch.delenv(dispatch.BACKWARD_ENV, raising=False)
+    assert rule(**plain)
+    assert not rule(**dict(plain, deterministic=True))
+    monkeypatch.setenv(dispatch.BACKWARD_ENV, " Deterministic ")
     assert not rule(**plain)
     assert rule(**dict(plain, deterministic=False))
     monkeypatch.setenv(dispatch.BACKWARD_ENV, " Fast ")
@@ -563,6 +587,40 @@ def test_one_launch_backward_rule(monkeypatch):
     monkeypatch.setenv(dispatch.BACKWARD_ENV, "atomic")
     with pytest.raises(ValueError, match="SAGEBWD_BACKWARD must be one of .*'deterministic', 'fast'.*'atomic'"):
         rule(**plain)
+
+
+def test_backward_rule_and_the_pytorch_path_follow_the_one_launch(monkeypatch):
+    """interface.backward_rule says what a backward computes: the one launch's rule (64-query tiles, dQ from dS
+    in the inputs' dtype) where the Gluon kernels run at head dim 64 and determinism is not asked for, the three
+    launches' elsewhere; the PyTorch path computes the rule of its device (here a CPU made to look like a
+    Hopper GPU), so that a GPU's ``backend="naive"`` is the reference of its default."""
+    from sagebwd_hf.naive import sagebwd_backward_naive, sagebwd_forward_naive
+    monkeypatch.delenv(dispatch.BACKWARD_ENV, raising=False)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert backward_rule(cpu, 64) == (64, 64, True, False)              # no Gluon on a CPU
+    monkeypatch.setattr(dispatch, "gluon_unavailable", lambda device: None)
+    monkeypatch.setattr(dispatch, "use_gluon", lambda *args, **kw: True)
+    assert backward_rule(gpu, 64) == (dispatch.ONE_LAUNCH_QUERY_TILE, 128, False, True)
+    assert backward_rule(gpu, 64, deterministic=True) == (128, 128, True, False)
+    assert not backward_rule(gpu, 64, softcap=5.0).one_launch
+    assert not backward_rule(gpu, 128).one_launch and not backward_rule(gpu, 192, 128).one_launch
+    q, k, v, do = make_qkv(1, 4, 2, 150, 150, 64, torch.bfloat16, "cpu", k_outliers=4.0)
+    scale, window = 0.125, (-1, 0)
+    out, lse = sagebwd_forward_naive(q, k, v, scale, window, True, False, block_n=64)
+    grads = {}
+    for deterministic in (None, True):
+        got = run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, causal=True, softmax_scale=scale,
+                                                               backend="naive", deterministic=deterministic),
+                             q, k, v, do)
+        grads[deterministic] = [got[name] for name in ("dQ", "dK", "dV")]
+    # the one launch's rule (a CPU's tiles are 64 either way: dQ's product is what differs)
+    want = sagebwd_backward_naive(q, k, v, out, lse, do, scale, window, block_m_dkdv=64, dq_int8=False)
+    for got, ref in zip(grads[None], want):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    want = sagebwd_backward_naive(q, k, v, out, lse, do, scale, window, block_m_dkdv=64, block_n_dq=64)
+    for got, ref in zip(grads[True], want):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(grads[None][0], grads[True][0])
 
 
 @pytest.mark.gpu

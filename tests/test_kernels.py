@@ -7,7 +7,7 @@ import torch
 from conftest import kernel_devices
 
 from sagebwd_hf import sagebwd_attn_func, sagebwd_attn_varlen_func
-from sagebwd_hf.testing import compare, exact_reference, make_qkv, run_with_grads
+from sagebwd_hf.testing import compare, error_stats, exact_reference, make_qkv, run_with_grads
 
 # The oracle runs the same algorithm with the same tiles: only fp32 rounding order and exp2
 # implementations differ (the GPU's exp2 is the hardware approximation), which flips a rare INT8 rounding
@@ -242,8 +242,11 @@ def test_noncontiguous_inputs_and_no_mutation(device):
         assert torch.equal(x, x0)
     contiguous = run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, causal=True),
                                 q.contiguous(), k.contiguous(), v.contiguous(), do)
-    for name in strided:
-        assert torch.equal(strided[name], contiguous[name]), name
+    for name in strided:   # (a Hopper GPU's default dQ adds up in a varying order: close, not equal)
+        if name == "dQ" and _one_launch(q):
+            assert error_stats(strided[name], contiguous[name])[1] < 1e-5, name
+        else:
+            assert torch.equal(strided[name], contiguous[name]), name
 
 
 @pytest.mark.parametrize("device", kernel_devices())
@@ -260,11 +263,23 @@ def test_k_smoothing_cuts_error_on_k_outliers(device):
 
 @pytest.mark.parametrize("device", kernel_devices())
 def test_backward_is_deterministic(device):
+    """``deterministic=True`` gives the same bits run to run; so does the default wherever it is not the one
+    launch (whose dQ adds up in a varying order: there it is within fp32 rounding of itself)."""
     q, k, v, do = make_qkv(1, 8, 2, 200, 200, 64, torch.bfloat16, device)
-    first = run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, causal=True), q, k, v, do)
-    second = run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, causal=True), q, k, v, do)
-    for name in first:
-        assert torch.equal(first[name], second[name]), name
+    for deterministic in (True, None):
+        op = lambda x, y, z: sagebwd_attn_func(x, y, z, causal=True, deterministic=deterministic)  # noqa: E731
+        first, second = run_with_grads(op, q, k, v, do), run_with_grads(op, q, k, v, do)
+        for name in first:
+            if deterministic is None and name == "dQ" and _one_launch(q):
+                assert error_stats(first[name], second[name])[1] < 1e-5, name
+            else:
+                assert torch.equal(first[name], second[name]), (deterministic, name)
+
+
+def _one_launch(q) -> bool:
+    """Whether a default causal backward of these inputs (head dim 64, padded) runs the Hopper one launch."""
+    from sagebwd_hf.interface import backward_rule
+    return backward_rule(q.device, q.shape[-1], max_len_k=q.shape[2]).one_launch
 
 
 @pytest.mark.parametrize("device", kernel_devices())

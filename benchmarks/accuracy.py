@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from sagebwd_hf import sagebwd_attn_func
+from sagebwd_hf import attention_stats, reset_attention_stats, sagebwd_attn_func
 from sagebwd_hf.naive import attention_exact
 from sagebwd_hf.testing import compare, make_qkv, run_with_grads
 
@@ -51,6 +51,9 @@ def main():
     p.add_argument("--check", action="store_true", help="exit 1 if the bar is missed")
     p.add_argument("--softcap", type=float, default=0.0, help="logit soft-capping (Gemma 2 uses 50)")
     p.add_argument("--sinks", action="store_true", help="attention sinks: one N(0, 2^2) logit per head")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the deterministic backward (deterministic=True); default: the op's default (fast on Hopper "
+                        "at head dim 64: the one launch)")
     args = p.parse_args()
 
     dtype = getattr(torch, args.dtype)
@@ -78,8 +81,10 @@ def main():
                                    seed=args.seed)
             ref = run_with_grads(lambda a, b, c: exact(a, b, c, causal, ref_dtype), q.to(ref_dtype),
                                  k.to(ref_dtype), v.to(ref_dtype), do.to(ref_dtype))
-            opts = dict(causal=causal, softcap=args.softcap, sinks=sinks)
+            opts = dict(causal=causal, softcap=args.softcap, sinks=sinks, deterministic=args.deterministic or None)
+            reset_attention_stats()
             ours = compare(run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, **opts), q, k, v, do), ref)
+            backward = "+".join(sorted(n for n in attention_stats()["kernels"] if n.startswith("bwd_")))
             base = compare(run_with_grads((lambda a, b, c: exact(a, b, c, causal, dtype)) if extras else
                                           (lambda a, b, c: sdpa(a, b, c, causal)), q, k, v, do), ref)
             plain = compare(run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, k_smoothing=False, **opts),
@@ -87,7 +92,7 @@ def main():
             exact_out = ref
             del ref, exact_out
             for name in ("O", "dQ", "dK", "dV"):
-                rows.append(dict(inputs=inputs, causal=causal, tensor=name,
+                rows.append(dict(inputs=inputs, causal=causal, tensor=name, backward=backward,
                                  sagebwd_cos=ours[name][0], sagebwd_rel_l2=ours[name][1],
                                  sdpa_bf16_cos=base[name][0], sdpa_bf16_rel_l2=base[name][1],
                                  no_k_smoothing_cos=plain[name][0], no_k_smoothing_rel_l2=plain[name][1],
@@ -100,6 +105,7 @@ def main():
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
+    print(f"# backward kernels: {', '.join(sorted(set(r['backward'] for r in rows)))}")
     print(f"{'inputs':<11} {'causal':<6} {'tensor':<6} {'sagebwd cos':>11} {'rel L2':>8}   "
           f"{'sdpa ' + {'bfloat16': 'bf16', 'float16': 'fp16'}[args.dtype] + ' cos':>13} {'rel L2':>8}   "
           f"{'no K-smooth cos':>15} {'rel L2':>8}   bar")

@@ -91,7 +91,7 @@ for stage in $stages; do
     tests)    tail -4 "$TMP/$stage.log" ;;
     breakdown) grep -E "^(# |fwd|bwd|SASS)" "$TMP/$stage.log" | cut -c1-400 ;;
     kernels)  grep -E "^(# |d[0-9]|varlen| )" "$TMP/$stage.log" | cut -c1-200 ;;
-    accuracy) sed -n '/^inputs /,$p' "$TMP/$stage.log" ;;
+    accuracy) sed -n '/^# backward kernels/,$p' "$TMP/$stage.log" ;;
     speed|sweep|e2e) sed -n '/^== /,$p' "$TMP/$stage.log" ;;
     plot)     tail -1 "$TMP/$stage.log" ;;
     study)    grep -E "^(train|eval|vocabulary|\[scale_study\] (ran|not now|note)|.*seed[0-9]+: (done|to run))" "$TMP/$stage.log" ;;

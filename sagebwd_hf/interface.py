@@ -626,8 +626,9 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
             attention sinks); differentiable. None is off.
         deterministic: False lets the backward trade bit-identical gradients for speed where it can (Hopper, head
             dim 64, no soft cap: one launch, dQ added up by reduce-adds; README, "Supported"); True keeps
-            three launches, each gradient written once. None (default): ``SAGEBWD_BACKWARD``'s choice,
-            deterministic unless it says ``fast``. ``torch.use_deterministic_algorithms(True)`` wins over False.
+            three launches, each gradient written once. None (default): ``SAGEBWD_BACKWARD``'s choice, ``fast``
+            (as False) unless it says ``deterministic``. ``torch.use_deterministic_algorithms(True)`` wins over
+            False. ``backward_rule`` says which numbers a call computes.
 
     Returns:
         ``out`` ``[batch, heads, seqlen_q, head_dim of v]`` in q's dtype, and ``lse`` if asked.

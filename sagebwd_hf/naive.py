@@ -225,7 +225,7 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
 
     ``block_m_dkdv``: query tile of the dK/dV kernel (P and dS get one scale per key per tile);
     ``block_n_dq``: key tile of the dQ kernel (dS gets one scale per query per tile). ``dq_int8`` False: dQ's
-    product as the one-launch Hopper backward computes it (``deterministic=False``; its query tile is 64): dS
+    product as the one-launch Hopper backward computes it (the default at head dim 64; its query tile is 64): dS
     rounded to the inputs' dtype times the int8 K (exact there) in fp32, times K's scales."""
     s, q8, q_scale_raw, k8, k_scale, mask, k_mean = _scores(q, k, softmax_scale, window_size, k_smoothing,
                                                              q_smoothing, softcap)

@@ -75,8 +75,9 @@ def attention_stats() -> dict:
     ``fallback`` the calls that ran through SDPA, keyed by reason (see
     ``FALLBACK_REASONS``), and ``kernels`` which kernels ran each pass, counted per op call, SageBwd's own
     API included (``fwd_gluon``/``bwd_gluon``: the Hopper kernels, ``bwd_gluon_one_launch``: the Hopper backward
-    in one launch, ``SAGEBWD_BACKWARD=fast``; ``fwd_triton``/``bwd_triton``: the portable ones, ``*_naive``: the
-    PyTorch path on CPU; ``kernels/dispatch.py`` says how the choice is made).
+    in one launch, the default at head dim 64 unless ``SAGEBWD_BACKWARD=deterministic``; ``fwd_triton``/
+    ``bwd_triton``: the portable ones, ``*_naive``: the PyTorch path on CPU; ``kernels/dispatch.py`` says how the
+    choice is made).
     """
     return {"sagebwd": sum(_kernel_calls.values()), "paths": dict(_kernel_calls),
             "fallback": dict(_fallback_calls), "kernels": dispatch.kernel_counts()}

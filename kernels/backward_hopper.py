@@ -105,6 +105,9 @@ DQ_LOCKSTEP = gl.constexpr(1)
 DQ_LAGGED = gl.constexpr(2)
 
 
+# The one launch's default DO_DQ
+DQ_SCHEDULE = DQ_LAGGED.value
+
 # The one launch's query tile (``part="dkdvq"``): with 128 queries S^T and dP^T take 64 registers each and its
 # loop spilled ~1 KB at D=64 (sm_90, Triton 3.6); 64 is FlashAttention 3's tile there too
 FUSED_QUERY_TILE = dispatch.ONE_LAUNCH_QUERY_TILE
@@ -1033,7 +1036,7 @@ def _caller_desc(x4, block_shape, dtype):
 def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
                      window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None, block_q=None, softcap=0.0,
                      shift=None, programs=None, operand_order=False, packing=None, tile_ks=None, dq_acc=None,
-                     dq_buffers=3, dq_lagged=True):
+                     dq_buffers=3, dq_schedule=None):
     """(grid, args, kwargs) of one launch, ``part`` "dv", "dk" or "dkdv" (both in one program): ``[B, H, N, D]``
     tensors as ``backward.launch_backward`` takes them (``quant`` from ``quantize_qk(..., transposed=True)``;
     ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None where not written. ``operand_order``:
@@ -1044,8 +1047,9 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     a key block): the loader folds the item's K scale into the per-query vectors, one FMA a score less in S^T's
     dequantization (with a cap: in the cap's argument). ``part="dkdvq"``: dV and dK, and dQ added to ``dq_acc``
     (fp32, ``[B, H, N, D]`` contiguous, zeroed) by reduce-adds (_reduce_dq; dS K in the input dtype: _k_operand);
-    ``dq_lagged``: its consumers meet for dQ as DQ_LAGGED says (1.01-1.07x faster than DQ_LOCKSTEP at D=64, 1K-8K
-    keys, H100, session 28), else DQ_LOCKSTEP."""
+    ``dq_schedule``: how its consumers meet for dQ, DQ_LOCKSTEP (1) or DQ_LAGGED (2: 1.01-1.07x faster than
+    lockstep at D=64, 1K-8K keys, H100, session 28); None: DQ_SCHEDULE. (dV's product issued async under dS^T's
+    math as well measured 0.90-0.99x lagged's time, session 28: not kept.)"""
     head_dim_v = v4.shape[3]
     assert part in ("dv", "dk", "dkdv", "dkdvq") and (head_dim, head_dim_v) in HEAD_DIMS
     do_dv, do_dk, do_dq = part in ("dv", "dkdv", "dkdvq"), part in ("dk", "dkdv", "dkdvq"), part == "dkdvq"
@@ -1105,7 +1109,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
             QK_SPLIT=bool(d2), DO_DK=do_dk, DO_DV=do_dv,
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, SOFTCAP=bool(softcap),
             BLOCK_Q=block_q, DYNAMIC=dynamic, ORDER=operand_order, TILE_KS=tile_ks,
-            DO_DQ=(DQ_LAGGED.value if dq_lagged else DQ_LOCKSTEP.value) if do_dq else 0,
+            DO_DQ=(DQ_SCHEDULE if dq_schedule is None else dq_schedule) if do_dq else 0,
             DQ_BUFFERS=dq_buffers, num_warps=4,
             ptx_options=ptx_options())
 

@@ -210,12 +210,12 @@ ONE_LAUNCH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dq_lagged", [False, True], ids=["lockstep", "lagged"])
+@pytest.mark.parametrize("dq_schedule", [1, 2], ids=["lockstep", "lagged"])
 @pytest.mark.parametrize("case", ONE_LAUNCH_CASES, ids=lambda c: f"b{c[0]}h{c[1]}kv{c[2]}-n{c[3]}-w{c[4][0]}_{c[4][1]}")
-def test_one_launch_backward_with_dq_reduce_adds(case, dq_lagged):
+def test_one_launch_backward_with_dq_reduce_adds(case, dq_schedule):
     """``launch_backward_hopper(..., fused_dq=True)``: dV and dK as the portable launches give them at the one
     launch's 64-query tile, and dQ (dS K in bf16 from the quantized K, added by TMA reduce-adds) against float64,
-    poisoned outputs, K outliers; with either way of the consumers meeting for dQ (``dq_lagged``)."""
+    poisoned outputs, K outliers; with each way of the consumers meeting for dQ (``dq_schedule``)."""
     from sagebwd_hf.kernels.backward_hopper import launch_backward_hopper
     from sagebwd_hf.testing import exact_reference
 
@@ -241,7 +241,7 @@ def test_one_launch_backward_with_dq_reduce_adds(case, dq_lagged):
     got = {name: torch.full_like(t, float("nan")) for name, t in want.items()}
     launch_backward_hopper(quant_ordered, v, do, do8t, do_q["scale"], lse, do_q["delta"], got["dq"], got["dk"],
                            got["dv"], h, hk, d, window, scale, fused_dq=True,
-                           operand_order=True, programs=7, dq_lagged=dq_lagged)
+                           operand_order=True, programs=7, dq_schedule=dq_schedule)
     for name in ("dk", "dv"):
         assert torch.isfinite(got[name]).all(), f"{name}: an element the kernel never wrote"
         cos, rel = error_stats(got[name], want[name])

@@ -6,7 +6,11 @@ asked (its fp32 dQ accumulator zeroed and scaled into dQ included), and each var
 reference (cosine, relative L2 per tensor) on a smaller shape with K outliers, as the accuracy bar asks.
 
     python benchmarks/fused_backward.py [--shapes d64_n4k d64_n1k llama] [--variants block_q=64,dq_buffers=2]
-        [--check-only]
+        [--check-only] [--once]
+
+``--once``: each variant once per shape and causality after one untimed call (no timing, no check): what a
+profiler captures, e.g. ``ncu --kernel-name regex:dkdv --launch-skip 1 --launch-count 1 ... python
+benchmarks/fused_backward.py --once --shapes d64_n4k --variants block_q=64 --causal no``.
 """
 import argparse
 
@@ -73,10 +77,24 @@ def main():
                    help="tuning arguments of the one launch, KEY=VALUE[,KEY=VALUE] each (e.g. dq_buffers=2)")
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--once", action="store_true", help="run each variant twice, untimed (for a profiler)")
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     a = p.parse_args()
     print_versions()
     variants = [None] + [{k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))} for spec in a.variants]
     name = lambda bq: "3 launches" if bq is None else ",".join(f"{k[:4]}{v}" for k, v in bq.items())  # noqa: E731
+    causals = {"both": (False, True), "yes": (True, ), "no": (False, )}[a.causal]
+    if a.once:
+        for shape in a.shapes:
+            for causal in causals:
+                x = inputs(*SHAPES[shape], causal)
+                for bq in variants[1:]:
+                    run, _ = backward(x, bq)
+                    run()
+                    run()
+                    torch.cuda.synchronize()
+                    print(f"{shape} causal={causal} {name(bq)}: ran twice", flush=True)
+        return
     print("accuracy against float64 (K outliers), cos / relL2:")
     for hk, causal in () if a.skip_check else ((4, False), (4, True), (1, True)):
         x = inputs(2, 4, hk, 1000, 64, causal, outliers=True, seed=hk + causal)
@@ -93,7 +111,7 @@ def main():
           "of dq/dk/dv against them)")
     for shape in a.shapes:
         b, h, hk, n, d = SHAPES[shape]
-        for causal in (False, True):
+        for causal in causals:
             x = inputs(b, h, hk, n, d, causal)
             cells, base, base_grads = [], None, None
             for bq in variants:

@@ -300,8 +300,9 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     gluon = q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
                                                                       lay_k.max_len, backward=True,
                                                                       softcap=bool(softcap), head_dim_v=v4.shape[3])
-    one_launch = gluon and dispatch.gluon_one_launch_backward(deterministic, q4.shape[3], v4.shape[3], bool(softcap),
-                                                              tuple(window) != (-1, -1), lay_k.max_len)
+    one_launch = gluon and backward_rule(q.device, q4.shape[3], v4.shape[3], masked=tuple(window) != (-1, -1),
+                                         softcap=softcap, q_smoothing=q_smoothing, max_len_k=lay_k.max_len,
+                                         varlen=varlen, deterministic=deterministic).one_launch
     # the one launch's dQ accumulates in fp32 (B*H*N*D*4 bytes): its bf16 dQ is made only once the launch's
     # inputs are freed, which keeps the op's peak memory below flash attention's (docs/speed_notes.md, session 28)
     dq = None if one_launch else _poisoned(_new_like(q, varlen))[0]

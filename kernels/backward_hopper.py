@@ -507,8 +507,7 @@ def _dq_product(ds, mine, half0, half1, kb0, kb1, dq_zero):
     mine.store(ds.to(kb0.dtype))
     fence_async_shared()
     _named_barrier(False, DQ_BARRIER, 256, 4)
-    tok = warpgroup_mma(half0.permute((1, 0)), kb0, dq_zero, use_acc=False, is_async=True)
-    return warpgroup_mma(half1.permute((1, 0)), kb1, tok, is_async=True)
+    return _dq_issue(half0, half1, kb0, kb1, dq_zero)
 
 
 @gluon.jit
@@ -1049,7 +1048,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     (fp32, ``[B, H, N, D]`` contiguous, zeroed) by reduce-adds (_reduce_dq; dS K in the input dtype: _k_operand);
     ``dq_schedule``: how its consumers meet for dQ, DQ_LOCKSTEP (1) or DQ_LAGGED (2: 1.01-1.07x faster than
     lockstep at D=64, 1K-8K keys, H100, session 28); None: DQ_SCHEDULE. (dV's product issued async under dS^T's
-    math as well measured 0.90-0.99x lagged's time, session 28: not kept.)"""
+    math as well ran at 0.90-0.99x the lagged schedule's speed, session 28: not kept.)"""
     head_dim_v = v4.shape[3]
     assert part in ("dv", "dk", "dkdv", "dkdvq") and (head_dim, head_dim_v) in HEAD_DIMS
     do_dv, do_dk, do_dq = part in ("dv", "dkdv", "dkdvq"), part in ("dk", "dkdv", "dkdvq"), part == "dkdvq"
@@ -1190,10 +1189,8 @@ def _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing):
         assert k_mean.shape == (hk, b, d), k_mean.shape
         mean = k_mean.permute(1, 0, 2).reshape(b, hk, 1, 1, d)
     else:   # one [1, H, T, D] batch: each token's sequence
-        cu = packing[0].cu_seqlens
-        assert k_mean.shape == (hk, cu.numel() - 1, d), k_mean.shape
-        seq = torch.searchsorted(cu[1:].contiguous(), torch.arange(n, device=cu.device, dtype=cu.dtype), right=True)
-        mean = k_mean[:, seq].reshape(1, hk, 1, n, d)
+        assert k_mean.shape == (hk, packing[0].num_seqs, d), k_mean.shape
+        mean = k_mean[:, packing[0].seq_ids(n, dq_acc.device)].reshape(1, hk, 1, n, d)
     dq_acc.view(b, hk, group, n, d).addcmul_(row_ds.reshape(b, hk, group, n, 1), mean, value=softmax_scale)
 
 

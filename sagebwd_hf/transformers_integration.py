@@ -44,8 +44,7 @@ _HALF = (torch.float16, torch.bfloat16)
 # What ran: counters and one-time warnings
 # ---------------------------------------------------------------------------------------------------
 
-# Plain Counters mutated from Python: under torch.compile, dynamo replays these updates on every call of
-# the compiled graph, so the counts stay per call there too.
+# Plain Counters, updated only through _count (below), so that torch.compile neither traces nor guards them.
 _kernel_calls = collections.Counter()    # path -> attention calls run by the SageBwd kernels
 _fallback_calls = collections.Counter()  # reason -> attention calls run by SDPA instead
 _warned = set()
@@ -73,8 +72,9 @@ def attention_stats() -> dict:
     the SageBwd kernels (``paths`` splits them: ``dense``, ``padding``, ``packed``, ``cu_seq_lens``; under
     torch.compile a batch with position_ids counts as ``dense_or_packed``, decided when it runs),
     ``fallback`` the calls that ran through SDPA, keyed by reason (see
-    ``FALLBACK_REASONS``), and ``kernels`` which kernels ran each pass, counted per op call, SageBwd's own
-    API included (``fwd_gluon``/``bwd_gluon``: the Hopper kernels, ``bwd_gluon_one_launch``: the Hopper backward
+    ``FALLBACK_REASONS``; under torch.compile both count each call site once per compilation, when dynamo traces
+    it, not per run of the compiled model), and ``kernels`` which kernels ran each pass, counted per op call
+    (under torch.compile too, but not in CUDA-graph replays), SageBwd's own API included (``fwd_gluon``/``bwd_gluon``: the Hopper kernels, ``bwd_gluon_one_launch``: the Hopper backward
     in one launch, the default at head dim 64 unless ``SAGEBWD_BACKWARD=deterministic``; ``fwd_triton``/
     ``bwd_triton``: the portable ones, ``*_naive``: the PyTorch path on CPU; ``kernels/dispatch.py`` says how the
     choice is made).
@@ -90,14 +90,45 @@ def reset_attention_stats() -> None:
 
 
 def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
+    if torch.compiler.is_compiling():
+        if _comptime is not None:
+            _comptime(_warn_traced)
+    elif key not in _warned:
         _warned.add(key)
         warnings.warn(message, stacklevel=3)
 
 
-# Dynamo cannot trace warnings.warn (a graph break); this lets it call _warn_once after the graph instead.
-if hasattr(torch._dynamo.config, "reorderable_logging_functions"):
-    torch._dynamo.config.reorderable_logging_functions.add(_warn_once)
+def _count(counter: str, key: str) -> None:
+    """One attention call: ``counter`` "kernel" (``key`` the path) or "fallback" (``key`` the reason). Under
+    torch.compile the call is counted when dynamo traces it, once per compilation, not per run."""
+    if torch.compiler.is_compiling():
+        if _comptime is not None:
+            _comptime(_count_traced)
+    else:
+        (_kernel_calls if counter == "kernel" else _fallback_calls)[key] += 1
+
+
+# What the two above do under torch.compile runs while dynamo traces them (torch._dynamo.comptime), not in the
+# graph. A ``counter[key] += 1`` traced into the graph reads the count, so dynamo guarded the graph on its value:
+# every call failed the guard and recompiled, and past dynamo's recompile limit (8) the model ran eager. (Dynamo's
+# reorderable logging functions, called after each run of the graph, are dropped from inlined frames, which every
+# attention call is.) Comptime functions take nothing from a closure: they read the caller's locals from ctx.
+def _count_traced(ctx) -> None:
+    counter, key = (ctx.get_local(name).as_python_constant() for name in ("counter", "key"))
+    (_kernel_calls if counter == "kernel" else _fallback_calls)[key] += 1
+
+
+def _warn_traced(ctx) -> None:
+    key, message = (ctx.get_local(name).as_python_constant() for name in ("key", "message"))
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=2)
+
+
+try:
+    from torch._dynamo.comptime import comptime as _comptime
+except ImportError:     # (a torch without it: nothing is counted or warned under torch.compile)
+    _comptime = None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -526,7 +557,7 @@ def _sdpa_fallback(reason, module, query, key, value, attention_mask, dropout, s
                    kwargs, segments=None, softcap=None, s_aux=None):
     """The call through SDPA, or, where it has a soft cap or sinks that SDPA does not compute, through
     _eager_with_extras (either way counted under ``reason`` in attention_stats()["fallback"])."""
-    _fallback_calls[reason] += 1
+    _count("fallback", reason)
     eager = bool(softcap) or s_aux is not None
     _warn_once("fallback:" + reason + (":eager" if eager else ""),
                f"sagebwd: {FALLBACK_REASONS[reason]}: this attention call runs through "
@@ -640,18 +671,18 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     compiling = torch.compiler.is_compiling()
 
     if chunks is not None:                                      # 0. chunked attention: chunks as sequences
-        _kernel_calls["chunked"] += 1
+        _count("kernel", "chunked")
         size = None if compiling else per_tensor(f"chunks:{batch}:{kv_len}", chunks, _whole_chunks)
         if size:   # whole chunks of one size: a padded batch of chunks, the plain causal call
             out = _chunked_dense(q, k, v, size, op)
         else:      # another pattern, or under torch.compile: the sequences of a packed batch
             out = segmented_attention(q, k, v, None, chunks, **op)
     elif mask is not None:                                      # 1. padding (precedes packing, as flash)
-        _kernel_calls["padding"] += 1
+        _count("kernel", "padding")
         out = segmented_attention(q, k, v, mask, None, **op)
     elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
                                                  "max_length_k")):   # 2. packed, lengths given
-        _kernel_calls["cu_seq_lens"] += 1
+        _count("kernel", "cu_seq_lens")
         out = _varlen(q, k, v, kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
                       int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), op)
     else:                                                       # 3. packed by position_ids, else dense
@@ -659,10 +690,10 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         # torch.compile that read would break the graph, so the op decides when it runs.
         ids = _sequence_ids(batch, q_len, kv_len, kwargs, check=not compiling)
         if ids is None:
-            _kernel_calls["dense"] += 1
+            _count("kernel", "dense")
             out = _dense(q, k, v, op)
         else:
-            _kernel_calls["dense_or_packed" if compiling else "packed"] += 1
+            _count("kernel", "dense_or_packed" if compiling else "packed")
             out = segmented_attention(q, k, v, None, ids, **op)
     return out.to(out_dtype), None
 

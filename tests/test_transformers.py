@@ -885,6 +885,36 @@ def test_compile_fullgraph(kind):
     torch.testing.assert_close(grads_c, grads_e, atol=1e-5, rtol=1e-4)
 
 
+def test_compiled_model_compiles_once_and_counts(monkeypatch):
+    """Calls of a compiled model reuse its one graph: attention_stats() and the one-time warnings stay out of it
+    (counted and warned while dynamo traces, once per compilation). A count updated inside the graph made dynamo
+    guard on its value, so every call recompiled, and past dynamo's recompile limit the model ran eager."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    inputs = batch()
+    monkeypatch.setattr(ti, "_warned", set())
+    for dropout in (0.0, 0.5):   # dropout in training: every call falls back to SDPA, with one warning
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = dropout
+        torch._dynamo.reset()
+        sagebwd_hf.reset_attention_stats()
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        with torch._dynamo.config.patch(error_on_recompile=True), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                compiled(**inputs, use_cache=False).loss.backward()
+        stats = sagebwd_hf.attention_stats()
+        fallback_warnings = [w for w in seen if "instead" in str(w.message)]
+        if dropout:
+            assert stats["sagebwd"] == 0 and stats["fallback"] == {"dropout": 2}
+            assert len(fallback_warnings) == 1 and "dropout" in str(fallback_warnings[0].message)
+        else:
+            assert stats["sagebwd"] == 2 and stats["fallback"] == {} and not fallback_warnings
+    sagebwd_hf.reset_attention_stats()
+    model(**inputs, use_cache=False)        # eager: every call counts
+    model(**inputs, use_cache=False)
+    assert sagebwd_hf.attention_stats()["fallback"] == {"dropout": 4}
+
+
 
 # ---------------------------------------------------------------------------------------------------
 # CUDA, bfloat16 (python -m pytest -m gpu). Bounds: 2-3x what the same models give in bfloat16 with the

@@ -10,6 +10,11 @@ key            default meaning
                        softmax; the paper finds it essential for stable training. Keep it on.
 ``q_smoothing`` False  subtract per-128-token query means, adding their scores back in fp32. Limited
                        benefit in pre-training (paper); costs an extra pass.
+``packed_position_ids`` True: position_ids that restart inside a row mark packed sequences (as Transformers
+                       reads them), which no token attends across. Finding them reads the ids on the host
+                       (under torch.compile inside the op, every call), so nothing can capture the call in a
+                       CUDA graph. False: position_ids are positions only (batches are not packed, or pass
+                       ``cu_seq_lens_q/k``), and a compiled model can run with ``mode="reduce-overhead"``.
 ============== ======= ===================================================================================
 
 Three levels, the most specific wins: **per layer > per model > global default**.
@@ -45,17 +50,20 @@ class SageBwdOptions:
 
     k_smoothing: bool = True
     q_smoothing: bool = False
+    packed_position_ids: bool = True
 
     def __post_init__(self):
         for f in fields(self):
             _check_value(f.name, getattr(self, f.name))
 
     def op_kwargs(self) -> Dict[str, Any]:
-        """Keyword arguments for ``sagebwd_attn_func`` / ``sagebwd_attn_varlen_func``."""
-        return asdict(self)
+        """Keyword arguments for ``sagebwd_attn_func`` / ``sagebwd_attn_varlen_func`` (the op's own options;
+        ``packed_position_ids`` is the attention backend's)."""
+        return {key: value for key, value in asdict(self).items() if key in OP_KEYS}
 
 
 OPTION_KEYS = tuple(f.name for f in fields(SageBwdOptions))
+OP_KEYS = ("k_smoothing", "q_smoothing")
 _ALLOWED = {name: (True, False) for name in OPTION_KEYS}   # every option so far is a switch
 
 
@@ -104,7 +112,7 @@ def get_global_options() -> SageBwdOptions:
 
 
 def reset_global_options() -> SageBwdOptions:
-    """Back to the built-in defaults (k_smoothing=True, q_smoothing=False)."""
+    """Back to the built-in defaults (k_smoothing=True, q_smoothing=False, packed_position_ids=True)."""
     global _global
     _global = SageBwdOptions()
     return _global

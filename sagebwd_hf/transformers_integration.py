@@ -485,10 +485,11 @@ def _sdpa(module, query, key, value, mask, dropout, scaling, kwargs):
                                   is_causal=False, **kwargs)[0]
 
 
-def _sequence_ids(batch, q_len, kv_len, kwargs, check):
-    """Per-token sequence ids ``[B, N]`` of a packed batch, from cu_seq_lens_q/k or restarting position_ids
-    (a new sequence wherever they do not step by one, as masking_utils.find_packed_sequence_indices), or
-    None. ``check`` reads the ids on the host and returns None when nothing restarts (eager only)."""
+def _sequence_ids(batch, q_len, kv_len, kwargs, check, position_ids=True):
+    """Per-token sequence ids ``[B, N]`` of a packed batch, from cu_seq_lens_q/k or (``position_ids``: the
+    packed_position_ids option) restarting position_ids (a new sequence wherever they do not step by one, as
+    masking_utils.find_packed_sequence_indices), or None. ``check`` reads the ids on the host and returns None
+    when nothing restarts (eager only)."""
     if q_len != kv_len or q_len < 2:
         return None
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
@@ -497,7 +498,7 @@ def _sequence_ids(batch, q_len, kv_len, kwargs, check):
             raise ValueError("sagebwd: cu_seq_lens_q/k must be equal and cover the flattened batch in self-attention")
         index = torch.arange(batch * q_len, device=cu_q.device)
         return torch.searchsorted(cu_q[1:].to(index.dtype), index, right=True).view(batch, q_len)
-    position_ids = kwargs.get("position_ids")
+    position_ids = kwargs.get("position_ids") if position_ids else None
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] != q_len:
         return None
 
@@ -569,7 +570,8 @@ def _sdpa_fallback(reason, module, query, key, value, attention_mask, dropout, s
         mask = attention_mask
     else:   # the same pattern the kernel path would have computed, packed sequences (or chunks) included
         if segments is None and attention_mask is None:
-            segments = _sequence_ids(batch, q_len, kv_len, kwargs, check=not torch.compiler.is_compiling())
+            segments = _sequence_ids(batch, q_len, kv_len, kwargs, check=not torch.compiler.is_compiling(),
+                                     position_ids=options_for(module).packed_position_ids)
         mask = _dense_mask(batch, q_len, kv_len, causal, window, attention_mask, segments, query.device)
     if eager:
         return _eager_with_extras(module, query, key, value, mask, dropout, scaling, softcap, s_aux,
@@ -663,7 +665,8 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     dtype = _compute_dtype(query, module)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     # plus this layer's k_smoothing / q_smoothing (sagebwd_hf.configure: global, per model, per layer)
-    op = dict(causal=causal, softmax_scale=scale, window_size=window, **options_for(module).op_kwargs(),
+    options = options_for(module)
+    op = dict(causal=causal, softmax_scale=scale, window_size=window, **options.op_kwargs(),
               softcap=float(softcap or 0.0), sinks=s_aux)
     # [B, N, H, D]: the layout of Transformers' projections and of the output it expects. Views: the dense
     # kernels read any strides, and the varlen paths copy only the tokens they gather.
@@ -688,7 +691,8 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     else:                                                       # 3. packed by position_ids, else dense
         # Eager reads the ids once per forward and runs a batch without restarts as one dense call; under
         # torch.compile that read would break the graph, so the op decides when it runs.
-        ids = _sequence_ids(batch, q_len, kv_len, kwargs, check=not compiling)
+        ids = _sequence_ids(batch, q_len, kv_len, kwargs, check=not compiling,
+                            position_ids=options.packed_position_ids)
         if ids is None:
             _count("kernel", "dense")
             out = _dense(q, k, v, op)

@@ -346,6 +346,35 @@ def test_packing_invariance(flash_kwargs):
     assert cos(packed_logits, sdpa_logits) >= COS_MIN and rel_l2(packed_logits, sdpa_logits) <= REL_L2_MAX
 
 
+def test_packed_position_ids_off_runs_the_dense_call():
+    """``packed_position_ids=False``: restarting position_ids are positions only (RoPE still reads them), so the
+    batch runs as one dense causal call, eager and compiled; explicit cu_seq_lens still split it. (What makes a
+    compiled model capturable in CUDA graphs: the packed path reads the ids on the host every call.)"""
+    model = tiny_model("llama", num_hidden_layers=1)
+    _, packed = _packed_inputs([9, 14, 5], flash_kwargs=False)
+    sagebwd_hf.configure(model, packed_position_ids=False)
+    assert sagebwd_hf.get_options(model).op_kwargs() == {"k_smoothing": True, "q_smoothing": False}
+    sagebwd_hf.reset_attention_stats()
+    logits = logits_of(model, "sagebwd", packed)
+    assert sagebwd_hf.attention_stats()["paths"] == {"dense": 1}
+    sagebwd_hf.configure(model, packed_position_ids=None)     # the default again: packed
+    sagebwd_hf.reset_attention_stats()
+    split = logits_of(model, "sagebwd", packed)
+    assert sagebwd_hf.attention_stats()["paths"] == {"packed": 1}
+    assert rel_l2(logits, split) > 0.01     # the later sequences now see the earlier ones
+    sagebwd_hf.configure(model, packed_position_ids=False)
+    sagebwd_hf.reset_attention_stats()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    compiled_logits = compiled(**packed, use_cache=False).logits.detach().float()
+    assert sagebwd_hf.attention_stats()["paths"] == {"dense": 1}
+    torch.testing.assert_close(compiled_logits, logits, atol=1e-5, rtol=1e-5)
+    with_cu = _packed_inputs([9, 14, 5], flash_kwargs=True)[1]
+    sagebwd_hf.reset_attention_stats()
+    logits_of(model, "sagebwd", with_cu)
+    assert sagebwd_hf.attention_stats()["paths"] == {"cu_seq_lens": 1}
+
+
 def test_packed_sliding_window_matches_sdpa():
     """Packing and a sliding window together: the window restarts with every sequence."""
     model = tiny_model("mistral")

@@ -74,10 +74,10 @@ def attention_stats() -> dict:
     ``fallback`` the calls that ran through SDPA, keyed by reason (see
     ``FALLBACK_REASONS``; under torch.compile both count each call site once per compilation, when dynamo traces
     it, not per run of the compiled model), and ``kernels`` which kernels ran each pass, counted per op call
-    (under torch.compile too, but not in CUDA-graph replays), SageBwd's own API included (``fwd_gluon``/``bwd_gluon``: the Hopper kernels, ``bwd_gluon_one_launch``: the Hopper backward
-    in one launch, the default at head dim 64 unless ``SAGEBWD_BACKWARD=deterministic``; ``fwd_triton``/
-    ``bwd_triton``: the portable ones, ``*_naive``: the PyTorch path on CPU; ``kernels/dispatch.py`` says how the
-    choice is made).
+    (under torch.compile too, but not in CUDA-graph replays), SageBwd's own API included (``fwd_gluon``/
+    ``bwd_gluon``: the Hopper kernels, ``bwd_gluon_one_launch``: the Hopper backward in one launch, the default
+    at head dim 64 unless ``SAGEBWD_BACKWARD=deterministic``; ``fwd_triton``/``bwd_triton``: the portable ones,
+    ``*_naive``: the PyTorch path on CPU; ``kernels/dispatch.py`` says how the choice is made).
     """
     return {"sagebwd": sum(_kernel_calls.values()), "paths": dict(_kernel_calls),
             "fallback": dict(_fallback_calls), "kernels": dispatch.kernel_counts()}
@@ -119,7 +119,10 @@ def _count_traced(ctx) -> None:
 
 
 def _warn_traced(ctx) -> None:
-    key, message = (ctx.get_local(name).as_python_constant() for name in ("key", "message"))
+    try:
+        key, message = (ctx.get_local(name).as_python_constant() for name in ("key", "message"))
+    except NotImplementedError:     # a message built from traced values: no warning, rather than no graph
+        return
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, stacklevel=2)

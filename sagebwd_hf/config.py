@@ -13,8 +13,9 @@ key            default meaning
 ``packed_position_ids`` True: position_ids that restart inside a row mark packed sequences (as Transformers
                        reads them), which no token attends across. Finding them reads the ids on the host
                        (under torch.compile inside the op, every call), so nothing can capture the call in a
-                       CUDA graph. False: position_ids are positions only (batches are not packed, or pass
-                       ``cu_seq_lens_q/k``), and a compiled model can run with ``mode="reduce-overhead"``.
+                       CUDA graph. False: position_ids are positions only (``cu_seq_lens_q/k`` still split a
+                       batch), and a compiled model without a padding mask (which the segmented op also reads
+                       on the host) can run with ``mode="reduce-overhead"``.
 ============== ======= ===================================================================================
 
 Three levels, the most specific wins: **per layer > per model > global default**.

@@ -15,7 +15,8 @@ key            default meaning
                        (under torch.compile inside the op, every call), so nothing can capture the call in a
                        CUDA graph. False: position_ids are positions only (``cu_seq_lens_q/k`` still split a
                        batch), and a compiled model without a padding mask (which the segmented op also reads
-                       on the host) can run with ``mode="reduce-overhead"``.
+                       on the host) can run with ``mode="reduce-overhead"``. It governs only what the backend
+                       reads from position_ids: a mask Transformers builds with the packing in it still splits.
 ============== ======= ===================================================================================
 
 Three levels, the most specific wins: **per layer > per model > global default**.
@@ -25,7 +26,7 @@ Three levels, the most specific wins: **per layer > per model > global default**
 >>> sagebwd_hf.configure(model, k_smoothing=True)              # this model (saved in config.json)
 >>> sagebwd_hf.configure(model, layers=[0, 1], q_smoothing=False)  # layers 0 and 1 of this model
 >>> sagebwd_hf.get_options(model, layer=0)
-SageBwdOptions(k_smoothing=True, q_smoothing=False)
+SageBwdOptions(k_smoothing=True, q_smoothing=False, packed_position_ids=True)
 
 Model and layer settings live in ``model.config.sagebwd``, a plain JSON dict such as
 ``{"k_smoothing": true, "layers": {"0": {"q_smoothing": false}}}`` (layer indices as strings, JSON's only

@@ -72,8 +72,9 @@ def attention_stats() -> dict:
     the SageBwd kernels (``paths`` splits them: ``dense``, ``padding``, ``packed``, ``cu_seq_lens``; under
     torch.compile a batch with position_ids counts as ``dense_or_packed``, decided when it runs),
     ``fallback`` the calls that ran through SDPA, keyed by reason (see
-    ``FALLBACK_REASONS``; under torch.compile both count each call site once per compilation, when dynamo traces
-    it, not per run of the compiled model), and ``kernels`` which kernels ran each pass, counted per op call
+    ``FALLBACK_REASONS``; under torch.compile both count each call site when dynamo traces it, not per run of the
+    compiled model: once per compilation, again where a graph break makes dynamo trace a frame twice; the one-time
+    warnings come then too, from dynamo's stack), and ``kernels`` which kernels ran each pass, counted per op call
     (under torch.compile too, but not in CUDA-graph replays), SageBwd's own API included (``fwd_gluon``/
     ``bwd_gluon``: the Hopper kernels, ``bwd_gluon_one_launch``: the Hopper backward in one launch, the default
     at head dim 64 unless ``SAGEBWD_BACKWARD=deterministic``; ``fwd_triton``/``bwd_triton``: the portable ones,
@@ -114,7 +115,10 @@ def _count(counter: str, key: str) -> None:
 # reorderable logging functions, called after each run of the graph, are dropped from inlined frames, which every
 # attention call is.) Comptime functions take nothing from a closure: they read the caller's locals from ctx.
 def _count_traced(ctx) -> None:
-    counter, key = (ctx.get_local(name).as_python_constant() for name in ("counter", "key"))
+    try:
+        counter, key = (ctx.get_local(name).as_python_constant() for name in ("counter", "key"))
+    except NotImplementedError:     # a key computed from traced values: not counted, rather than no graph
+        return
     (_kernel_calls if counter == "kernel" else _fallback_calls)[key] += 1
 
 

@@ -62,7 +62,10 @@ def test_forward_and_backward_replay_from_a_cuda_graph(head_dim, deterministic):
     """A forward + backward captured in a CUDA graph (no host sync inside the op; its buffers come from PyTorch's
     allocator) replays on new inputs to what the eager call gives them: what torch.compile's
     mode="reduce-overhead" needs to take the host's launch cost out of short calls."""
+    from sagebwd_hf.interface import backward_rule
     from sagebwd_hf.testing import assert_equal_but_summation_order
+    one_launch = backward_rule(torch.device("cuda"), head_dim, head_dim, masked=True, max_len_k=700,
+                               deterministic=deterministic).one_launch
     q, k, v, do = make_qkv(2, 4, 2, 700, 700, head_dim, torch.bfloat16, "cuda", seed=0)
     fresh = make_qkv(2, 4, 2, 700, 700, head_dim, torch.bfloat16, "cuda", seed=1)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -92,7 +95,7 @@ def test_forward_and_backward_replay_from_a_cuda_graph(head_dim, deterministic):
     want = run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, causal=True, deterministic=deterministic),
                           *fresh)
     for name, got in zip(("O", "dQ", "dK", "dV"), [static_out] + [x.grad for x in leaves]):
-        if name == "dQ" and deterministic is None and head_dim == 64:
+        if name == "dQ" and one_launch:      # its reduce-adds land in any order
             assert_equal_but_summation_order(got, want[name], name)
         else:
             assert torch.equal(got, want[name]), name

@@ -44,6 +44,11 @@ def resolved(model):
 def test_defaults():
     assert SageBwdOptions() == SageBwdOptions(k_smoothing=True, q_smoothing=False)
     assert SageBwdOptions().op_kwargs() == {"k_smoothing": True, "q_smoothing": False}
+    # every option the op takes goes to it; the rest are the attention backend's
+    import inspect
+    from sagebwd_hf import sagebwd_attn_func
+    from sagebwd_hf.config import OP_KEYS, OPTION_KEYS
+    assert set(OP_KEYS) == set(OPTION_KEYS) & set(inspect.signature(sagebwd_attn_func).parameters)
     model = tiny_model()
     assert resolved(model) == [(True, False)] * 3
     assert get_options(model) == get_options(model, layer=2) == SageBwdOptions()

@@ -184,3 +184,12 @@ def test_summation_order_check_passes_reorderings_only():
         poisoned[0] = float("nan")
         with pytest.raises(AssertionError):
             assert_equal_but_summation_order(poisoned, reverse, "nan")
+    edge = torch.tensor([1.0, -2.0, 0.5], dtype=torch.bfloat16)    # two steps down from a power of two
+    below = edge.clone()
+    below.view(torch.int16)[:] -= 2
+    with pytest.raises(AssertionError):
+        assert_equal_but_summation_order(below, edge, "two steps at an edge")
+    forward32, reverse32 = terms.sum(0), terms.flip(0).sum(0)
+    assert_equal_but_summation_order(forward32, reverse32, "fp32 reordered")
+    with pytest.raises(AssertionError):
+        assert_equal_but_summation_order(forward32 * (1 + 1e-3), reverse32, "fp32 off by 1e-3")

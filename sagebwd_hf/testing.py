@@ -72,8 +72,9 @@ def assert_equal_but_summation_order(got: torch.Tensor, want: torch.Tensor, mess
     assert torch.isfinite(got).all(), f"{message}: non-finite values"
     g, w = got.detach(), want.detach()
     if g.element_size() == 2:    # fp16 / bf16: sign-magnitude codes -> integers in the values' order
-        order = lambda x: torch.where(x.view(torch.int16) < 0, -(x.view(torch.int16).int() & 0x7FFF),  # noqa: E731
-                                      x.view(torch.int16).int())
+        def order(x):
+            bits = x.view(torch.int16).int()
+            return torch.where(bits < 0, -(bits & 0x7FFF), bits)
         steps = (order(g) - order(w)).abs()
     else:       # fp32 (the sums themselves, unrounded): a few units of fp32 apart
         steps = 2 * ((g.double() - w.double()).abs() > 1e-5 * w.double().abs()).int()

@@ -94,9 +94,8 @@ def _warn_once(key: str, message: str) -> None:
     if torch.compiler.is_compiling():
         if _comptime is not None:
             _comptime(_warn_traced)
-    elif key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, stacklevel=3)
+    else:
+        _warn_first(key, message, stacklevel=4)
 
 
 def _count(counter: str, key: str) -> None:
@@ -106,7 +105,17 @@ def _count(counter: str, key: str) -> None:
         if _comptime is not None:
             _comptime(_count_traced)
     else:
-        (_kernel_calls if counter == "kernel" else _fallback_calls)[key] += 1
+        _bump(counter, key)
+
+
+def _bump(counter: str, key: str) -> None:
+    (_kernel_calls if counter == "kernel" else _fallback_calls)[key] += 1
+
+
+def _warn_first(key: str, message: str, stacklevel: int) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=stacklevel)
 
 
 # What the two above do under torch.compile runs while dynamo traces them (torch._dynamo.comptime), not in the
@@ -114,22 +123,25 @@ def _count(counter: str, key: str) -> None:
 # every call failed the guard and recompiled, and past dynamo's recompile limit (8) the model ran eager. (Dynamo's
 # reorderable logging functions, called after each run of the graph, are dropped from inlined frames, which every
 # attention call is.) Comptime functions take nothing from a closure: they read the caller's locals from ctx.
-def _count_traced(ctx) -> None:
+def _caller_constants(ctx, *names):
+    """The caller's locals ``names`` as Python values, or None where one is computed from traced values (then
+    nothing is counted or warned, rather than the compilation failing)."""
     try:
-        counter, key = (ctx.get_local(name).as_python_constant() for name in ("counter", "key"))
-    except NotImplementedError:     # a key computed from traced values: not counted, rather than no graph
-        return
-    (_kernel_calls if counter == "kernel" else _fallback_calls)[key] += 1
+        return [ctx.get_local(name).as_python_constant() for name in names]
+    except NotImplementedError:
+        return None
+
+
+def _count_traced(ctx) -> None:
+    args = _caller_constants(ctx, "counter", "key")
+    if args is not None:
+        _bump(*args)
 
 
 def _warn_traced(ctx) -> None:
-    try:
-        key, message = (ctx.get_local(name).as_python_constant() for name in ("key", "message"))
-    except NotImplementedError:     # a message built from traced values: no warning, rather than no graph
-        return
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, stacklevel=2)
+    args = _caller_constants(ctx, "key", "message")
+    if args is not None:
+        _warn_first(*args, stacklevel=3)
 
 
 try:

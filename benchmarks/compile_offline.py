@@ -97,6 +97,8 @@ def make_inputs(mod, a):
     window = (-1, 0) if a.causal else (-1, -1)
     kw = json.loads(a.kw)
     if a.kernel == "fwd":
+        if a.softcap:   # a capped call: the cap and the row shift (lse's layout) as interface passes them
+            kw.update(softcap=a.softcap, shift=torch.empty(b, h, n))
         if a.packed:
             kw["v_starts"] = starts
             layout = lay_packed
@@ -194,7 +196,7 @@ def main():
     p.add_argument("--kernel-file", default=None)
     p.add_argument("--packed", action="store_true", help="a packed batch (--batch sequences of --seqlen tokens)")
     p.add_argument("--kw", default="{}", help="JSON dict of extra forward_hopper_args keywords")
-    p.add_argument("--softcap", type=float, default=0.0, help="a backward launch of a capped call (e.g. 50)")
+    p.add_argument("--softcap", type=float, default=0.0, help="a capped call (e.g. 50)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 

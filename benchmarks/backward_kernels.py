@@ -2,12 +2,12 @@
 ones in kernels/backward_hopper.py, one at a time (dv, dk, dq) and all of them ("bwd": as the op runs them).
 Needs an sm_90 GPU.
 
-TFLOP/s-equivalent per launch: dV counts 2 products (S^T, dV), dK 3 (S^T, dP^T, dK), "dkdv" (both in one
-program, against the portable dV and dK launches) 4, dQ 3 (S, dP, dQ), the whole backward 5 (the usual count), each 2*B*H*N^2*D, halved when causal. Median of CUDA-event timings; each Gluon result is checked against the portable one
+TFLOP/s-equivalent per launch: dV counts 2 products (S^T, dV), dK 3 (S^T, dP^T, dK), dQ 3 (S, dP, dQ), the
+whole backward 5 (the usual count), each 2*B*H*N^2*D, halved when causal. Median of CUDA-event timings; each Gluon result is checked against the portable one
 (relative L2) before it is timed.
 
-    python benchmarks/backward_kernels.py [--seqlens 4096 16384] [--head-dims 128 64] [--parts dv dk dkdv dq bwd]
-        [--variant block_q=64 --variant split_dkdv=0,block_q=64 --variant programs=0 --variant operand_order=1]
+    python benchmarks/backward_kernels.py [--seqlens 4096 16384] [--head-dims 128 64] [--parts dv dk dq bwd]
+        [--variant block_q=64 --variant programs=0 --variant operand_order=1]
 
 The Gluon launches run the op's schedule (one persistent program per SM); ``--variant programs=0`` times one
 program a work item.
@@ -32,7 +32,7 @@ from forward_kernels import add_shape_arguments, median_ms, print_versions
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_arguments(p, seqlens=[4096, 16384])
-    p.add_argument("--parts", nargs="+", default=["dv", "dk", "dkdv", "dq", "bwd"])
+    p.add_argument("--parts", nargs="+", default=["dv", "dk", "dq", "bwd"])
     p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help="also time the Gluon launches with these tuning arguments (e.g. pingpong=1), printed as "
                         "speed-ups over the default")
@@ -61,14 +61,14 @@ def main():
                 grads = {"dq": torch.empty_like(q), "dk": torch.empty_like(k), "dv": torch.empty_like(v)}
                 shape = f"d{d}_n{n // 1024}k_{'causal' if causal else 'full'}"
                 # "bwd": all launches as the op runs them (portable: its configured split), 5 products
-                for part, products in (("dv", 2), ("dk", 3), ("dkdv", 4), ("dq", 3), ("bwd", 5)):
+                for part, products in (("dv", 2), ("dk", 3), ("dq", 3), ("bwd", 5)):
                     if part not in args.parts:
                         continue
                     flops = 2.0 * products * b * h * n * n * d * (0.5 if causal else 1.0)
                     port = lambda: launch_backward(  # noqa: E731
                         quant, quant["q8t"], quant["q_scale_raw"], quant["k8t"], v, do, do_q["x8t"], do_q["scale"],
                         lse, do_q["delta"], grads["dq"], grads["dk"], grads["dv"], lay, lay, h, h, d, window, scale,
-                        cfg["dkdv"], cfg["dq"], kernels={"bwd": ("dkdv", "dq"), "dkdv": ("dv", "dk")}.get(part, (part,)),
+                        cfg["dkdv"], cfg["dq"], kernels={"bwd": ("dkdv", "dq")}.get(part, (part,)),
                         split_dkdv=cfg["split_dkdv"] if part == "bwd" else True)
                     port_ms = median_ms(port)
                     got = {name: torch.full_like(t, float("nan")) for name, t in grads.items()}
@@ -77,8 +77,6 @@ def main():
                         tuning.setdefault("programs", dispatch.gluon_programs(q.device, backward=True))
                         tuning["operand_order"] = order = bool(tuning.get("operand_order", 0))
                         qx, do8t = (quant_ordered, do8t_ordered) if order else (quant, do_q["x8t"])
-                        if part != "bwd":
-                            tuning.pop("split_dkdv", None)      # a whole-backward option
                         if part == "bwd":
                             return lambda: launch_backward_hopper(
                                 qx, v, do, do8t, do_q["scale"], lse, do_q["delta"], got["dq"], got["dk"],
@@ -94,7 +92,7 @@ def main():
                             h, 1, d, window, scale, **tuning)
                     run = gluon()
                     run()
-                    checked = {"bwd": ("dq", "dk", "dv"), "dkdv": ("dk", "dv")}.get(part, (part,))
+                    checked = {"bwd": ("dq", "dk", "dv")}.get(part, (part,))
                     rel = max(error_stats(got[name], grads[name])[1] for name in checked)
                     ms = median_ms(run)
                     extra = ""

@@ -190,9 +190,9 @@ def main():
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--seqlen", type=int, default=4096)
-    p.add_argument("--kernel", choices=["fwd", "dv", "dk", "dkdv", "dkdvq", "dq"], default="fwd",
-                   help="the forward, or one backward launch (backward_hopper; dkdv: dK and dV in one program, "
-                        "dkdvq: and dQ by reduce-adds)")
+    p.add_argument("--kernel", choices=["fwd", "dv", "dk", "dkdvq", "dq"], default="fwd",
+                   help="the forward, or one backward launch (backward_hopper; dkdvq: the one launch, dV, dK and "
+                        "dQ by reduce-adds)")
     p.add_argument("--kernel-file", default=None)
     p.add_argument("--packed", action="store_true", help="a packed batch (--batch sequences of --seqlen tokens)")
     p.add_argument("--kw", default="{}", help="JSON dict of extra forward_hopper_args keywords")

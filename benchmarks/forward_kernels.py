@@ -85,8 +85,6 @@ def main():
     from sagebwd_hf.kernels import forward_hopper as fh
 
     variants = {"gluon": {}, "gluon_pingpong": dict(pingpong=True), "gluon_no_pingpong": dict(pingpong=False),
-                # exp2 of 1/4 or 1/2 of the columns on the FMA units (FlashAttention 4's split)
-                "gluon_poly4": dict(exp_poly=4), "gluon_poly2": dict(exp_poly=2),
                 # three consumer warpgroups (192 query rows a program, 160 registers each)
                 "gluon_3c": dict(consumers=3),
                 # hardware named barriers for the turns and the buffer releases (no partition-wide bar.sync

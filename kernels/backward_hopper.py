@@ -95,32 +95,22 @@ BLOCK_M = gl.constexpr(128)   # queries per dQ program (two consumers); its key 
 STAGES = gl.constexpr(2)
 # per-query vectors the loader stages beside each query tile: one row each of vec_smem per stage
 VQS, VLSE, VDOS, VDELTA, VQSR, VSHIFT, NVEC = (gl.constexpr(i) for i in range(7))
-# the hardware barrier both consumers meet at once both stored their dS tile for dQ (Gluon's own take ids 0-4)
-DQ_BARRIER = gl.constexpr(8)
-# DQ_LAGGED's: consumer C announces its dS^T tile of parity p on 11 + 2C + p (9 and 10: _k_operand's)
+# Hardware barrier ids of the one launch (Gluon's own take ids 0-4): consumer C's K operand for dQ is stored
+# (_k_operand) on 9 + C; consumer C announces its dS^T tile of parity p on 11 + 2C + p (_dq_signal)
+K_OPERAND_BARRIER = gl.constexpr(9)
 DQ_SIGNALS = gl.constexpr(11)
-# How the one launch's consumers meet for dQ (``DO_DQ``; 0: no dQ): at every tile, before either quantizes its dS^T
-# (_dq_product), or each waiting for the other's dS^T only after its own dV product (_dq_signal)
-DQ_LOCKSTEP = gl.constexpr(1)
-DQ_LAGGED = gl.constexpr(2)
-
-
-# The one launch's default DO_DQ
-DQ_SCHEDULE = DQ_LAGGED.value
 
 # The one launch's query tile (``part="dkdvq"``): with 128 queries S^T and dP^T take 64 registers each and its
 # loop spilled ~1 KB at D=64 (sm_90, Triton 3.6); 64 is FlashAttention 3's tile there too
 FUSED_QUERY_TILE = dispatch.ONE_LAUNCH_QUERY_TILE
 
 
-def dkdv_query_tile(head_dim: int, fused: bool) -> int:
-    """Queries per tile of the key-tile kernel: P^T's and dS^T's per-key scales span this many queries, so it
-    is part of the numerics (interface.tile_configs gives the portable kernels and the reference the same).
-    At D=128, dK and dV in one program with 128-query tiles would need S^T, dP^T (64 registers each) beside
-    two 64-register accumulators: 64-query tiles halve the first two (FlashAttention 3's tile). At MLA's Q/K
-    head dim 192 dK's accumulator alone takes 96 registers: 64-query tiles for both launches (the portable
-    kernels' MLA tile too)."""
-    return 64 if (fused and head_dim > 64) or head_dim > 128 else 128
+def dkdv_query_tile(head_dim: int) -> int:
+    """Queries per tile of the dV and dK launches: P^T's and dS^T's per-key scales span this many queries, so it
+    is part of the numerics (interface.tile_configs gives the portable kernels and the reference the same). At
+    MLA's Q/K head dim 192 dK's accumulator alone takes 96 registers: 64-query tiles for both launches (the
+    portable kernels' MLA tile too)."""
+    return 64 if head_dim > 128 else 128
 
 
 def dq_key_tile(head_dim: int) -> int:
@@ -378,7 +368,7 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
     (``QK_SPLIT``: Q's channels past the first block into ``dk2_acc``). ``TILE_KS``: the item's keys share one K
     scale, which the loader folded into the per-query vectors with the add trick's offset (q_scale * k_scale and
     that times -1.5 * 2^23 less lse), so S^T's dequantization and P^T's exponent are one FMA a score.
-    ``DO_DQ``: also dQ += dS K in the input dtype (_dq_product), reduce-added to an fp32 accumulator
+    ``DO_DQ``: also dQ += dS K in the input dtype (_dq_signal, _dq_issue), reduce-added to an fp32 accumulator
     (_reduce_dq)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     offs_m = gl.arange(0, BLOCK_Q, layout=col_layout)
@@ -435,19 +425,11 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_tok, ))
             delta = vec_smem.index(NVEC * s + VDELTA).load(col_layout)
             xk = pt * (gl.convert_layout(dpt, s_layout) - delta[None, :])
-            if DO_DQ == DQ_LOCKSTEP:   # dS^T itself first (no FOLD, no cap here): dQ's operand, issued under the
-                if it % 2 == 0:        # rest of the tile (constant buffer indices: see _dq_product)
-                    dq_tok = _dq_product(xk, ds_smem.index(C), ds_smem.index(0), ds_smem.index(1),
-                                         kb_smem.index(C), kb_smem.index(2 + C), dq_zero)
-                else:
-                    dq_tok = _dq_product(xk, ds_smem.index(2 + C), ds_smem.index(2), ds_smem.index(3),
-                                         kb_smem.index(C), kb_smem.index(2 + C), dq_zero)
-            elif DO_DQ == DQ_LAGGED:   # stored and announced now, multiplied after dV's product (_dq_signal)
-                if it % 2 == 0:
+            if DO_DQ:   # dS^T itself (no FOLD, no cap here): stored and announced now, multiplied after dV's product
+                if it % 2 == 0:   # (constant buffer indices: see _dq_issue)
                     _dq_signal(xk, ds_smem.index(C), C, it)
                 else:
                     _dq_signal(xk, ds_smem.index(2 + C), C, it)
-            if DO_DQ:
                 xk = xk * vec_smem.index(NVEC * s + VQSR).load(col_layout)[None, :]
             else:
                 if not FOLD:   # (FOLD: Q's scale already sits in P^T's exponent)
@@ -457,7 +439,7 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
             ds8, ds_scale = _quantize_rows(xk, gl.max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
         if DO_DV:
             dv_acc = _accumulate_product(dv_acc, pv8, pv_scale, dot_smem.index(s))
-        if DO_DQ == DQ_LAGGED:   # the other consumer's dS^T of this tile is stored by now, or soon
+        if DO_DQ:   # the other consumer's dS^T of this tile is stored by now, or soon
             _named_barrier(False, DQ_SIGNALS + 2 * (1 - C) + it % 2, 256, 4)
             if it % 2 == 0:
                 dq_tok = _dq_issue(ds_smem.index(0), ds_smem.index(1), kb_smem.index(C), kb_smem.index(2 + C),
@@ -492,27 +474,12 @@ def _k_operand(k_smem, kb_smem, C: gl.constexpr):
         else:
             kb_smem.index(2 * h + C).store(upper)
     fence_async_shared()
-    _named_barrier(False, DQ_BARRIER + 1 + C, 128, 4)
-
-
-@gluon.jit
-def _dq_product(ds, mine, half0, half1, kb0, kb1, dq_zero):
-    """This warpgroup's dS^T tile (its 64 keys) into ``mine``; once both consumers stored theirs, its share of
-    the tile's dQ (its half of the channels, over the program's 128 keys) ``dS_0 K_0 + dS_1 K_1``, issued async
-    in the input dtype: a 16-bit A operand may be read transposed from shared memory (an 8-bit one may not, which
-    is what made dQ in INT8 inside this program cost 2,686 instructions a tile, session 11). Two buffers a
-    consumer by the tile's parity: a consumer stores the next tile's dS only past the next barrier, which the
-    other passes once its product from this tile was waited for. (Constant indices: a run-time index of a wgmma
-    A operand's shared memory read wrong rows on Triton 3.6, forward_hopper._loader.)"""
-    mine.store(ds.to(kb0.dtype))
-    fence_async_shared()
-    _named_barrier(False, DQ_BARRIER, 256, 4)
-    return _dq_issue(half0, half1, kb0, kb1, dq_zero)
+    _named_barrier(False, K_OPERAND_BARRIER + C, 128, 4)
 
 
 @gluon.jit
 def _dq_signal(ds, mine, C: gl.constexpr, it):
-    """DQ_LAGGED: this warpgroup's dS^T tile into ``mine``, announced to the other consumer by ``bar.arrive`` (no
+    """This warpgroup's dS^T tile into ``mine``, announced to the other consumer by ``bar.arrive`` (no
     wait): each waits (``bar.sync``) for the other's only once its own dV product ran, so the two drift apart by
     up to a tile instead of meeting at every tile, and one's softmax work runs under the other's products. Two
     hardware barriers a consumer, by the tile's parity: a consumer arrives at one again only two tiles on, past
@@ -525,7 +492,11 @@ def _dq_signal(ds, mine, C: gl.constexpr, it):
 
 @gluon.jit
 def _dq_issue(half0, half1, kb0, kb1, dq_zero):
-    """This consumer's share of the tile's dQ (as _dq_product's), issued async once both halves are stored."""
+    """This consumer's share of the tile's dQ (its half of the channels, over the program's 128 keys)
+    ``dS_0 K_0 + dS_1 K_1``, issued async in the input dtype once both consumers' dS^T halves are stored: a 16-bit
+    A operand may be read transposed from shared memory (an 8-bit one may not: dQ in INT8 inside this program
+    cost 2,686 instructions a tile). Buffers by constant index: a run-time index of a wgmma A operand's shared
+    memory read wrong rows on Triton 3.6."""
     tok = warpgroup_mma(half0.permute((1, 0)), kb0, dq_zero, use_acc=False, is_async=True)
     return warpgroup_mma(half1.permute((1, 0)), kb1, tok, is_async=True)
 
@@ -1035,7 +1006,7 @@ def _caller_desc(x4, block_shape, dtype):
 def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
                      window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None, block_q=None, softcap=0.0,
                      shift=None, programs=None, operand_order=False, packing=None, tile_ks=None, dq_acc=None,
-                     dq_buffers=3, dq_schedule=None):
+                     dq_buffers=3):
     """(grid, args, kwargs) of one launch, ``part`` "dv", "dk" or "dkdv" (both in one program): ``[B, H, N, D]``
     tensors as ``backward.launch_backward`` takes them (``quant`` from ``quantize_qk(..., transposed=True)``;
     ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None where not written. ``operand_order``:
@@ -1050,13 +1021,13 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     lockstep at D=64, 1K-8K keys, H100, session 28); None: DQ_SCHEDULE. (dV's product issued async under dS^T's
     math as well ran at 0.90-0.99x the lagged schedule's speed, session 28: not kept.)"""
     head_dim_v = v4.shape[3]
-    assert part in ("dv", "dk", "dkdv", "dkdvq") and (head_dim, head_dim_v) in HEAD_DIMS
-    do_dv, do_dk, do_dq = part in ("dv", "dkdv", "dkdvq"), part in ("dk", "dkdv", "dkdvq"), part == "dkdvq"
+    assert part in ("dv", "dk", "dkdvq") and (head_dim, head_dim_v) in HEAD_DIMS
+    do_dv, do_dk, do_dq = part in ("dv", "dkdvq"), part in ("dk", "dkdvq"), part == "dkdvq"
     if fold is None:    # dV alone 1.09-1.12x with it (H100, session 5); dK alone 1.00-1.03x (H200, session 21)
         fold = part in ("dv", "dk")
     assert not (fold and do_dv and do_dk), "FOLD scales P^T by one product's scale: the other needs it unscaled"
     assert not (do_dq and softcap), "a cap's K-smoothing row term needs dS's row sums, which the one launch lacks"
-    block_q = block_q or (FUSED_QUERY_TILE if do_dq else dkdv_query_tile(head_dim, do_dv and do_dk))
+    block_q = block_q or (FUSED_QUERY_TILE if do_dq else dkdv_query_tile(head_dim))
     can_tile_ks = head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == BLOCK_N.value
     tile_ks = can_tile_ks if tile_ks is None else bool(tile_ks)
     assert can_tile_ks or not tile_ks, "tile_ks needs one K scale a key tile"
@@ -1108,14 +1079,15 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
             QK_SPLIT=bool(d2), DO_DK=do_dk, DO_DV=do_dv,
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, SOFTCAP=bool(softcap),
             BLOCK_Q=block_q, DYNAMIC=dynamic, ORDER=operand_order, TILE_KS=tile_ks,
-            DO_DQ=(DQ_SCHEDULE if dq_schedule is None else dq_schedule) if do_dq else 0,
+            DO_DQ=do_dq,
             DQ_BUFFERS=dq_buffers, num_warps=4,
             ptx_options=ptx_options())
 
 
 def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
                        window, softmax_scale, **tuning):
-    """dV (``part="dv"``), dK (``"dk"``) or both (``"dkdv"``) into ``dv4`` / ``dk4`` ``[B, Hk, N, D]``."""
+    """dV (``part="dv"``), dK (``"dk"``) or, with dQ added to ``dq_acc``, all three (``"dkdvq"``) into ``dv4`` /
+    ``dk4`` ``[B, Hk, N, D]``."""
     grid, args, kwargs = dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads,
                                           group, head_dim, window, softmax_scale, **tuning)
     return launch(_attn_bwd_dkdv_hopper_kernel, grid, *args, **kwargs)
@@ -1195,10 +1167,10 @@ def _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing):
 
 
 def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4, dv4, num_heads, num_kv_heads,
-                           head_dim, window, softmax_scale, split_dkdv=True, softcap=0.0, shift=None, row_ds=None,
+                           head_dim, window, softmax_scale, softcap=0.0, shift=None, row_ds=None,
                            k_mean=None, packing=None, fused_dq=False, **tuning):
-    """backward.launch_backward's contract on the Gluon kernels, without Q-smoothing: dK and dV in one launch
-    (or two with ``split_dkdv``), then dQ; each deterministic (no atomics). ``softcap`` > 0: capped scores
+    """backward.launch_backward's contract on the Gluon kernels, without Q-smoothing: dV, dK and dQ as three
+    launches, each gradient written once (deterministic). ``softcap`` > 0: capped scores
     (``shift`` as the forward's); ``k_mean``, ``row_ds``: as there. ``packing``: None for a padded batch; for a
     packed one ``(layout_q, layout_k, q_starts, k_starts)``, the token-major copies (``do8t``, ``q8t``; ``k8t``)
     laid out with those starts (``quantize.aligned_starts``). ``fused_dq``: one launch instead (``part="dkdvq"``,
@@ -1224,13 +1196,9 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
             return dq_acc
         dq4.copy_(dq_acc)
         return None
-    if split_dkdv:
-        launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, None, *common,
-                           packing=key_tiles_packing, **tuning)
-        launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, None, dk4, *common,
-                           packing=key_tiles_packing, **tuning)
-    else:
-        launch_dkdv_hopper("dkdv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common,
-                           packing=key_tiles_packing, **tuning)
+    launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, None, *common,
+                       packing=key_tiles_packing, **tuning)
+    launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, None, dk4, *common,
+                       packing=key_tiles_packing, **tuning)
     launch_dq_hopper(quant, lse, do4, delta, v4, dq4, *common, row_ds=row_ds, k_mean=k_mean, packing=dq_packing,
                      **{key: value for key, value in tuning.items() if key not in ("fold", "block_q", "tile_ks")})

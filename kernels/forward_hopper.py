@@ -116,49 +116,6 @@ def _tanh_scores(y):
 
 
 @gluon.jit
-def _split_columns(x):
-    """[R, C] -> its lower and upper halves of columns. In a wgmma accumulator layout column bit C/2 is a
-    register of the same thread (for C >= 16), so the reshape, permute and split only relabel registers."""
-    return gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), (0, 2, 1)))
-
-
-@gluon.jit
-def _join_columns(lower, upper):
-    """_split_columns undone (the halves may carry different, equivalent, layout types)."""
-    upper = gl.convert_layout(upper, lower.type.layout, assert_trivial=True)
-    return gl.reshape(gl.permute(gl.join(lower, upper), (0, 2, 1)), [lower.shape[0], 2 * lower.shape[1]])
-
-
-@gluon.jit
-def _exp2_fma(x):
-    """2^x on the FMA units (FlashAttention 4's split of exp2 between MUFU and a polynomial): x rounded to r by
-    the add trick, 2^(x - r) by a degree-3 polynomial on [-0.5, 0.5] (relative error 7.5e-5, against P's
-    int8 step of 1/127), r added to the exponent bits. Clamped at -125 (masked scores' -inf included), where
-    2^x is 2.4e-38: P rounds it to 0 and a fully masked row's scale is 0."""
-    x = gl.maximum(x, -125.0)
-    j = x + 12582912.0
-    f = x - (j - 12582912.0)
-    p = gl.fma(gl.fma(gl.fma(f, 0.055171433836221695, 0.24261081218719482), f, 0.6932609677314758), f,
-               0.9999281167984009)
-    return (p.to(gl.int32, bitcast=True) + (j.to(gl.int32, bitcast=True) << 23)).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _exp2_tile(x, POLY: gl.constexpr, layout: gl.constexpr):
-    """exp2 of a [64, 128] score tile with 1/POLY of its columns (POLY 2 or 4; 0: none) on the FMA units
-    (_exp2_fma) and the rest on MUFU, whose pipe takes 8 cycles a warp instruction (FlashAttention 4's trick)."""
-    if POLY == 0:
-        return gl.exp2(x)
-    a, b = _split_columns(x)
-    if POLY == 2:
-        e = _join_columns(gl.exp2(a), _exp2_fma(b))
-    else:
-        b1, b2 = _split_columns(b)
-        e = _join_columns(gl.exp2(a), _join_columns(gl.exp2(b1), _exp2_fma(b2)))
-    return gl.convert_layout(e, layout, assert_trivial=True)
-
-
-@gluon.jit
 def _operand_order(p):
     """A [64, 128] wgmma accumulator tile relabelled so that each thread's registers are, unchanged, the 8-bit
     A operand (k_width 4) of a product over its columns. In a 16-column group a thread holds accumulator
@@ -385,7 +342,7 @@ def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q
 def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty, turn_me, turn_other, KS, ks_off,
              rows, q_scale, cap_a, cap_b, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
              MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-             PINGPONG: gl.constexpr, FIRST: gl.constexpr, EXP_POLY: gl.constexpr, V_ORDER: gl.constexpr,
+             PINGPONG: gl.constexpr, FIRST: gl.constexpr, V_ORDER: gl.constexpr,
              SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr, NAMED_BARRIERS: gl.constexpr, CONSUMERS: gl.constexpr,
              IS_VARLEN: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key tiles ``[lo, hi)`` for one warpgroup's 64 rows, each S = Q K^T waited for before its softmax.
@@ -454,7 +411,7 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_ref)
         e_ref = gl.where(tile_max == float("-inf"), 0.0, tile_max - LOG2_127)
-        e = _exp2_tile(gl.fma(t, row_mul[:, None], (row_add - e_ref)[:, None]), EXP_POLY, s_layout)
+        e = gl.exp2(gl.fma(t, row_mul[:, None], (row_add - e_ref)[:, None]))
         p_scale = gl.exp2(tile_max - m_ref) * (1.0 / 127.0)
         p8 = _as_operand(_round_to_int8(e), V_ORDER, p_layout)
         pv_tok = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
@@ -481,7 +438,7 @@ def _consumer(q_smem, q2_smem, C: gl.constexpr, k_smem, k2_smem, v_smem, q_ready
               s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
               n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
               IS_VARLEN: gl.constexpr, HEAD_DIM_V: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-              PINGPONG: gl.constexpr, FIRST: gl.constexpr, SINK_MODE: gl.constexpr, EXP_POLY: gl.constexpr,
+              PINGPONG: gl.constexpr, FIRST: gl.constexpr, SINK_MODE: gl.constexpr,
               V_ORDER: gl.constexpr, SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr, NAMED_BARRIERS: gl.constexpr,
               CONSUMERS: gl.constexpr):
     """One warpgroup: rows ``[C * 64, C * 64 + 64)`` of each of the program's work items against all their key
@@ -529,17 +486,17 @@ def _consumer(q_smem, q2_smem, C: gl.constexpr, k_smem, k2_smem, v_smem, q_ready
         acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
                                          turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, lo,
                                          full_lo, seqlen_q, seqlen_k, window_left, window_right, True,
-                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, EXP_POLY, V_ORDER, SOFTCAP,
+                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, V_ORDER, SOFTCAP,
                                          QK_SPLIT, NAMED_BARRIERS, CONSUMERS, IS_VARLEN, s_layout, o_layout, p_layout)
         acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
                                          turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_lo,
                                          full_hi, seqlen_q, seqlen_k, window_left, window_right, False,
-                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, EXP_POLY, V_ORDER, SOFTCAP,
+                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, V_ORDER, SOFTCAP,
                                          QK_SPLIT, NAMED_BARRIERS, CONSUMERS, IS_VARLEN, s_layout, o_layout, p_layout)
         acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
                                          turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_hi,
                                          hi, seqlen_q, seqlen_k, window_left, window_right, True,
-                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, EXP_POLY, V_ORDER, SOFTCAP,
+                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, V_ORDER, SOFTCAP,
                                          QK_SPLIT, NAMED_BARRIERS, CONSUMERS, IS_VARLEN, s_layout, o_layout, p_layout)
         mbarrier.arrive(q_empty, count=1)     # every S of the item was waited for: the next Q may land
 
@@ -576,7 +533,7 @@ def _attn_fwd_hopper_kernel(
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softcap2, num_items, num_m,
     IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     QK_SPLIT: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-    PINGPONG: gl.constexpr, SINK_MODE: gl.constexpr, EXP_POLY: gl.constexpr, V_ORDER: gl.constexpr,
+    PINGPONG: gl.constexpr, SINK_MODE: gl.constexpr, V_ORDER: gl.constexpr,
     SOFTCAP: gl.constexpr, NAMED_BARRIERS: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
     # each consumer's Q rows, the K / V^T ring
@@ -614,13 +571,13 @@ def _attn_fwd_hopper_kernel(
                          item_bar, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
                          SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
                          n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
-                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE, EXP_POLY, V_ORDER,
+                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE, V_ORDER,
                          SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 2)),
             (_consumer, (q_smem, q2_smem, 1, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
                          item_bar, turn.index(1), turn.index(0), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
                          SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
                          n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
-                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE, EXP_POLY, V_ORDER,
+                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE, V_ORDER,
                          SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 2)),
             (_loader, (q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_ready,
                        q_empty, ready, empty, item_smem, item_bar, COUNTER, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads,
@@ -634,19 +591,19 @@ def _attn_fwd_hopper_kernel(
                          item_bar, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
                          SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
                          n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
-                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 1, SINK_MODE, EXP_POLY, V_ORDER,
+                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 1, SINK_MODE, V_ORDER,
                          SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 3)),
             (_consumer, (q_smem, q2_smem, 1, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
                          item_bar, turn.index(1), turn.index(0), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
                          SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
                          n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
-                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE, EXP_POLY, V_ORDER,
+                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE, V_ORDER,
                          SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 3)),
             (_consumer, (q_smem, q2_smem, 2, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
                          item_bar, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
                          SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
                          n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
-                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE, EXP_POLY, V_ORDER,
+                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE, V_ORDER,
                          SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 3)),
             (_loader, (q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_ready,
                        q_empty, ready, empty, item_smem, item_bar, COUNTER, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads,
@@ -701,13 +658,12 @@ def persistent_grid(num_items, programs, stand_in):
 
 def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
                         window, v_starts=None, consumers=2, consumer_regs=None, loader_regs=24, pingpong=None,
-                        sinks=None, sink_shift=None, exp_poly=0, softcap=0.0, shift=None, named_barriers=None,
+                        sinks=None, sink_shift=None, softcap=0.0, shift=None, named_barriers=None,
                         programs=None, v_operand_order=False):
     """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift``,
     ``softcap``, ``shift`` as there). ``pingpong`` defaults to on at V's head dim 128 and off at 64; the op
     passes ``dispatch.gluon_forward_pingpong``'s choice (session 26: off is faster for short unmasked calls and
     MLA's head dims).
-    ``exp_poly`` 2 or 4: that fraction of each tile's exp2 on the FMA units (off: measured slower, session 10).
     ``named_barriers``: the turns and the buffer releases on hardware named barriers, each thread arriving for
     itself, instead of mbarriers (whose one-thread arrivals Gluon precedes with a ``bar.sync`` of the warpgroup:
     three of a tile's four go); default on at V's head dim 128, where kernels alone ran 1.00-1.05x faster with two
@@ -718,8 +674,6 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     (a static round-robin did not: session 20); None (or at least one per item): one program per work item.
     ``v_operand_order``: ``v8t`` from ``quantize_v(..., operand_order=True)`` (each 16 keys in the order P's
     registers hold them, so P goes to ``P V`` without shuffles: kernels alone 1.01-1.11x, session 21); the op's."""
-    if exp_poly not in (0, 2, 4):
-        raise ValueError(f"exp_poly must be 0, 2 or 4, got {exp_poly!r}")
     assert sink_shift is None or (sinks is not None and sink_shift.stride() == lse.stride())
     assert not softcap or (shift is not None and shift.stride() == lse.stride())
     assert not (softcap and sink_shift is not None), "capped scores are already the caller's"
@@ -760,7 +714,7 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     ), dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
             HEAD_DIM_V=head_dim_v, QK_SPLIT=bool(d2), CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
             LOADER_REGS=loader_regs, PINGPONG=pingpong,
-            SINK_MODE=0 if sinks is None else 2 if sink_shift is not None else 1, EXP_POLY=exp_poly,
+            SINK_MODE=0 if sinks is None else 2 if sink_shift is not None else 1,
             V_ORDER=v_operand_order,
             SOFTCAP=bool(softcap), NAMED_BARRIERS=bool(named_barriers), DYNAMIC=dynamic, num_warps=4,
             ptx_options=ptx_options())

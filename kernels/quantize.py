@@ -37,7 +37,6 @@ STATS_CHUNK = 512       # tokens per program for a whole sequence's mean or max 
 STATS_ROWS = 32         # tokens per load in the statistics kernel (its accumulator holds that many rows)
 K_SCALE_BLOCK = 128     # tokens per K scale at the head dims below (naive.k_scale_block)
 K_BLOCK_HEAD_DIMS = (64, 128, 192)
-_ROUND_MAGIC = 12582912.0   # 1.5 * 2^23
 
 
 @triton.jit

@@ -1,5 +1,5 @@
-"""GPU (sm_90): the Gluon dV, dK and dQ kernels (kernels/backward_hopper.py), and dK with dV in one program
-("dkdv"), against the portable dV, dK and dQ launches on the same quantized inputs and query tile. Same tile
+"""GPU (sm_90): the Gluon dV, dK and dQ kernels (kernels/backward_hopper.py) against the portable dV, dK and dQ
+launches on the same quantized inputs and query tile. Same tile
 rules, so they differ only by fp32 rounding order and exp2 (and, for dK, the bf16 dP^T product's accumulation
 order); persistent launches (a few programs taking every work item) give the same bits as one program an item, and
 so do launches fed the token-major copies in quantize's operand order (P^T and dS^T read from the registers as they
@@ -28,7 +28,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("part", ["dv", "dk", "dkdv", "dq"])
+@pytest.mark.parametrize("part", ["dv", "dk", "dq"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}kv{c[2]}-n{c[3]}-d{c[4]}"
                          f"{f'v{c[6]}' if len(c) > 6 else ''}-w{c[5][0]}_{c[5][1]}")
 def test_gluon_dkdv_matches_portable(case, part):
@@ -46,17 +46,16 @@ def test_gluon_dkdv_matches_portable(case, part):
     launch_forward(quant, v8t, v_scale, out, lse, lay, lay, h, h // hk, d, window, cfg["fwd"])
     do_q = quantize(do, lay, natural=False, transposed=True, out_for_delta=out)
     dkdv = cfg["dkdv"][0] if cfg["split_dkdv"] else cfg["dkdv"]
-    assert dkdv[0] == dkdv_query_tile(d, fused=False), \
+    assert dkdv[0] == dkdv_query_tile(d), \
         "the Gluon kernels' query tile (P^T's and dS^T's scales) is the portable kernel's"
     assert cfg["dq"][1] == dq_key_tile(d), "the Gluon dQ kernel's key tile (dS's scales) is the portable kernel's"
-    # the fused kernel's query tile may be smaller (D=128): the portable launches get the same one
-    block_q = dkdv_query_tile(d, fused=part == "dkdv")
-    dkdv_cfg = tuple((block_q,) + c[1:] for c in (cfg["dkdv"] if cfg["split_dkdv"] else (cfg["dkdv"],) * 2))
+    dkdv_cfg = tuple((dkdv_query_tile(d),) + c[1:]
+                     for c in (cfg["dkdv"] if cfg["split_dkdv"] else (cfg["dkdv"],) * 2))
     want = {"dq": torch.full_like(q, float("nan")), "dk": torch.full_like(k, float("nan")),
             "dv": torch.full_like(v, float("nan"))}
     launch_backward(quant, quant["q8t"], quant["q_scale_raw"], quant["k8t"], v, do, do_q["x8t"], do_q["scale"],
                     lse, do_q["delta"], want["dq"], want["dk"], want["dv"], lay, lay, h, hk, d, window,
-                    scale, dkdv_cfg, cfg["dq"], kernels=("dv", "dk") if part == "dkdv" else (part,), split_dkdv=True)
+                    scale, dkdv_cfg, cfg["dq"], kernels=(part,), split_dkdv=True)
     quant_ordered = quantize_qk(q, k, lay, lay, scale, True, False, transposed=True, operand_order=True)
     do8t_ordered = quantize(do, lay, natural=False, transposed=True, operand_order=True)["x8t"]
     runs = {}
@@ -71,7 +70,7 @@ def test_gluon_dkdv_matches_portable(case, part):
             launch_dkdv_hopper(part, qt, lse, do, do8t_ordered if order else do_q["x8t"], do_q["scale"],
                                do_q["delta"], v, got["dv"], got["dk"], h, h // hk, d, window, scale,
                                programs=programs, operand_order=order)
-    for name in ("dk", "dv") if part == "dkdv" else (part,):
+    for name in (part,):
         got = runs[None, False]
         assert torch.isfinite(got[name]).all(), f"{name}: an element the Gluon kernel never wrote"
         cos, rel = error_stats(got[name], want[name])
@@ -210,12 +209,11 @@ ONE_LAUNCH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dq_schedule", [1, 2], ids=["lockstep", "lagged"])
 @pytest.mark.parametrize("case", ONE_LAUNCH_CASES, ids=lambda c: f"b{c[0]}h{c[1]}kv{c[2]}-n{c[3]}-w{c[4][0]}_{c[4][1]}")
-def test_one_launch_backward_with_dq_reduce_adds(case, dq_schedule):
+def test_one_launch_backward_with_dq_reduce_adds(case):
     """``launch_backward_hopper(..., fused_dq=True)``: dV and dK as the portable launches give them at the one
     launch's 64-query tile, and dQ (dS K in bf16 from the quantized K, added by TMA reduce-adds) against float64,
-    poisoned outputs, K outliers; with each way of the consumers meeting for dQ (``dq_schedule``)."""
+    poisoned outputs, K outliers."""
     from sagebwd_hf.kernels.backward_hopper import launch_backward_hopper
     from sagebwd_hf.testing import exact_reference
 
@@ -241,7 +239,7 @@ def test_one_launch_backward_with_dq_reduce_adds(case, dq_schedule):
     got = {name: torch.full_like(t, float("nan")) for name, t in want.items()}
     launch_backward_hopper(quant_ordered, v, do, do8t, do_q["scale"], lse, do_q["delta"], got["dq"], got["dk"],
                            got["dv"], h, hk, d, window, scale, fused_dq=True,
-                           operand_order=True, programs=7, dq_schedule=dq_schedule)
+                           operand_order=True, programs=7)
     for name in ("dk", "dv"):
         assert torch.isfinite(got[name]).all(), f"{name}: an element the kernel never wrote"
         cos, rel = error_stats(got[name], want[name])

@@ -1,9 +1,11 @@
-"""Readable PyTorch versions of attention, kept beside the Triton kernels.
+"""Attention in plain PyTorch: the exact reference, and SageBwd's quantized algorithm as the kernels compute it.
 
 * ``attention_exact``: plain softmax attention in any precision (float64 in tests): the ground truth.
 * ``sagebwd_forward_naive`` / ``sagebwd_backward_naive``: the SageBwd quantized algorithm, step by step,
   with the kernels' tiling (it decides the P and dS scales), so it is both the tests' oracle for the
-  kernels and the op's implementation when tensors live on the CPU.
+  kernels and the op's implementation when tensors live on the CPU. They walk the queries in blocks
+  (``query_block_rows``): memory grows with one block's scores, ``B x H x rows x N_k``, never ``N_q x N_k``,
+  and the results are the whole-matrix computation's but for the order of fp32 sums over blocks.
 
 Logit soft-capping (Gemma 2: ``cap * tanh(s / cap)``) is applied to the dequantized fp32 scores, after
 the INT8 product and before the softmax, exactly where the kernels apply it. K-smoothing moved every
@@ -16,21 +18,11 @@ FlashAttention: ``window_size = (left, right)``, ``-1`` for unbounded, causal is
 to the bottom-right corner when the query and key lengths differ.
 """
 import math
+from typing import NamedTuple, Optional
 
 import torch
 
-LOG2E = 1.4426950408889634
-Q_SMOOTH_BLOCK = 128
-# At head dims 64 and 128 K's scale is one per run of K_SCALE_BLOCK tokens from each sequence's start
-# (SageAttention's per-block rule), elsewhere one per token. Those are the Hopper kernels' head dims, whose key
-# tile is that run: a tile's K scale is one number that joins each query row's constant instead of a multiply
-# per score, and frees the registers a per-key vector held (forward kernel 1.02-1.12x, dQ 1.05-1.12x on an
-# H100). Accuracy (benchmarks/accuracy.py inputs, fp64 reference, D=128): O, dQ, dK, dV cosine within 3e-5 of
-# per-token scales. A token's max over few channels varies more: at head dim 16 (the tiny Gemma 4 of
-# tests/test_model_coverage.py) per-block scales grew the logits error by 30%, and the portable kernels that
-# run other head dims gain nothing from them (docs/speed_notes.md, session 15).
-K_SCALE_BLOCK = 128
-K_BLOCK_HEAD_DIMS = (64, 128, 192)
+from .kernels.constants import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E, Q_SMOOTH_BLOCK
 
 
 def k_scale_block(head_dim: int) -> int:
@@ -38,13 +30,14 @@ def k_scale_block(head_dim: int) -> int:
     return K_SCALE_BLOCK if head_dim in K_BLOCK_HEAD_DIMS else 1
 
 
-def band_mask(n_q: int, n_k: int, window_size, device) -> torch.Tensor:
-    """``[n_q, n_k]`` booleans: may query i attend to key j."""
+def band_mask(n_q: int, n_k: int, window_size, device, rows: slice = slice(None), cols: slice = slice(None)
+              ) -> torch.Tensor:
+    """``[n_q, n_k]`` booleans: may query i attend to key j; only the ``rows`` x ``cols`` part if given."""
     left, right = window_size
-    i = torch.arange(n_q, device=device)[:, None]
-    j = torch.arange(n_k, device=device)[None, :]
+    i = torch.arange(n_q, device=device)[rows, None]
+    j = torch.arange(n_k, device=device)[None, cols]
     diag = n_k - n_q
-    ok = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+    ok = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool, device=device)
     if right >= 0:
         ok &= j <= i + diag + right
     if left >= 0:
@@ -126,7 +119,7 @@ def _row_quantize(x: torch.Tensor, dim: int, signed: bool):
 
 
 def _q_block_means(qf: torch.Tensor) -> torch.Tensor:
-    """Per-token copy of the mean of its block of Q_SMOOTH_BLOCK tokens."""
+    """Per-token copy of the mean of its block of Q_SMOOTH_BLOCK tokens (blocks counted from ``qf``'s first row)."""
     n = qf.shape[2]
     out = torch.empty_like(qf)
     for start in range(0, n, Q_SMOOTH_BLOCK):
@@ -141,68 +134,124 @@ def softcap_base2(s: torch.Tensor, softcap: float) -> torch.Tensor:
     return cap2 * torch.tanh(s / cap2)
 
 
-def _scores(q, k, softmax_scale, window_size, k_smoothing, q_smoothing, softcap=0.0):
-    """Dequantized base-2 scores S * softmax_scale * log2(e), soft-capped if asked, masked with -inf, plus
-    what the backward reuses: (s, q8, q_scale_raw, k8, k_scale, mask, k_mean) with K/V heads repeated
-    (``k_mean`` ``[B, H, 1, D]``, the mean K-smoothing took out, or None)."""
-    c = softmax_scale * LOG2E
+# Both passes walk the queries in blocks of rows, so memory grows with one block's [B, H, rows, N_k] scores, not
+# with N_q x N_k. A block is a whole number of Q-smoothing blocks and of dK/dV query tiles, and keys are
+# quantized once for all of them, so every scale is the one a whole-matrix pass would take: only the order in
+# which fp32 sums over query blocks are added up differs. Rows per block: as many as keep one score tensor near
+# SCORE_BLOCK_ELEMENTS (64 MiB in fp32), at least one such unit.
+SCORE_BLOCK_ELEMENTS = 1 << 24
+
+
+def query_block_rows(batch_heads: int, n_k: int, tile_m: int = 1, query_block: Optional[int] = None) -> int:
+    """Query rows per block for ``batch_heads`` (B x H) score rows of ``n_k`` keys, whole Q-smoothing blocks and
+    ``tile_m``-query tiles; ``query_block`` asks for that many (it must be a multiple of both)."""
+    unit = math.lcm(Q_SMOOTH_BLOCK, tile_m)
+    if query_block is not None:
+        if query_block <= 0 or query_block % unit:
+            raise ValueError(f"query_block must be a positive multiple of {unit}, got {query_block}")
+        return query_block
+    return max(unit, SCORE_BLOCK_ELEMENTS // max(1, batch_heads * n_k) // unit * unit)
+
+
+def _visible_keys(rows: slice, n_q: int, n_k: int, window_size, tile_n: int) -> slice:
+    """The keys some query of ``rows`` may attend to, widened to whole ``tile_n``-key tiles counted from key 0.
+    A tile outside adds nothing to any sum (its P and dS are zero, the online softmax's max does not move), so
+    leaving it out changes no result, and causal or windowed calls skip the masked part of every block."""
+    left, right = window_size
+    diag = n_k - n_q
+    lo = 0 if left < 0 else min(n_k, max(0, rows.start + diag - left)) // tile_n * tile_n
+    hi = n_k if right < 0 else min(n_k, max(0, -(-(rows.stop + diag + right) // tile_n) * tile_n))
+    return slice(lo, max(lo, hi))
+
+
+class _Keys(NamedTuple):
+    """K's side of the scores, computed once for every query block: the int8 K (integer-valued fp32) and its
+    scales with KV heads repeated to Q's, and K-smoothing's mean ``[B, H, 1, D]`` (None without smoothing)."""
+    k8: torch.Tensor
+    k_scale: torch.Tensor
+    k_mean: Optional[torch.Tensor]
+
+
+def _quantize_keys(k: torch.Tensor, num_heads: int, k_smoothing: bool) -> _Keys:
     kf = k.float()
     k_mean = None
-    if k_smoothing:
+    if k_smoothing:   # the mean over all keys of the sequence, whatever block of queries asks
         k_mean = kf.mean(2, keepdim=True)
         kf = kf - k_mean
-        k_mean = _repeat_kv(k_mean, q.shape[1])
+        k_mean = _repeat_kv(k_mean, num_heads)
     k8, k_scale = quantize_per_block(kf, k_scale_block(k.shape[-1]))
-    qf = q.float()
+    return _Keys(_repeat_kv(k8, num_heads), _repeat_kv(k_scale.unsqueeze(-1), num_heads).squeeze(-1), k_mean)
+
+
+def _block_scores(q_rows, keys: _Keys, rows, cols, n_q, n_k, softmax_scale, window_size, q_smoothing, softcap=0.0):
+    """Dequantized base-2 scores S * softmax_scale * log2(e) of the queries ``q_rows`` (rows ``rows`` of Q) against
+    the keys ``cols``, soft-capped if asked, masked with -inf; and the mask."""
+    c = softmax_scale * LOG2E
+    k8, k_scale = keys.k8[:, :, cols], keys.k_scale[:, :, cols]
+    qf = q_rows.float()
     if q_smoothing:
         q_mean = _q_block_means(qf)
         qf = qf - q_mean
     q8, q_scale_raw = quantize_per_token(qf)
-    k8, k_scale = _repeat_kv(k8, q.shape[1]), _repeat_kv(k_scale.unsqueeze(-1), q.shape[1]).squeeze(-1)
     # int8 x int8 sums stay below 2^24, so these float32 products are exact
     s = (q8 @ k8.transpose(-1, -2)) * (q_scale_raw * c)[..., :, None] * k_scale[..., None, :]
     if q_smoothing:
         s = s + ((q_mean * c) @ k8.transpose(-1, -2)) * k_scale[..., None, :]
     if softcap:   # the cap sees the caller's scores: K-smoothing's row shift added back first
-        if k_mean is not None:
-            s = s + (q.float() @ k_mean.transpose(-1, -2)) * c
+        if keys.k_mean is not None:
+            s = s + (q_rows.float() @ keys.k_mean.transpose(-1, -2)) * c
         s = softcap_base2(s, softcap)
-    mask = band_mask(q.shape[2], k.shape[2], window_size, q.device)
-    return s.masked_fill(~mask, float("-inf")), q8, q_scale_raw, k8, k_scale, mask, k_mean
+    mask = band_mask(n_q, n_k, window_size, q_rows.device, rows=rows, cols=cols)
+    return s.masked_fill(~mask, float("-inf")), mask
+
+
+def _row_blocks(n_q: int, block_rows: int):
+    return (slice(start, min(start + block_rows, n_q)) for start in range(0, n_q, block_rows))
 
 
 def sagebwd_forward_naive(q, k, v, softmax_scale, window_size=(-1, -1), k_smoothing=True,
-                          q_smoothing=False, block_n=64, softcap=0.0):
-    """Returns (out in q's dtype, base-2 log-sum-exp fp32 with +inf for rows that see no key)."""
-    s = _scores(q, k, softmax_scale, window_size, k_smoothing, q_smoothing, softcap)[0]
+                          q_smoothing=False, block_n=64, softcap=0.0, query_block=None):
+    """Returns (out in q's dtype, base-2 log-sum-exp fp32 with +inf for rows that see no key).
+
+    ``block_n``: the forward kernel's key tile (P gets one scale per query per tile). ``query_block``: query rows
+    per pass (None: sized by SCORE_BLOCK_ELEMENTS); any value gives the same results."""
+    b, h, n_q = q.shape[:3]
+    n_k = k.shape[2]
+    keys = _quantize_keys(k, h, k_smoothing)
     vf = v.float()
     v_scale = vf.abs().amax(2, keepdim=True) * (1.0 / 127.0)               # per channel
     v_inv = torch.where(v_scale > TINY_MAX / 127, 1.0 / v_scale, torch.zeros_like(v_scale))
-    v8 = _repeat_kv(torch.round(vf * v_inv),
-                    q.shape[1])
-    v_scale = _repeat_kv(v_scale, q.shape[1])
+    v8 = _repeat_kv(torch.round(vf * v_inv), h)
+    v_scale = _repeat_kv(v_scale, h)
 
-    b, h, n_q, n_k = s.shape
-    m = torch.full((b, h, n_q), float("-inf"), device=q.device)
-    l = torch.zeros(b, h, n_q, device=q.device)
-    acc = torch.zeros(b, h, n_q, v.shape[-1], device=q.device)
-    for start in range(0, n_k, block_n):            # online softmax, one key tile at a time
-        s_tile = s[..., start:start + block_n]
-        tile_max = s_tile.amax(-1)
-        m_new = torch.maximum(m, tile_max)
-        m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        alpha = torch.exp2(m - m_ref)
-        # P is quantized per row of the tile: its largest value in the tile maps to 127,
-        # e = 127 * p / max_tile(p) = 127 * exp2(s - tile_max), and p = e * p_scale
-        e_ref = torch.where(torch.isinf(tile_max), torch.zeros_like(tile_max), tile_max - math.log2(127.0))
-        e = torch.exp2(s_tile - e_ref[..., None])
-        p_scale = torch.exp2(tile_max - m_ref) * (1.0 / 127.0)
-        l = l * alpha + e.sum(-1) * p_scale
-        acc = acc * alpha[..., None] + (torch.round(e) @ v8[:, :, start:start + block_n]) * p_scale[..., None]
-        m = m_new
-    out = acc * torch.where(l > 0, 1.0 / l, torch.zeros_like(l))[..., None] * v_scale
-    lse = torch.where(l > 0, m + torch.log2(l), torch.full_like(l, float("inf")))
-    return out.to(q.dtype), lse
+    out = q.new_empty(b, h, n_q, v.shape[-1])
+    lse = torch.empty(b, h, n_q, device=q.device)
+    for rows in _row_blocks(n_q, query_block_rows(b * h, n_k, 1, query_block)):
+        cols = _visible_keys(rows, n_q, n_k, window_size, block_n)
+        s = _block_scores(q[:, :, rows], keys, rows, cols, n_q, n_k, softmax_scale, window_size, q_smoothing,
+                          softcap)[0]
+        n_rows = rows.stop - rows.start
+        m = torch.full((b, h, n_rows), float("-inf"), device=q.device)
+        l = torch.zeros(b, h, n_rows, device=q.device)
+        acc = torch.zeros(b, h, n_rows, v.shape[-1], device=q.device)
+        for start in range(0, s.shape[-1], block_n):            # online softmax, one key tile at a time
+            s_tile = s[..., start:start + block_n]
+            tile_max = s_tile.amax(-1)
+            m_new = torch.maximum(m, tile_max)
+            m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            alpha = torch.exp2(m - m_ref)
+            # P is quantized per row of the tile: its largest value in the tile maps to 127,
+            # e = 127 * p / max_tile(p) = 127 * exp2(s - tile_max), and p = e * p_scale
+            e_ref = torch.where(torch.isinf(tile_max), torch.zeros_like(tile_max), tile_max - math.log2(127.0))
+            e = torch.exp2(s_tile - e_ref[..., None])
+            p_scale = torch.exp2(tile_max - m_ref) * (1.0 / 127.0)
+            l = l * alpha + e.sum(-1) * p_scale
+            key0 = cols.start + start
+            acc = acc * alpha[..., None] + (torch.round(e) @ v8[:, :, key0:key0 + block_n]) * p_scale[..., None]
+            m = m_new
+        out[:, :, rows] = acc * torch.where(l > 0, 1.0 / l, torch.zeros_like(l))[..., None] * v_scale
+        lse[:, :, rows] = torch.where(l > 0, m + torch.log2(l), torch.full_like(l, float("inf")))
+    return out, lse
 
 
 def _tiles(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -220,27 +269,22 @@ def _tiles(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(-1, -1),
                            k_smoothing=True, q_smoothing=False, block_m_dkdv=64, block_n_dq=64, softcap=0.0,
-                           dq_int8=True):
+                           dq_int8=True, query_block=None):
     """Gradients (dq, dk, dv) of the quantized algorithm, in the inputs' dtypes.
 
     ``block_m_dkdv``: query tile of the dK/dV kernel (P and dS get one scale per key per tile);
     ``block_n_dq``: key tile of the dQ kernel (dS gets one scale per query per tile). ``dq_int8`` False: dQ's
     product as the one-launch Hopper backward computes it (the default at head dim 64; its query tile is 64): dS
-    rounded to the inputs' dtype times the int8 K (exact there) in fp32, times K's scales."""
-    s, q8, q_scale_raw, k8, k_scale, mask, k_mean = _scores(q, k, softmax_scale, window_size, k_smoothing,
-                                                             q_smoothing, softcap)
-    if q_smoothing:   # dK needs the true Q, not the smoothed one the scores used
-        q8, q_scale_raw = quantize_per_token(q)
-    do8, do_scale = quantize_per_token(dout)
-    vf = _repeat_kv(v.float(), q.shape[1])
-    n_q, n_k = s.shape[-2:]
-
-    p = torch.where(mask, torch.exp2(s - lse[..., None]), torch.zeros_like(s))
-    dp = dout.float() @ vf.transpose(-1, -2)        # stays in high precision
-    delta = (dout.float() * out.float()).sum(-1)
-    ds = p * (dp - delta[..., None])
-    if softcap:   # through the cap: d(cap tanh(x / cap))/dx = 1 - tanh^2
-        ds = ds * torch.where(mask, 1.0 - (s / (softcap * LOG2E)) ** 2, torch.zeros_like(s))
+    rounded to the inputs' dtype times the int8 K (exact there) in fp32, times K's scales. ``query_block``: query
+    rows per pass, a multiple of ``block_m_dkdv`` (None: sized by SCORE_BLOCK_ELEMENTS); dK and dV are summed
+    over the passes in fp32."""
+    b, h, n_q = q.shape[:3]
+    n_k = k.shape[2]
+    keys = _quantize_keys(k, h, k_smoothing)
+    vf = _repeat_kv(v.float(), h)
+    dq = torch.empty_like(q)
+    dk = torch.zeros(b, h, n_k, k.shape[-1], device=q.device)      # summed over KV groups at the end
+    dv = torch.zeros(b, h, n_k, v.shape[-1], device=q.device)
 
     # dV = P^T dO and dK = dS^T Q reduce over queries: one scale per key per query tile
     def over_queries(x, x8, x_scale, signed):
@@ -249,20 +293,39 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
         rhs = _tiles(x8, 2, block_m_dkdv)                                     # [B, H, T, bm, D]
         return ((t8.transpose(-1, -2) @ rhs) * t_scale.transpose(-1, -2)).sum(2)
 
-    dv = over_queries(p, do8, do_scale, False)
-    dk = over_queries(ds, q8, q_scale_raw, True) * softmax_scale
-    if dq_int8:   # dQ = dS K reduces over keys: one scale per query per key tile
-        t = _tiles(ds * k_scale[..., None, :], 3, block_n_dq)                 # [B, H, Nq, T, bn]
-        t8, t_scale = _row_quantize(t, 4, True)
-        k_tiles = _tiles(k8, 2, block_n_dq)                                   # [B, H, T, bn, D]
-        dq = ((t8.transpose(2, 3) @ k_tiles) * t_scale.transpose(2, 3)).sum(2) * softmax_scale
-    else:
-        dq = (ds.to(dout.dtype).float() @ (k8.float() * k_scale[..., None])) * softmax_scale
-    if softcap and k_mean is not None:   # the scores used K - mean(k); their rows no longer sum dS to zero
-        dq = dq + ds.sum(-1, keepdim=True) * k_mean * softmax_scale
+    for rows in _row_blocks(n_q, query_block_rows(b * h, n_k, block_m_dkdv, query_block)):
+        cols = _visible_keys(rows, n_q, n_k, window_size, block_n_dq)
+        q_rows, do_rows = q[:, :, rows], dout[:, :, rows]
+        s, mask = _block_scores(q_rows, keys, rows, cols, n_q, n_k, softmax_scale, window_size, q_smoothing,
+                                softcap)
+        # dK needs the true Q, not the smoothed one the scores used
+        q8, q_scale_raw = quantize_per_token(q_rows)
+        do8, do_scale = quantize_per_token(do_rows)
+
+        p = torch.where(mask, torch.exp2(s - lse[:, :, rows, None]), torch.zeros_like(s))
+        dp = do_rows.float() @ vf[:, :, cols].transpose(-1, -2)        # stays in high precision
+        delta = (do_rows.float() * out[:, :, rows].float()).sum(-1)
+        ds = p * (dp - delta[..., None])
+        if softcap:   # through the cap: d(cap tanh(x / cap))/dx = 1 - tanh^2
+            ds = ds * torch.where(mask, 1.0 - (s / (softcap * LOG2E)) ** 2, torch.zeros_like(s))
+        del s, dp
+
+        dv[:, :, cols] += over_queries(p, do8, do_scale, False)
+        dk[:, :, cols] += over_queries(ds, q8, q_scale_raw, True)
+        k8, k_scale = keys.k8[:, :, cols], keys.k_scale[:, :, cols]
+        if dq_int8:   # dQ = dS K reduces over keys: one scale per query per key tile
+            t = _tiles(ds * k_scale[..., None, :], 3, block_n_dq)                 # [B, H, rows, T, bn]
+            t8, t_scale = _row_quantize(t, 4, True)
+            k_tiles = _tiles(k8, 2, block_n_dq)                                   # [B, H, T, bn, D]
+            dq_rows = ((t8.transpose(2, 3) @ k_tiles) * t_scale.transpose(2, 3)).sum(2) * softmax_scale
+        else:
+            dq_rows = (ds.to(dout.dtype).float() @ (k8.float() * k_scale[..., None])) * softmax_scale
+        if softcap and keys.k_mean is not None:   # the scores used K - mean(k): their rows no longer sum dS to 0
+            dq_rows = dq_rows + ds.sum(-1, keepdim=True) * keys.k_mean * softmax_scale
+        dq[:, :, rows] = dq_rows
 
     hkv = k.shape[1]
-    return dq.to(q.dtype), _sum_groups(dk, hkv).to(k.dtype), _sum_groups(dv, hkv).to(v.dtype)
+    return dq, _sum_groups(dk * softmax_scale, hkv).to(k.dtype), _sum_groups(dv, hkv).to(v.dtype)
 
 
 def lse_to_natural(lse2: torch.Tensor) -> torch.Tensor:

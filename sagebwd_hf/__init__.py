@@ -22,3 +22,5 @@ from .qk_norm import (QK_NORM_TOKENS_THRESHOLD, Finding, add_qk_norm, check_trai
 __all__ += ["add_qk_norm", "has_qk_norm", "qk_norm_parameters", "load_with_qk_norm", "check_training_setup",
             "Finding", "QK_NORM_TOKENS_THRESHOLD"]
 __all__ += ["attention_stats", "reset_attention_stats"]
+from . import sdpa_flash  # noqa: E402
+sdpa_flash.register()     # known to torch.nn.attention as "SageBwd"; active only once a user activates it

@@ -31,6 +31,7 @@ from transformers import masking_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
+from . import context_parallel
 from .config import options_for
 from .kernels import dispatch
 from .interface import MAX_HEAD_DIM, sagebwd_attn_func, sagebwd_attn_varlen_func
@@ -652,6 +653,10 @@ def sagebwd_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         chunks, attention_mask = attention_mask, None   # chunked attention: chunk ids from sagebwd_mask
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = _window(sliding_window, causal)
+    if context_parallel.active():      # the sequence is sharded over GPUs: only SDPA's ring attention sees all of it
+        _count("kernel", "context_parallel")
+        return context_parallel.ring_attention(query, key, value, attention_mask, dropout, scaling, causal, window,
+                                               softcap, s_aux), None
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     mask = attention_mask.bool() if attention_mask is not None and attention_mask.dim() == 2 else attention_mask

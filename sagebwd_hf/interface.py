@@ -1,13 +1,18 @@
-"""SageBwd attention: the functional API.
+"""SageBwd attention: the functional API and the op under it.
 
 ``sagebwd_attn_func`` (padded ``[B, H, N, D]``, the layout Transformers hands a backend) and
-``sagebwd_attn_varlen_func`` (packed ``[total_tokens, H, D]`` with ``cu_seqlens``) sit on one
-autograd.Function. CUDA tensors run the Triton kernels in ``sagebwd_hf.kernels``; CPU tensors run the
-same quantized algorithm in plain PyTorch (``sagebwd_hf.naive``), or the Triton kernels under Triton's
-interpreter when ``TRITON_INTERPRET=1``.
+``sagebwd_attn_varlen_func`` (packed ``[total_tokens, H, D]`` with ``cu_seqlens``) check their arguments
+(a ValueError or TypeError naming the bad one) and call one differentiable op, registered as torch custom ops
+(``sagebwd::attn_fwd`` / ``attn_bwd``) so that torch.compile traces it without a graph break. CUDA tensors run
+the kernels in ``sagebwd_hf.kernels`` (Hopper's Gluon kernels or the portable Triton ones, as
+``kernels/dispatch.py`` picks); CPU tensors run the same quantized algorithm in plain PyTorch
+(``sagebwd_hf.naive``), or the Triton kernels under Triton's interpreter when ``TRITON_INTERPRET=1``. Either way
+a call computes the rule ``backward_rule`` names for its device, with the tiles ``tile_configs`` gives. Inputs
+are never modified; outputs and gradients follow the inputs' layout.
 """
 import functools
 import os
+import sys
 import types
 import warnings
 import weakref
@@ -22,6 +27,7 @@ from .kernels.forward import block_dim, launch_forward
 from .kernels.layout import SeqLayout, as_bhnd
 from .kernels.quantize import aligned_starts, quantize, quantize_qk, quantize_v
 
+_PACKAGE = __name__.split(".")[0] + "."
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 _warned = set()
@@ -37,9 +43,19 @@ def _poisoned(*tensors):
 
 
 def _warn_once(key: str, message: str):
+    """Warn once per process, pointing at the caller's line that called into this package."""
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=_first_frame_outside_package())
+
+
+def _first_frame_outside_package() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the calling function name the nearest frame whose code
+    is not this package's (the user's call of the op, or the model's attention call)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -64,19 +80,16 @@ def _tile_configs(head_dim, device, head_dim_v):
         return {"fwd": pack((64, 64, 4, 1)), "dq": pack((64, 64, 4, 1)), "dkdv": pack((64, 64, 4, 1)),
                 "split_dkdv": False}
     if block_max > 128:
-        # H100, q/k 192 and v 128 (MLA), B*N = 32K, H = 16, causal (session 9, one config at a time): forward
-        # 2.88 -> 2.35 ms with 64-key tiles; fwd+bwd 24.2 -> 21.4 ms with the dQ kernel at 64x64, 8 warps (64x64
-        # with 4 warps faulted: an illegal address, not investigated), 20.9 -> 17.9 with dK/dV's 64-query tiles.
-        # MLA's 192/128 also runs on the Gluon kernels (dispatch.GLUON_HEAD_DIMS), whose forward walks 128-key
-        # tiles (their dK/dV query tile and dQ key tile are 64, as here): the portable forward takes that tile
-        # too, so that both families and the reference share one rule. Kernel alone (H100, session 17, 4K-16K
-        # keys): 1.12-1.15x the 64x64 tile with one stage; two stages 1.22-1.28x but 112 KB of shared memory,
-        # past the 99 KB an Ada GPU gives a program.
+        # Head dims past 128 (MLA's q/k 192): the fastest tiles of a sweep on an H100 (docs/history.md). MLA's
+        # 192/128 runs the Gluon kernels on Hopper, whose forward walks 128-key tiles (their dK/dV query tile and dQ
+        # key tile are 64, as here): the portable forward takes that tile too, so that both families and the
+        # reference share one rule. One stage: two would need 112 KB of shared memory, past the 99 KB an Ada GPU
+        # gives a program.
         mla = (head_dim, head_dim_v or head_dim) == (192, 128)
         return {"fwd": pack((64, 128, 4, 1) if mla else (64, 64, 4, 2)), "dq": pack((64, 64, 8, 1)),
                 "dkdv": pack((64, 32, 4, 1)), "split_dkdv": False}
     # Fastest of sweeps on an H200 at N=4096 (benchmarks/breakdown.py --sweep / --split-sweep,
-    # docs/speed_notes.md). Fused, the dK/dV kernel holds two [BLOCK_N, D] fp32 accumulators and spills
+    # docs/history.md). Fused, the dK/dV kernel holds two [BLOCK_N, D] fp32 accumulators and spills
     # (178 at D=128); split into a dV and a dK launch it runs 1.36x faster at D=128 despite computing P twice.
     # At D <= 64 splitting gained 1.03x only: fused there; its dQ kernel is 1.36x faster at BLOCK_M 64, 4 warps.
     fwd = pack((64, 128, 4, 3))
@@ -225,7 +238,7 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
     sink_args = {} if sinks is None else dict(sinks=sinks.contiguous(), sink_shift=_sink_shift(shift, softcap))
     cap_args = dict(softcap=softcap, shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
     if gluon:
-        from .kernels.forward_hopper import launch_forward_hopper   # imports Gluon: only where it runs
+        from .kernels.hopper_launch import launch_forward_hopper   # imports Gluon: only where it runs
         masked = tuple(window) != (-1, -1)
         consumers = dispatch.gluon_forward_consumers(q4.shape[3], masked, bool(softcap), lay_q.max_len)
         pingpong = consumers == 2 and dispatch.gluon_forward_pingpong(q4.shape[3], v4.shape[3], masked,
@@ -304,7 +317,7 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
                                          softcap=softcap, q_smoothing=q_smoothing, max_len_k=lay_k.max_len,
                                          varlen=varlen, deterministic=deterministic).one_launch
     # the one launch's dQ accumulates in fp32 (B*H*N*D*4 bytes): its bf16 dQ is made only once the launch's
-    # inputs are freed, which keeps the op's peak memory below flash attention's (docs/speed_notes.md, session 28)
+    # inputs are freed, which keeps the op's peak memory below flash attention's (docs/benchmarks.md)
     dq = None if one_launch else _poisoned(_new_like(q, varlen))[0]
     # the forward's bytes again (same inputs, same deterministic quantization), plus token-major copies (for the
     # Gluon kernels in the order their P and dS registers hold the tokens: quantize.operand_order_columns)
@@ -329,7 +342,7 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     term = dict(k_mean=quant["k_mean"] if need_shift else None, row_ds=row_ds)
     cap_args = dict(softcap=softcap, shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
     if gluon:
-        from .kernels.backward_hopper import launch_backward_hopper   # imports Gluon: only where it runs
+        from .kernels.hopper_launch import launch_backward_hopper   # imports Gluon: only where it runs
         dq_acc = launch_backward_hopper(quant, v4, do4, do_q["x8t"], do_q["scale"], lse, do_q["delta"],
                                         None if one_launch else as_bhnd(dq, varlen), as_bhnd(dk, varlen),
                                         as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3], window, scale,
@@ -611,8 +624,8 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     Args:
         q: ``[batch, heads, seqlen_q, head_dim]``, float16 or bfloat16 (float32 runs in bfloat16).
         k, v: ``[batch, kv_heads, seqlen_k, head_dim]``; ``heads`` a multiple of ``kv_heads`` (GQA/MQA). v may
-            have a head dim of its own (multi-head latent attention), run by the portable kernels. Any strides;
-            inputs are never modified.
+            have a head dim of its own (multi-head latent attention; on Hopper, DeepSeek's 192/128 runs the Gluon
+            kernels, other pairs the portable ones). Any strides; inputs are never modified.
         causal: mask future keys, aligned bottom-right when ``seqlen_q != seqlen_k``.
         softmax_scale: defaults to ``head_dim ** -0.5``.
         window_size: ``(left, right)`` local attention as in FlashAttention, -1 for unbounded.
@@ -622,7 +635,7 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
             -inf for rows that see no key; not differentiable).
         backend: None picks Triton for CUDA tensors and PyTorch for CPU ones; "naive" or "triton" force one.
         softcap: > 0 caps the scores at ``softcap * tanh(s / softcap)`` (Gemma 2), applied to the dequantized
-            fp32 scores after the INT8 product; 0 is off. Runs the portable kernels (also on Hopper).
+            fp32 scores after the INT8 product; 0 is off. Runs on every kernel family.
         sinks: ``[heads]``, one learned logit per query head in every row's softmax denominator (gpt-oss's
             attention sinks); differentiable. None is off.
         deterministic: False lets the backward trade bit-identical gradients for speed where it can (Hopper, head

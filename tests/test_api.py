@@ -125,8 +125,9 @@ def test_fp32_runs_in_bf16_and_returns_fp32():
         warnings.simplefilter("always")
         res = run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, causal=True), q, k, v, do)
         run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, causal=True), q, k, v, do)
-    messages = [str(w.message) for w in caught if "bfloat16" in str(w.message)]
-    assert len(messages) == 1, "the fp32 notice is given once"
+    notices = [w for w in caught if "bfloat16" in str(w.message)]
+    assert len(notices) == 1, "the fp32 notice is given once"
+    assert notices[0].filename == __file__, f"the notice names the caller's line, not {notices[0].filename}"
     assert all(t.dtype == torch.float32 for t in res.values())
     for name, (cos, rel) in compare(res, exact_reference(q, k, v, do, window_size=(-1, 0))).items():
         assert cos > 0.999 and rel < 0.05, (name, cos, rel)

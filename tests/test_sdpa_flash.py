@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import sagebwd_hf
 from sagebwd_hf import context_parallel, sdpa_flash
-from sagebwd_hf.testing import error_stats, make_qkv
+from sagebwd_hf.testing import error_stats, make_qkv, run_with_grads
 
 needs_registry = pytest.mark.skipif(not sdpa_flash.registry_available(),
                                     reason="this torch has no flash-attention registry")
@@ -36,7 +36,8 @@ def exact(q, k, v, causal, scale):
     s = q.double() @ k.transpose(-1, -2) * scale
     if causal:
         offset = k.shape[2] - q.shape[2]
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1 + offset), float("-inf"))
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1 + offset),
+                          float("-inf"))
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
@@ -242,3 +243,67 @@ def test_sagebwd_model_runs_sdpa_ring_when_sagebwd_is_behind_sdpa(context_parall
 def test_not_active_outside_context_parallel():
     assert not context_parallel.active()
     assert math.isfinite(float(_tiny_llama()(torch.randint(0, 64, (1, 8))).logits.float().sum()))
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: F.scaled_dot_product_attention with the implementation active
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def sagebwd_behind_sdpa():
+    if not sdpa_flash.registry_available():
+        pytest.skip("this torch has no flash-attention registry")
+    sdpa_flash.activate()
+    sdpa_flash.reset_stats()
+    try:
+        yield
+    finally:
+        sdpa_flash.restore()
+
+
+def _flash_sdpa(q, k, v, **kwargs):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_sdpa_runs_sagebwd_when_active(sagebwd_behind_sdpa, head_dim, causal, kv_heads):
+    q, k, v, do = make_qkv(2, 8, kv_heads, 1024, 1024, head_dim, torch.bfloat16, "cuda", k_outliers=4.0)
+    gqa = dict(enable_gqa=True) if kv_heads != 8 else {}
+    ours = run_with_grads(lambda *x: _flash_sdpa(*x, is_causal=causal, **gqa), q, k, v, do)
+    ref = run_with_grads(lambda *x: sagebwd_hf.sagebwd_attn_func(*x, causal=causal), q, k, v, do)
+    exact_ref = run_with_grads(lambda *x: exact(*x, causal, head_dim ** -0.5)[0], q.double(), k.double(),
+                               v.double(), do.double())
+    assert sdpa_flash.stats()["forward"] == 1 and sdpa_flash.stats()["backward"] == 1
+    assert sdpa_flash.stats()["backward_row_term"] == 0
+    assert torch.equal(ours["O"], ref["O"])
+    for name in ("dQ", "dK", "dV"):
+        cos, rel = error_stats(ours[name], ref[name])
+        assert cos > 0.99999 and rel < 2e-3, (name, cos, rel)
+    for name, cos_min in (("O", 0.999), ("dQ", 0.99), ("dK", 0.99), ("dV", 0.999)):
+        cos, rel = error_stats(ours[name], exact_ref[name])
+        print(f"D={head_dim} causal={causal} kv_heads={kv_heads} {name}: cos {cos:.5f} rel L2 {rel:.4f}")
+        assert cos >= cos_min, (name, cos, rel)
+
+
+@pytest.mark.gpu
+def test_sdpa_leaves_what_it_cannot_take_to_flash(sagebwd_behind_sdpa):
+    q, k, v, _ = make_qkv(1, 4, 4, 256, 256, 64, torch.bfloat16, "cuda")
+    sdpa_flash.restore()
+    native = _flash_sdpa(q, k, v, is_causal=True)
+    native_short = _flash_sdpa(q[:, :, :100], k, v)
+    sdpa_flash.activate()
+    ours = _flash_sdpa(q, k, v, is_causal=True)
+    assert not torch.equal(ours, native) and error_stats(ours, native)[0] > 0.999   # INT8, not the same kernel
+    torch.manual_seed(0)
+    dropped = _flash_sdpa(q, k, v, dropout_p=0.5)          # dropout: the original kernel
+    assert sdpa_flash.stats()["fallback"] == {"dropout": 1}
+    assert (dropped == 0).float().mean() < 0.5             # a real output, not zeros
+    assert torch.equal(_flash_sdpa(q[:, :, :100], k, v), _flash_sdpa(q[:, :, :100], k, v))
+    assert not torch.equal(_flash_sdpa(q[:, :, :100], k, v), native_short)   # non-square, not causal: ours
+    sdpa_flash.restore()
+    assert torch.equal(_flash_sdpa(q, k, v, is_causal=True), native)         # restored: flash's own again

@@ -38,7 +38,7 @@ def main():
                         "speed-ups over the default")
     args = p.parse_args()
     variants = [(v, {k: int(x) for k, x in (kv.split("=") for kv in v.split(","))}) for v in args.variant]
-    from sagebwd_hf.kernels.backward_hopper import launch_backward_hopper, launch_dkdv_hopper, launch_dq_hopper
+    from sagebwd_hf.kernels.hopper_launch import launch_backward_hopper, launch_dkdv_hopper, launch_dq_hopper
 
     print_versions()
     print(f"{'shape':<22} {'part':<4} | {'portable ms':>11} {'TFLOP/s':>8} | {'gluon ms':>9} {'TFLOP/s':>8} "

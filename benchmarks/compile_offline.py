@@ -4,7 +4,8 @@ without a GPU, and dump what it became.
 Triton asks its active driver for the target, the device and the stream before it compiles; a stand-in driver
 answers ``GPUTarget("cuda", 90, 32)``, device 0 and stream 0, and the kernel is compiled through
 ``JITFunction.warmup`` (nothing is launched) from CPU tensors of the shapes, dtypes and strides the real call
-passes (``forward_hopper_args`` builds the grid, arguments and constexprs). Written to ``--out``: the TTGIR,
+passes (``hopper_launch.forward_hopper_args``, ``dkdv_hopper_args`` or ``dq_hopper_args`` builds the grid,
+arguments and constexprs). Written to ``--out``: the TTGIR,
 LLVM IR, PTX, cubin, ptxas's ``-v`` log, the SASS (``nvdisasm`` with line info: Triton's own SASS reader stops
 at address 0xffff) and ``summary.json`` (registers, spills, opcode counts, where the STL / LDL spill traffic
 comes from in the source, and the innermost loop of each). Needs torch (a CPU build will do) and Triton 3.6.0's
@@ -14,8 +15,9 @@ wheel, which bundles ptxas / nvdisasm / cuobjdump (CUDA 12.8), the ones Triton u
     /tmp/t36/bin/python benchmarks/compile_offline.py --head-dim 128 --causal --out /tmp/sass_fwd \\
         [--kernel-file other_forward_hopper.py] [--kw '{"consumers": 3}']
 
-``--kw``: extra ``forward_hopper_args`` keywords (``consumers``, ``named_barriers``, ``loader_regs``, ...);
-``--kernel-file``: another copy of the module, loaded as ``sagebwd_hf.kernels.<stem>``. ``n_regs`` / ``n_spills``
+``--kw``: extra keywords of the ``*_hopper_args`` builder (``consumers``, ``named_barriers``, ``programs``, ...);
+``--kernel-file``: another copy of the kernel module (forward_hopper.py or backward_hopper.py), loaded as
+``sagebwd_hf.kernels.<stem>``; the arguments are still built by hopper_launch. ``n_regs`` / ``n_spills``
 are what ``CompiledKernel`` reports on a GPU (``n_spills``: stack + local bytes / 4), and the SASS is the one
 an H100 compiles (both checked on one, Triton 3.6.0); ``spill_stores`` / ``spill_loads`` are ptxas's bytes.
 """
@@ -61,7 +63,7 @@ class OfflineDriver:
 
 
 def load_module(kernel_file, stem_of_default="forward_hopper"):
-    """The repo's forward_hopper, or another copy of it loaded inside sagebwd_hf.kernels (relative imports work)."""
+    """The repo's kernel module, or another copy of it loaded inside sagebwd_hf.kernels (relative imports work)."""
     if "sagebwd_hf" not in sys.modules:   # its __init__ imports transformers: only its package path is needed
         pkg = types.ModuleType("sagebwd_hf")
         pkg.__path__ = [os.path.join(ROOT, "sagebwd_hf"), ROOT]    # kernels/ resolves as sagebwd_hf.kernels
@@ -79,7 +81,7 @@ def load_module(kernel_file, stem_of_default="forward_hopper"):
 
 def make_inputs(mod, a):
     """CPU tensors laid out as quantize_qk / quantize_v lay them out for a padded batch: the forward's launch
-    arguments, or with ``--kernel dv | dk | dq`` the backward's (``mod`` is then backward_hopper)."""
+    arguments, or with ``--kernel dv | dk | dkdvq | dq`` the backward's (``mod``: hopper_launch)."""
     from sagebwd_hf.kernels.layout import SeqLayout
     b, h, hk, n, d, dv = a.batch, a.heads, a.kv_heads or a.heads, a.seqlen, a.head_dim, a.head_dim_v or a.head_dim
     if a.packed:    # one [1, H, T, D] batch of a.batch sequences of a.seqlen tokens (what compiles is the same)
@@ -195,14 +197,14 @@ def main():
                         "dQ by reduce-adds)")
     p.add_argument("--kernel-file", default=None)
     p.add_argument("--packed", action="store_true", help="a packed batch (--batch sequences of --seqlen tokens)")
-    p.add_argument("--kw", default="{}", help="JSON dict of extra forward_hopper_args keywords")
+    p.add_argument("--kw", default="{}", help="JSON dict of extra keywords of the *_hopper_args builder")
     p.add_argument("--softcap", type=float, default=0.0, help="a capped call (e.g. 50)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
     driver.set_active(OfflineDriver())
     mod = load_module(a.kernel_file, "forward_hopper" if a.kernel == "fwd" else "backward_hopper")
-    grid, args, kwargs = make_inputs(mod, a)
+    grid, args, kwargs = make_inputs(importlib.import_module("sagebwd_hf.kernels.hopper_launch"), a)
     knobs.nvidia.dump_ptxas_log = True        # ptxas's -v log (spill bytes) is printed: captured below
     knobs.compilation.always_compile = True   # a cache hit would skip ptxas and its log
     buf = io.StringIO()
@@ -233,11 +235,13 @@ def main():
     m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
 
     src_file = mod.__file__
-    src_lines, fn = {}, "?"
-    with open(src_file) as f:
-        for i, t in enumerate(f):
-            fn = t.split("def ", 1)[1].split("(")[0] if t.startswith("def ") else fn
-            src_lines[(os.path.basename(src_file), i + 1)] = f"[{fn}] {t.strip()[:70]}"
+    src_lines = {}
+    for path in (src_file, importlib.import_module("sagebwd_hf.kernels.hopper_common").__file__):
+        fn = "?"
+        with open(path) as f:
+            for i, t in enumerate(f):
+                fn = t.split("def ", 1)[1].split("(")[0] if t.startswith("def ") else fn
+                src_lines[(os.path.basename(path), i + 1)] = f"[{fn}] {t.strip()[:70]}"
     ops, spills, by_src, loops = sass_summary(sass, src_lines)
     summary = dict(
         kernel_file=src_file, triton=triton.__version__, grid=list(grid),

@@ -53,7 +53,7 @@ def prepare(q, k, v, layout_q, layout_k, operand_order=False):
 
 def check_varlen(variants):
     """A varlen batch with uneven and empty sequences through every Gluon variant (a crash or a mismatch)."""
-    from sagebwd_hf.kernels import forward_hopper as fh
+    from sagebwd_hf.kernels import hopper_launch as fh
 
     lengths = [300, 0, 1, 129, 128, 517]
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
@@ -82,7 +82,7 @@ def main():
                    help="the varlen check alone (a crash then takes no timing with it), not at all, or first")
     p.add_argument("--variants", nargs="+", default=None, help="Gluon launch variants to run (default: all)")
     args = p.parse_args()
-    from sagebwd_hf.kernels import forward_hopper as fh
+    from sagebwd_hf.kernels import hopper_launch as fh
 
     variants = {"gluon": {}, "gluon_pingpong": dict(pingpong=True), "gluon_no_pingpong": dict(pingpong=False),
                 # three consumer warpgroups (192 query rows a program, 160 registers each)

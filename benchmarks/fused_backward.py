@@ -51,7 +51,7 @@ def inputs(b, h, hk, n, d, causal, outliers=False, seed=0):
 
 def backward(x, variant=None):
     """dq, dk, dv: the three launches (``variant`` None) or the one launch with these tuning arguments."""
-    from sagebwd_hf.kernels.backward_hopper import launch_backward_hopper
+    from sagebwd_hf.kernels.hopper_launch import launch_backward_hopper
     q, k, v = x["q"], x["k"], x["v"]
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
     extra = {} if variant is None else dict(variant, fused_dq=True)

@@ -163,8 +163,8 @@ def host_parts(shape, reps=20):
     launch cache on and off: where the host time of ``host ms`` goes, without a profiler's own overhead."""
     from sagebwd_hf import interface as itf
     from sagebwd_hf.kernels import launch as launch_cache
-    from sagebwd_hf.kernels.backward_hopper import launch_backward_hopper
-    from sagebwd_hf.kernels.forward_hopper import launch_forward_hopper
+    from sagebwd_hf.kernels.hopper_launch import launch_backward_hopper
+    from sagebwd_hf.kernels.hopper_launch import launch_forward_hopper
     from sagebwd_hf.kernels.layout import SeqLayout
     from sagebwd_hf.kernels.quantize import quantize, quantize_qk, quantize_v
 

@@ -61,7 +61,6 @@ copies start 16-aligned, ``quantize.aligned_starts``), head dims 64 and 128, and
 (Q's and K's channels as two blocks, forward_hopper.qk_blocks: two wgmmas for each product over them, two
 accumulators for dK and dQ), no Q-smoothing (``dispatch.use_gluon(..., backward=True)``).
 """
-import torch
 from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
 from triton.experimental.gluon.language._core import builtin as gl_builtin
@@ -69,15 +68,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from . import dispatch
-from .launch import launch
-from .layout import cdiv, tma_addressable, token_rows
-from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
-# the forward's Gluon helpers (Gluon functions call each other across modules; @triton.jit ones they cannot)
-from .forward_hopper import (HEAD_DIMS, _as_operand, _ceil_to, _claim_item, _floor_to, _inside, _key_tiles,
-                             _named_barrier, _next_item, _post_item, _round_to_int8, _split_item, _tanh_scores,
-                             _tile_band_mask, _tma_desc, persistent_grid, ptx_options, qk_blocks, tma_descriptor,
-                             tma_load, wgmma_layout)
+from .hopper_common import (as_operand, ceil_to, claim_item, floor_to, inside_sequences, key_band_mask, key_tiles,
+                            named_barrier, next_item, post_item, round_to_int8, split_item, tanh_scores, tma_load,
+                            wgmma_layout)
+
 
 @gl_builtin
 def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -100,25 +94,6 @@ VQS, VLSE, VDOS, VDELTA, VQSR, VSHIFT, NVEC = (gl.constexpr(i) for i in range(7)
 K_OPERAND_BARRIER = gl.constexpr(9)
 DQ_SIGNALS = gl.constexpr(11)
 
-# The one launch's query tile (``part="dkdvq"``): with 128 queries S^T and dP^T take 64 registers each and its
-# loop spilled ~1 KB at D=64 (sm_90, Triton 3.6); 64 is FlashAttention 3's tile there too
-FUSED_QUERY_TILE = dispatch.ONE_LAUNCH_QUERY_TILE
-
-
-def dkdv_query_tile(head_dim: int) -> int:
-    """Queries per tile of the dV and dK launches: P^T's and dS^T's per-key scales span this many queries, so it
-    is part of the numerics (interface.tile_configs gives the portable kernels and the reference the same). At
-    MLA's Q/K head dim 192 dK's accumulator alone takes 96 registers: 64-query tiles for both launches (the
-    portable kernels' MLA tile too)."""
-    return 64 if head_dim > 128 else 128
-
-
-def dq_key_tile(head_dim: int) -> int:
-    """Keys per tile of the dQ kernel: dS's per-query scales span this many keys (part of the numerics, as
-    dkdv_query_tile). At MLA's 192 the dQ accumulator takes 96 registers: 64-key tiles halve S and dP beside
-    it (the portable kernels' MLA tile too)."""
-    return 64 if head_dim > 128 else 128
-
 
 @gluon.jit
 def _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
@@ -129,14 +104,14 @@ def _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
     lo = seqlen_q * 0
     full_lo = lo
     hi = seqlen_q
-    full_hi = _ceil_to(seqlen_q, BLOCK_Q)
+    full_hi = ceil_to(seqlen_q, BLOCK_Q)
     if MASK_RIGHT:
-        lo = _floor_to(start_n - diag - window_right, BLOCK_Q)
-        full_lo = _ceil_to(start_n + BLOCK_N - 1 - diag - window_right, BLOCK_Q)
+        lo = floor_to(start_n - diag - window_right, BLOCK_Q)
+        full_lo = ceil_to(start_n + BLOCK_N - 1 - diag - window_right, BLOCK_Q)
     if MASK_LEFT:
         hi = gl.minimum(hi, start_n + BLOCK_N - diag + window_left)
-        full_hi = gl.minimum(full_hi, _floor_to(start_n - diag + window_left + 1, BLOCK_Q))
-    hi = _ceil_to(hi, BLOCK_Q)
+        full_hi = gl.minimum(full_hi, floor_to(start_n - diag + window_left + 1, BLOCK_Q))
+    hi = ceil_to(hi, BLOCK_Q)
     lo = gl.minimum(lo, hi)
     full_lo = gl.minimum(gl.maximum(full_lo, lo), hi)
     full_hi = gl.minimum(gl.maximum(full_hi, full_lo), hi)
@@ -182,7 +157,7 @@ def _dkdv_item(t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, CU_Q
     Returns its sequence, its batch index in the tensors, KV head, first key of the item, the sequence's starts
     (_sequence: queries, keys, Q^T/dO^T columns), lengths and query-tile bounds (_query_tiles). An item past its
     sequence's keys (packed batches) runs no tiles."""
-    pid_n, b, hk = _split_item(t, num_n, num_kv_heads, False)
+    pid_n, b, hk = split_item(t, num_n, num_kv_heads, False)
     bt, q0, k0, qt0, seqlen_q, seqlen_k = _sequence(b, n_q, n_k, CU_Q, CU_K, CU_QT, IS_VARLEN)
     start_n = pid_n * BLOCK_N
     lo, full_lo, full_hi, hi = _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
@@ -239,7 +214,7 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
             k_scale = gl.load(KS + bt.to(gl.int64) * s_ksb + hk * s_ksh + k0 + start_n, mask=start_n < seqlen_k,
                               other=0.0)
         mbarrier.wait(k_empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
-        _post_item(item_smem, item_bar, t)
+        post_item(item_smem, item_bar, t)
         mbarrier.expect(k_ready, 2 * kv_bytes)
         for c in gl.static_range(2):
             tma_load(k_desc, [k_row + c * HALF_N, 0], k_ready, k_smem.index(c))
@@ -299,15 +274,15 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
                 mbarrier.arrive(ready.index(s), count=1)     # the second of ready's two arrivals
                 i += 1
         j += 1
-        t = _claim_item(t, COUNTER, DYNAMIC)
+        t = claim_item(t, COUNTER, DYNAMIC)
     mbarrier.wait(k_empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
-    _post_item(item_smem, item_bar, t)
+    post_item(item_smem, item_bar, t)
 
 
 @gluon.jit
 def _query_band_mask(offs_m, keys, start_m, diag, window_left, window_right, MASK_LEFT: gl.constexpr,
                      MASK_RIGHT: gl.constexpr):
-    """forward_hopper._tile_band_mask for (key row, query column) pairs of the query tile at ``start_m``, as bounds on
+    """hopper_common.key_band_mask for (key row, query column) pairs of the query tile at ``start_m``, as bounds on
     the column (``offs_m``: 0..BLOCK_Q-1) per key, computed once a tile: one compare a score and bound. The
     sequences' ends need no mask here: a query past the end has lse +inf (P^T is 0), a key past the end has
     its dK and dV rows never stored. At least one of ``MASK_LEFT``, ``MASK_RIGHT``."""
@@ -324,9 +299,9 @@ def _query_band_mask(offs_m, keys, start_m, diag, window_left, window_right, MAS
 def _quantize_rows(x, x_max, ORDER: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
     """``x`` quantized per row (``x_max`` its row maxima of |x|, mapped to 127; backward._quantize_rows) as an
     int8 wgmma A operand, and the row scales in the product's row layout. ``ORDER``: the operand read from the
-    registers as they are, its columns in forward_hopper._operand_order's order (the B operand's token-major copy
+    registers as they are, its columns in hopper_common.to_operand_order's order (the B operand's token-major copy
     permuted to match: quantize's ``operand_order``); else moved by shuffles."""
-    x8 = _as_operand(_round_to_int8(x * gl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None]), ORDER, p_layout)
+    x8 = as_operand(round_to_int8(x * gl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None]), ORDER, p_layout)
     return x8, gl.convert_layout(x_max * (1.0 / 127.0), gl.SliceLayout(1, o_layout))
 
 
@@ -395,9 +370,9 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
         if SOFTCAP:   # capped scores as in the forward; tanh kept for the cap's derivative in dS^T
             shift = vec_smem.index(NVEC * s + VSHIFT).load(col_layout)
             if TILE_KS:   # (q_scale and shift hold the K scale and the add trick's offset: see the loader)
-                tht = _tanh_scores(gl.fma(bits, q_scale[None, :], shift[None, :]))
+                tht = tanh_scores(gl.fma(bits, q_scale[None, :], shift[None, :]))
             else:
-                tht = _tanh_scores(gl.fma(gl.fma(bits, k_scale[:, None], k_bias[:, None]), q_scale[None, :],
+                tht = tanh_scores(gl.fma(gl.fma(bits, k_scale[:, None], k_bias[:, None]), q_scale[None, :],
                                           shift[None, :]))
             pt = gl.exp2(gl.fma(tht, softcap2, -lse[None, :]))
         elif TILE_KS:   # (q_scale holds q_scale * k_scale, lse the exponent's offset: see the loader)
@@ -410,8 +385,8 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
         if MASKED and (MASK_LEFT or MASK_RIGHT):   # (the sequences' ends: _query_band_mask)
             pt = gl.where(_query_band_mask(offs_m, keys, start_m, diag, window_left, window_right, MASK_LEFT,
                                            MASK_RIGHT), pt, 0.0)
-        elif MASKED:   # no band: as before _query_band_mask (forward_hopper._inside)
-            pt = gl.where(_inside((start_m + offs_m)[None, :], keys[:, None], seqlen_q, seqlen_k), pt, 0.0)
+        elif MASKED:   # no band: as before _query_band_mask (hopper_common.inside_sequences)
+            pt = gl.where(inside_sequences((start_m + offs_m)[None, :], keys[:, None], seqlen_q, seqlen_k), pt, 0.0)
         # Each product's operand: the other operand's per-token scale folded in, then one scale per key over the
         # tile (backward._quantize_rows: unsigned for P^T, signed for dS^T). Both operands are quantized before
         # either product runs, so P^T, dP^T and dS^T in fp32 are dead by then. (Each per-query vector costs
@@ -440,7 +415,7 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
         if DO_DV:
             dv_acc = _accumulate_product(dv_acc, pv8, pv_scale, dot_smem.index(s))
         if DO_DQ:   # the other consumer's dS^T of this tile is stored by now, or soon
-            _named_barrier(False, DQ_SIGNALS + 2 * (1 - C) + it % 2, 256, 4)
+            named_barrier(False, DQ_SIGNALS + 2 * (1 - C) + it % 2, 256, 4)
             if it % 2 == 0:
                 dq_tok = _dq_issue(ds_smem.index(0), ds_smem.index(1), kb_smem.index(C), kb_smem.index(2 + C),
                                    dq_zero)
@@ -474,7 +449,7 @@ def _k_operand(k_smem, kb_smem, C: gl.constexpr):
         else:
             kb_smem.index(2 * h + C).store(upper)
     fence_async_shared()
-    _named_barrier(False, K_OPERAND_BARRIER + C, 128, 4)
+    named_barrier(False, K_OPERAND_BARRIER + C, 128, 4)
 
 
 @gluon.jit
@@ -487,7 +462,7 @@ def _dq_signal(ds, mine, C: gl.constexpr, it):
     (its dQ product of it waited for, so the buffer it read may be rewritten)."""
     mine.store(ds.to(mine.dtype))
     fence_async_shared()
-    _named_barrier(True, DQ_SIGNALS + 2 * C + it % 2, 256, 4)
+    named_barrier(True, DQ_SIGNALS + 2 * C + it % 2, 256, 4)
 
 
 @gluon.jit
@@ -550,7 +525,7 @@ def _bwd_consumer(k8, k8b, v16, C: gl.constexpr, q_smem, q2_smem, qt_smem, qt2_s
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=4)
     it = num_items * 0      # the ring's tile count, run on across items as the loader's
     j = num_items * 0
-    t = _next_item(item_smem, item_bar, j)
+    t = next_item(item_smem, item_bar, j)
     while t < num_items:
         b, bt, hk, start_n, q0, k0, qt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dkdv_item(
             t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, CU_Q, CU_K, CU_QT, IS_VARLEN, MASK_LEFT,
@@ -598,7 +573,7 @@ def _bwd_consumer(k8, k8b, v16, C: gl.constexpr, q_smem, q2_smem, qt_smem, qt2_s
             if QK_SPLIT:
                 _store_rows(dk2_acc, keys, seqlen_k, DK, dk_off, s_dkt, softmax_scale, D1)
         j += 1
-        t = _next_item(item_smem, item_bar, j)
+        t = next_item(item_smem, item_bar, j)
     if DO_DQ:   # the last reduce-adds read their buffers before the program's memory goes
         tma.store_wait(0)
 
@@ -706,12 +681,12 @@ def _dq_item(t, num_m, n_q, n_k, num_heads, group, window_left, window_right, CU
     """Work item ``t`` of the dQ launch: 128 queries of one (sequence, head), query tile fastest; with a causal
     mask the last query tiles, which see the most keys, come first (forward_hopper._work_item's order). Returns
     its sequence, its batch index in the tensors, head, KV head, first query of the item, the sequence's starts
-    (_sequence: queries, keys, K^T columns), lengths and key-tile bounds (forward_hopper._key_tiles). An item
+    (_sequence: queries, keys, K^T columns), lengths and key-tile bounds (hopper_common.key_tiles). An item
     past its sequence's queries (packed batches) runs no tiles."""
-    pid_m, b, h = _split_item(t, num_m, num_heads, MASK_RIGHT)
+    pid_m, b, h = split_item(t, num_m, num_heads, MASK_RIGHT)
     bt, q0, k0, kt0, seqlen_q, seqlen_k = _sequence(b, n_q, n_k, CU_Q, CU_K, CU_KT, IS_VARLEN)
     start_m = pid_m * BLOCK_M
-    lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
+    lo, full_lo, full_hi, hi = key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                           BLOCK_M, MASK_LEFT, MASK_RIGHT, BLOCK_K)
     if IS_VARLEN:
         lo, full_lo, full_hi, hi = _no_tiles_unless(start_m < seqlen_q, lo, full_lo, full_hi, hi)
@@ -751,7 +726,7 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_d
         do_row = bt * do_rb + h * do_rh + q0 + start_m
         v_row = bt * v_rb + hk * v_rh + k0
         mbarrier.wait(q_empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
-        _post_item(item_smem, item_bar, t)
+        post_item(item_smem, item_bar, t)
         mbarrier.expect(q_ready, 2 * q_bytes)
         for c in gl.static_range(2):
             tma_load(q_desc, [q_row + c * HALF_N, 0], q_ready, q_smem.index(c))
@@ -770,9 +745,9 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_d
                 tma_load(kt2_desc, [kt_row + D1, kt0 + start_n], ready.index(s), kt2_smem.index(s))
             i += 1
         j += 1
-        t = _claim_item(t, COUNTER, DYNAMIC)
+        t = claim_item(t, COUNTER, DYNAMIC)
     mbarrier.wait(q_empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
-    _post_item(item_smem, item_bar, t)
+    post_item(item_smem, item_bar, t)
 
 
 @gluon.jit
@@ -815,16 +790,16 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, s
         t = (s_int + 0x4B400000).to(gl.float32, bitcast=True)
         if SOFTCAP:   # capped scores as in the forward; tanh kept for the cap's derivative in dS
             t_mul = cap_a * ks
-            th = _tanh_scores(gl.fma(t, t_mul[:, None], (cap_b - t_mul * 12582912.0)[:, None]))
+            th = tanh_scores(gl.fma(t, t_mul[:, None], (cap_b - t_mul * 12582912.0)[:, None]))
             p = gl.exp2(gl.fma(th, softcap2, -lse[:, None]))
         else:   # lse is +inf past the end: 0
             row_mul = q_scale * ks
             p = gl.exp2(gl.fma(t, row_mul[:, None], (row_mul * -12582912.0 - lse)[:, None]))
         if BAND or (MASKED and IS_VARLEN):
-            p = gl.where(_tile_band_mask(offs_n, rows, start_n, seqlen_k, diag, window_left, window_right, MASK_LEFT,
+            p = gl.where(key_band_mask(offs_n, rows, start_n, seqlen_k, diag, window_left, window_right, MASK_LEFT,
                                          MASK_RIGHT), p, 0.0)
         elif MASKED:
-            p = gl.where(_inside(rows[:, None], (start_n + offs_n)[None, :], seqlen_q, seqlen_k), p, 0.0)
+            p = gl.where(inside_sequences(rows[:, None], (start_n + offs_n)[None, :], seqlen_q, seqlen_k), p, 0.0)
         # dS, one scale per query over the tile (signed), times the tile's K scale
         x = p * (gl.convert_layout(dp, s_layout) - delta[:, None])
         if SOFTCAP:   # dS with respect to the uncapped score; its row sums for K-smoothing's term
@@ -866,7 +841,7 @@ def _dq_consumer(q8, q8b, do16, C: gl.constexpr, k_smem, k2_smem, v_smem, kt_sme
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     it = num_items * 0      # the ring's tile count, run on across items as the loader's
     j = num_items * 0
-    t = _next_item(item_smem, item_bar, j)
+    t = next_item(item_smem, item_bar, j)
     while t < num_items:
         b, bt, h, hk, start_m, q0, k0, kt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dq_item(
             t, num_m, n_q, n_k, num_heads, group, window_left, window_right, CU_Q, CU_K, CU_KT, IS_VARLEN, MASK_LEFT,
@@ -918,7 +893,7 @@ def _dq_consumer(q8, q8b, do16, C: gl.constexpr, k_smem, k2_smem, v_smem, kt_sme
         if QK_SPLIT:
             _store_rows(acc2, rows, seqlen_q, DQ, dq_off, s_dqt, out_scale, D1)
         j += 1
-        t = _next_item(item_smem, item_bar, j)
+        t = next_item(item_smem, item_bar, j)
 
 
 @gluon.jit
@@ -977,228 +952,16 @@ def _attn_bwd_dq_hopper_kernel(
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def _rows(x4):
-    """Our own contiguous ``[B, H, N, D]`` int8 tensors as ``[B*H*N, D]`` for a descriptor."""
-    return x4.reshape(-1, x4.shape[-1])
+_MOVED_TO_HOPPER_LAUNCH = ('dkdv_hopper_args', 'dq_hopper_args', 'dkdv_query_tile', 'dq_key_tile', 'launch_backward_hopper', 'launch_dkdv_hopper', 'launch_dq_hopper')
 
 
-def _packed(packing, bsz, n_q, n_k, stand_in):
-    """(CU_Q, CU_K, CU_T, IS_VARLEN, sequences, longest query and key sequences) of a launch: ``packing`` is None
-    (a padded batch) or (layout_q, layout_k, t_starts): a packed batch's SeqLayouts and its token-major copy's
-    16-aligned sequence starts (quantize.aligned_starts of layout_q for the key-tile launches' Q^T and dO^T,
-    of layout_k for dQ's K^T)."""
-    if packing is None:
-        return stand_in, stand_in, stand_in, False, bsz, n_q, n_k
-    layout_q, layout_k, t_starts = packing
-    assert layout_q.is_varlen and layout_k.is_varlen and layout_q.num_seqs == layout_k.num_seqs and bsz == 1
-    return (layout_q.cu_seqlens, layout_k.cu_seqlens, t_starts, True, layout_q.num_seqs, layout_q.max_len,
-            layout_k.max_len)
+def __getattr__(name):
+    """The launch helpers moved to hopper_launch.py: the old names keep working for one release, with a warning."""
+    if name in _MOVED_TO_HOPPER_LAUNCH:
+        import warnings
 
-
-def _caller_desc(x4, block_shape, dtype):
-    """A descriptor over a caller's tensor in its own memory (``layout.token_rows``), and its row/column
-    coordinates for the kernel."""
-    x4 = tma_addressable(x4)
-    shape, strides, coords = token_rows(x4)
-    return tma_descriptor(x4, shape, strides, block_shape, dtype), coords
-
-
-def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
-                     window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None, block_q=None, softcap=0.0,
-                     shift=None, programs=None, operand_order=False, packing=None, tile_ks=None, dq_acc=None,
-                     dq_buffers=3):
-    """(grid, args, kwargs) of one launch, ``part`` "dv", "dk" or "dkdv" (both in one program): ``[B, H, N, D]``
-    tensors as ``backward.launch_backward`` takes them (``quant`` from ``quantize_qk(..., transposed=True)``;
-    ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None where not written. ``operand_order``:
-    ``do8t`` and ``quant["q8t"]`` hold each 16 queries in quantize's operand order, so P^T and dS^T feed their
-    products from the registers as they are (no shuffles). ``packing``: None for a padded batch, or for a packed
-    one ([1, H, T, D]) ``(layout_q, layout_k, t_starts)``, ``do8t`` and ``q8t`` laid out with ``t_starts``
-    (``quantize.aligned_starts(layout_q)``). ``tile_ks`` (default: wherever it applies, head dims with one K scale
-    a key block): the loader folds the item's K scale into the per-query vectors, one FMA a score less in S^T's
-    dequantization (with a cap: in the cap's argument). ``part="dkdvq"``: dV and dK, and dQ added to ``dq_acc``
-    (fp32, ``[B, H, N, D]`` contiguous, zeroed) by reduce-adds (_reduce_dq; dS K in the input dtype: _k_operand);
-    ``dq_schedule``: how its consumers meet for dQ, DQ_LOCKSTEP (1) or DQ_LAGGED (2: 1.01-1.07x faster than
-    lockstep at D=64, 1K-8K keys, H100, session 28); None: DQ_SCHEDULE. (dV's product issued async under dS^T's
-    math as well ran at 0.90-0.99x the lagged schedule's speed, session 28: not kept.)"""
-    head_dim_v = v4.shape[3]
-    assert part in ("dv", "dk", "dkdvq") and (head_dim, head_dim_v) in HEAD_DIMS
-    do_dv, do_dk, do_dq = part in ("dv", "dkdvq"), part in ("dk", "dkdvq"), part == "dkdvq"
-    if fold is None:    # dV alone 1.09-1.12x with it (H100, session 5); dK alone 1.00-1.03x (H200, session 21)
-        fold = part in ("dv", "dk")
-    assert not (fold and do_dv and do_dk), "FOLD scales P^T by one product's scale: the other needs it unscaled"
-    assert not (do_dq and softcap), "a cap's K-smoothing row term needs dS's row sums, which the one launch lacks"
-    block_q = block_q or (FUSED_QUERY_TILE if do_dq else dkdv_query_tile(head_dim))
-    can_tile_ks = head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == BLOCK_N.value
-    tile_ks = can_tile_ks if tile_ks is None else bool(tile_ks)
-    assert can_tile_ks or not tile_ks, "tile_ks needs one K scale a key tile"
-    assert quant["q_mean"] is None, "no Q-smoothing on this path"
-    q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]
-    bsz, hq, n_q, d = q8.shape
-    hk, n_k = k8.shape[1], k8.shape[2]
-    q_scale_raw = quant["q_scale_raw"]
-    shift = shift if softcap else lse
-    for t in (lse, do_scale, delta, q_scale_raw, shift):
-        assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
-    io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
-    d1, d2 = qk_blocks(d)
-    q_desc = _tma_desc(_rows(q8), [block_q, d1], gl.int8)
-    k_desc = _tma_desc(_rows(k8), [HALF_N.value, d1], gl.int8)
-    q2_desc = _tma_desc(_rows(q8), [block_q, d2], gl.int8) if d2 else q_desc
-    k2_desc = _tma_desc(_rows(k8), [HALF_N.value, d2], gl.int8) if d2 else k_desc
-    dot_desc = _tma_desc(do8t.reshape(-1, do8t.shape[-1]), [head_dim_v, block_q], gl.int8) if do_dv else q_desc
-    if do_dk:
-        qt = quant["q8t"]
-        qt_desc = _tma_desc(qt.reshape(-1, qt.shape[-1]), [d1, block_q], gl.int8)
-        qt2_desc = _tma_desc(qt.reshape(-1, qt.shape[-1]), [d2, block_q], gl.int8) if d2 else qt_desc
-        do_desc, do_coords = _caller_desc(do4, [block_q, head_dim_v], io_dtype)
-        v_desc, v_coords = _caller_desc(v4, [HALF_N.value, head_dim_v], io_dtype)
-    else:
-        qt_desc, qt2_desc, do_desc, v_desc = q_desc, q_desc, q_desc, k_desc          # unused
-        do_coords = v_coords = (0, 0, 0)
-    if do_dq:
-        assert not d2 and tile_ks and dq_acc is not None and dq_acc.dtype == torch.float32
-        assert dq_acc.shape == q8.shape and dq_acc.is_contiguous()
-        dq_desc = _tma_desc(dq_acc.view(-1, head_dim), [block_q, head_dim // 2], gl.float32)
-    else:
-        dq_desc = k_desc       # unused
-    dv4 = dv4 if do_dv else dk4
-    dk4 = dk4 if do_dk else dv4
-    assert dv4.stride(3) == 1 and dk4.stride(3) == 1
-    cu_q, cu_k, cu_qt, varlen, num_seqs, _, max_k = _packed(packing, bsz, n_q, n_k, lse)
-    num_n = cdiv(max_k, BLOCK_N.value)
-    num_items = num_n * num_seqs * hk
-    grid, counter, dynamic = persistent_grid(num_items, programs, lse)
-    return grid, (
-        q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, dq_desc, q_scale, lse,
-        do_scale, delta, q_scale_raw, shift, k_scale, dv4, dk4, counter, cu_q, cu_k, cu_qt, q_scale.stride(0),
-        q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
-        *dv4.stride()[:3], *dk4.stride()[:3], *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1],
-        softmax_scale, float(softcap) * LOG2E if softcap else 1.0, num_items, num_n,
-    ), dict(IS_VARLEN=varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
-            HEAD_DIM_V=head_dim_v,
-            QK_SPLIT=bool(d2), DO_DK=do_dk, DO_DV=do_dv,
-            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, SOFTCAP=bool(softcap),
-            BLOCK_Q=block_q, DYNAMIC=dynamic, ORDER=operand_order, TILE_KS=tile_ks,
-            DO_DQ=do_dq,
-            DQ_BUFFERS=dq_buffers, num_warps=4,
-            ptx_options=ptx_options())
-
-
-def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
-                       window, softmax_scale, **tuning):
-    """dV (``part="dv"``), dK (``"dk"``) or, with dQ added to ``dq_acc``, all three (``"dkdvq"``) into ``dv4`` /
-    ``dk4`` ``[B, Hk, N, D]``."""
-    grid, args, kwargs = dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads,
-                                          group, head_dim, window, softmax_scale, **tuning)
-    return launch(_attn_bwd_dkdv_hopper_kernel, grid, *args, **kwargs)
-
-
-def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale,
-                   consumer_regs=240, loader_regs=32, softcap=0.0, shift=None, row_ds=None, k_mean=None,
-                   programs=None, operand_order=False, packing=None):
-    """(grid, args, kwargs) of the dQ launch: ``[B, H, N, D]`` tensors as ``backward.launch_backward`` takes them
-    (``quant`` from ``quantize_qk(..., transposed=True)``, whose ``k8t`` is dQ's B operand; ``softcap``, ``shift``,
-    ``row_ds``, ``k_mean`` as there). ``operand_order``: ``k8t`` holds each 16 keys in quantize's operand order
-    (dkdv_hopper_args's). ``packing``: as dkdv_hopper_args's, its ``t_starts`` ``k8t``'s
-    (``quantize.aligned_starts(layout_k)``)."""
-    head_dim_v = v4.shape[3]
-    assert (head_dim, head_dim_v) in HEAD_DIMS and dq4.stride(3) == 1
-    block_k = dq_key_tile(head_dim)
-    assert head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK % block_k == 0, "one K scale a key tile"
-    assert quant["q_mean"] is None, "no Q-smoothing on this path"
-    q8, k8, k8t, q_scale, k_scale = quant["q8"], quant["k8"], quant["k8t"], quant["q_scale"], quant["k_scale"]
-    bsz, hq, n_q, d = q8.shape
-    hk, n_k = k8.shape[1], k8.shape[2]
-    assert not softcap or shift is not None
-    assert k_mean is None or softcap or row_ds is not None, "the sinks' row sums, or a cap's own"
-    shift = shift if softcap else lse
-    row_ds = row_ds if k_mean is not None and not softcap else lse
-    for t in (lse, delta, shift, row_ds):
-        assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
-    io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
-    d1, d2 = qk_blocks(d)
-    q_desc = _tma_desc(_rows(q8), [HALF_N.value, d1], gl.int8)
-    do_desc, do_coords = _caller_desc(do4, [HALF_N.value, head_dim_v], io_dtype)
-    k_desc = _tma_desc(_rows(k8), [block_k, d1], gl.int8)
-    v_desc, v_coords = _caller_desc(v4, [block_k, head_dim_v], io_dtype)
-    kt_desc = _tma_desc(k8t.reshape(-1, k8t.shape[-1]), [d1, block_k], gl.int8)
-    q2_desc = _tma_desc(_rows(q8), [HALF_N.value, d2], gl.int8) if d2 else q_desc
-    k2_desc = _tma_desc(_rows(k8), [block_k, d2], gl.int8) if d2 else k_desc
-    kt2_desc = _tma_desc(k8t.reshape(-1, k8t.shape[-1]), [d2, block_k], gl.int8) if d2 else kt_desc
-    cu_q, cu_k, cu_kt, varlen, num_seqs, max_q, _ = _packed(packing, bsz, n_q, n_k, lse)
-    if k_mean is not None:   # one mean a sequence (packed: the sequences', not the one batch's)
-        assert k_mean.shape == (hk, num_seqs, d) and k_mean.stride(2) == 1 and k_mean.dtype == torch.float32
-    num_m = cdiv(max_q, BLOCK_M.value)
-    num_items = num_m * num_seqs * hq
-    grid, counter, dynamic = persistent_grid(num_items, programs, lse)
-    return grid, (
-        q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, q_scale, lse, delta, shift, row_ds,
-        lse if k_mean is None else k_mean, k_scale, dq4, counter, cu_q, cu_k, cu_kt,
-        q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
-        *((0, 0) if k_mean is None else k_mean.stride()[:2]), *dq4.stride()[:3],
-        *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1], softmax_scale,
-        float(softcap) * LOG2E if softcap else 1.0, num_items, num_m,
-    ), dict(IS_VARLEN=varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
-            QK_SPLIT=bool(d2), CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, SOFTCAP=bool(softcap),
-            ROW_TERM=k_mean is not None, DYNAMIC=dynamic, ORDER=operand_order, num_warps=4,
-            ptx_options=ptx_options())
-
-
-def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale, **tuning):
-    """dQ into ``dq4`` ``[B, H, N, D]`` (any strides with a contiguous last dim) on the Gluon kernel."""
-    grid, args, kwargs = dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window,
-                                        softmax_scale, **tuning)
-    return launch(_attn_bwd_dq_hopper_kernel, grid, *args, **kwargs)
-
-
-def _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing):
-    """The dQ launch's ``ROW_TERM`` for sinks after the one launch: ``dq_acc += scale * row_ds * mean(k)``, row_ds
-    the sink's share of each row's rowsum(dS) (given), k_mean ``[Hk, sequences, D]``, each query head reading its
-    KV head's mean (no copy per query head) and each token its sequence's."""
-    b, h, n, d = dq_acc.shape
-    hk = h // group
-    if packing is None:
-        assert k_mean.shape == (hk, b, d), k_mean.shape
-        mean = k_mean.permute(1, 0, 2).reshape(b, hk, 1, 1, d)
-    else:   # one [1, H, T, D] batch: each token's sequence
-        assert k_mean.shape == (hk, packing[0].num_seqs, d), k_mean.shape
-        mean = k_mean[:, packing[0].seq_ids(n, dq_acc.device)].reshape(1, hk, 1, n, d)
-    dq_acc.view(b, hk, group, n, d).addcmul_(row_ds.reshape(b, hk, group, n, 1), mean, value=softmax_scale)
-
-
-def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4, dv4, num_heads, num_kv_heads,
-                           head_dim, window, softmax_scale, softcap=0.0, shift=None, row_ds=None,
-                           k_mean=None, packing=None, fused_dq=False, **tuning):
-    """backward.launch_backward's contract on the Gluon kernels, without Q-smoothing: dV, dK and dQ as three
-    launches, each gradient written once (deterministic). ``softcap`` > 0: capped scores
-    (``shift`` as the forward's); ``k_mean``, ``row_ds``: as there. ``packing``: None for a padded batch; for a
-    packed one ``(layout_q, layout_k, q_starts, k_starts)``, the token-major copies (``do8t``, ``q8t``; ``k8t``)
-    laid out with those starts (``quantize.aligned_starts``). ``fused_dq``: one launch instead (``part="dkdvq"``,
-    64-query tiles), dQ added up by reduce-adds in fp32, so not bit-identical run to run; no cap (the sinks'
-    K-smoothing term is added after it: _add_sinks_row_term); ``dq4`` None: the fp32 dQ is returned instead of
-    copied into it (the caller frees the launch's inputs first)."""
-    group = num_heads // num_kv_heads
-    common = (num_heads, group, head_dim, window, softmax_scale)
-    lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides
-    key_tiles_packing = dq_packing = None
-    if packing is not None:
-        layout_q, layout_k, q_starts, k_starts = packing
-        key_tiles_packing, dq_packing = (layout_q, layout_k, q_starts), (layout_q, layout_k, k_starts)
-    tuning = dict(tuning, softcap=softcap, shift=shift)
-    do4, v4 = tma_addressable(do4), tma_addressable(v4)     # a copy, if one is needed, once for all launches
-    if fused_dq:   # one launch: dQ by reduce-adds of dS K from the key-tile programs (not deterministic)
-        dq_acc = torch.zeros(quant["q8"].shape, dtype=torch.float32, device=quant["q8"].device)
-        launch_dkdv_hopper("dkdvq", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common,
-                           packing=key_tiles_packing, dq_acc=dq_acc, **tuning)
-        if k_mean is not None:
-            _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing)
-        if dq4 is None:
-            return dq_acc
-        dq4.copy_(dq_acc)
-        return None
-    launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, None, *common,
-                       packing=key_tiles_packing, **tuning)
-    launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, None, dk4, *common,
-                       packing=key_tiles_packing, **tuning)
-    launch_dq_hopper(quant, lse, do4, delta, v4, dq4, *common, row_ds=row_ds, k_mean=k_mean, packing=dq_packing,
-                     **{key: value for key, value in tuning.items() if key not in ("fold", "block_q", "tile_ks")})
+        from . import hopper_launch
+        warnings.warn(f"{__name__}.{name} moved to sagebwd_hf.kernels.hopper_launch.{name}; the old name goes in "
+                      f"the next release", DeprecationWarning, stacklevel=2)
+        return getattr(hopper_launch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

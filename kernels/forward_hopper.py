@@ -34,53 +34,12 @@ Head dims 64 and 128, and MLA's 192 for Q/K with 128 for V (``QK_SPLIT``: Q's an
 power-of-two blocks, ``qk_blocks``); no Q-smoothing. Gluon's API moves between Triton releases; this file is
 tested on the versions listed in ``dispatch.GLUON_TESTED``.
 """
-import functools
-
-import torch
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .dispatch import GLUON_HEAD_DIMS as HEAD_DIMS   # (Q/K, V) head dim pairs: see qk_blocks for 192
-from .launch import launch
-from .layout import cdiv
-from .quantize import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E
-
-# The TMA load is ``async_load`` from Triton 3.8 on (3.9 removed the old name); 3.6 and 3.7 have only
-# ``async_copy_global_to_shared``. Same arguments in all four.
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-# ptxas's register allocator at its own default level. Triton 3.7 on passes ``--regAllocOptLevel=2`` to every
-# ptxas call (its comment: a workaround for a ptxas 13.x bug), and from 3.9 sm_90 compiles with CUDA 13's ptxas
-# (3.6-3.8: CUDA 12's, which ignores the level). At level 2 CUDA 13.4's ptxas spills more in the loops that run
-# near the register budget: spill stores / loads in bytes, level 2 against ptxas's default, forward D=128 with three
-# consumers 488 / 604 against 328 / 388, D=64 40 / 156 against 20 / 40, dQ D=128 160 / 248 against 104 / 132
-# (causal 392 / 520 against 76 / 100). Level 4 is that default: cubins byte-identical to no flag for 13 kernel
-# configurations (compile_offline.py, ptxas 13.4). None leaves Triton's choice.
-PTXAS_REGALLOC_LEVEL = 4
-
-
-@functools.lru_cache(maxsize=None)
-def _ptx_options(level):
-    try:
-        from triton import knobs
-        from triton.backends.nvidia.compiler import get_ptxas
-        cuda13 = int(get_ptxas(90).version.split(".")[0]) >= 13
-        theirs = knobs.nvidia.ptxas_options
-    except Exception:   # another Triton layout: leave its options alone
-        return None
-    if level is None or not cuda13:
-        return None
-    # after ours, a user's PTXAS_OPTIONS (Triton's knob, which an explicit ptx_options replaces) still wins
-    return " ".join(o for o in (f"--regAllocOptLevel={level}", theirs) if o)
-
-
-def ptx_options():
-    """The ``ptx_options`` of a Gluon launch (a Triton compile option): see PTXAS_REGALLOC_LEVEL."""
-    return _ptx_options(PTXAS_REGALLOC_LEVEL)
-
+from .hopper_common import (as_operand, claim_item, inside_sequences, key_band_mask, key_tiles, named_barrier,
+                            next_item, post_item, round_to_int8, split_item, tanh_scores, tma_load, wgmma_layout)
 
 HALF_M = gl.constexpr(64)     # query rows per consumer warpgroup (one wgmma M)
 BLOCK_M = gl.constexpr(128)   # query rows per program: two consumers (three: 192, the ``consumers`` option)
@@ -94,131 +53,6 @@ RELEASE_BARRIER = gl.constexpr(10)
 LOG2_127 = gl.constexpr(6.988684686772166)
 
 
-@gluon.constexpr_function
-def wgmma_layout(n, k):
-    """The register layout of one warpgroup's wgmma result ``[64 rows, n]`` (``k``: the instruction's depth, 32
-    for 8-bit operands, 16 for 16-bit ones); every product's layout in these kernels and backward_hopper's."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, k])
-
-
-# _round_to_int8 and _key_tiles repeat quantize.py's and forward.py's arithmetic (the S dequantization too, inline:
-# quantize.int32_times): a Gluon kernel cannot call @triton.jit functions.
-
-@gluon.jit
-def _round_to_int8(x):
-    return (x + 12582912.0).to(gl.int32, bitcast=True).to(gl.int8)
-
-
-@gluon.jit
-def _tanh_scores(y):
-    """forward.tanh_scores in Gluon: ``tanh.approx.f32``, one MUFU op (the reasons there)."""
-    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [y], dtype=gl.float32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _operand_order(p):
-    """A [64, 128] wgmma accumulator tile relabelled so that each thread's registers are, unchanged, the 8-bit
-    A operand (k_width 4) of a product over its columns. In a 16-column group a thread holds accumulator
-    columns {2t, 2t+1, 2t+8, 2t+9} (t: lane % 4) and the operand wants k = 4t..4t+3, so k's bits (k0, k1, k2, k3)
-    are column bits (c0, c3, c1, c2): column c = sigma(k). Converting without the relabel costs shuffles and
-    selects (16 SHFL, 16 SEL and 16 PRMT a tile at D=128); with it, the other operand's keys must come in
-    sigma's order: quantize writes V^T so (``operand_order``), and the backward's token-major copies."""
-    x = gl.reshape(p, [p.shape[0], p.shape[1] // 16, 2, 2, 2, 2])      # (row, c >> 4, c3, c2, c1, c0)
-    return gl.reshape(gl.permute(x, (0, 1, 3, 4, 2, 5)), [p.shape[0], p.shape[1]])
-
-
-@gluon.jit
-def _as_operand(x8, ORDER: gl.constexpr, p_layout: gl.constexpr):
-    """An int8 accumulator-layout tile as the wgmma A operand ``p_layout``: with ``ORDER`` read from its
-    registers as they are (_operand_order; the other operand's tokens permuted to match), else moved by shuffles."""
-    if ORDER:
-        return gl.convert_layout(_operand_order(x8), p_layout, assert_trivial=True)
-    return gl.convert_layout(x8, p_layout)
-
-
-@gluon.jit
-def _floor_to(x, BLOCK: gl.constexpr):
-    return (gl.maximum(x, 0) // BLOCK) * BLOCK
-
-
-@gluon.jit
-def _ceil_to(x, BLOCK: gl.constexpr):
-    return ((gl.maximum(x, 0) + BLOCK - 1) // BLOCK) * BLOCK
-
-
-@gluon.jit
-def _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
-               ROWS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, BLOCK: gl.constexpr):
-    """forward._key_tiles for ``ROWS`` query rows and ``BLOCK``-key tiles (keys past the end always masked):
-    ``[lo, full_lo)`` and ``[full_hi, hi)`` need the mask, ``[full_lo, full_hi)`` does not."""
-    diag = seqlen_k - seqlen_q
-    hi = seqlen_k
-    full_hi = _floor_to(seqlen_k, BLOCK)
-    lo = seqlen_k * 0           # a tensor either way: partitions take no Python ints
-    full_lo = lo
-    if MASK_RIGHT:
-        hi = gl.minimum(hi, start_m + ROWS + diag + window_right)
-        full_hi = gl.minimum(full_hi, _floor_to(start_m + diag + window_right + 1, BLOCK))
-    if MASK_LEFT:
-        lo = _floor_to(start_m + diag - window_left, BLOCK)
-        full_lo = _ceil_to(start_m + ROWS - 1 + diag - window_left, BLOCK)
-    hi = _ceil_to(hi, BLOCK)
-    full_lo = gl.minimum(gl.maximum(full_lo, lo), hi)
-    full_hi = gl.minimum(gl.maximum(full_hi, full_lo), hi)
-    return lo, full_lo, full_hi, hi
-
-
-@gluon.jit
-def _inside(r2, c2, seqlen_q, seqlen_k):
-    """Which (query row ``r2``, key ``c2``) pairs lie inside both sequences: the mask of a kernel without a window
-    band, whose masked tiles are the sequences' last ones (the form that kernel had before _tile_band_mask: with
-    it, the unmasked tile loops of kernels without a band measured 1-3% slower, H100, though their loops kept
-    their instruction counts)."""
-    return (r2 < seqlen_q) & (c2 < seqlen_k)
-
-
-@gluon.jit
-def _tile_band_mask(offs_n, rows, start_n, seqlen_k, diag, window_left, window_right,
-                    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
-    """Which (query row, key) pairs of the key tile at ``start_n`` a row sees (``offs_n``: the tile's columns
-    0..BLOCK-1; forward._score_mask's rule: keys inside the sequence and the window band, bottom-right aligned by
-    ``diag = seqlen_k - seqlen_q``), in the form that costs one compare a score and bound: every bound on a key is
-    a bound on its column, per row (the band's edge, the sequence's last key) computed once a tile. Rows past the
-    query sequence are not masked: nothing of theirs is stored (the outputs' and lse's stores are masked), and
-    in the backward their lse is +inf (P is 0)."""
-    last = rows * 0 + (seqlen_k - 1 - start_n)
-    if MASK_RIGHT:
-        last = gl.minimum(last, rows + diag + window_right - start_n)
-    valid = offs_n[None, :] <= last[:, None]
-    if MASK_LEFT:
-        valid = valid & (offs_n[None, :] >= (rows + diag - window_left - start_n)[:, None])
-    return valid
-
-
-@gluon.jit
-def _named_barrier(ARRIVE: gl.constexpr, bar_id, threads, WARPS: gl.constexpr):
-    """``bar.arrive`` (ARRIVE) or ``bar.sync`` on hardware barrier ``bar_id`` (``threads`` take part in all) by
-    every thread of this WARPS-warp partition. Each thread signals for itself: an mbarrier arrival is one thread's,
-    so Gluon syncs the partition before it (a ``bar.sync`` of its warps per arrival)."""
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    op: gl.constexpr = "bar.arrive" if ARRIVE else "bar.sync"
-    ids = gl.full([32 * WARPS], 0, gl.int32, one) + bar_id
-    counts = gl.full([32 * WARPS], 0, gl.int32, one) + threads
-    gl.inline_asm_elementwise(op + " $1, $2; mov.u32 $0, 0;", "=r,r,r", [ids, counts], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _split_item(t, num_tiles, num_heads, LONGEST_FIRST: gl.constexpr):
-    """Work item ``t``, numbered tile fastest, as (tile, sequence, head); ``LONGEST_FIRST`` reverses the tiles
-    (a causal call's last query tiles see the most keys)."""
-    tile = t % num_tiles
-    if LONGEST_FIRST:
-        tile = num_tiles - 1 - tile
-    bh = t // num_tiles
-    return tile, bh // num_heads, bh % num_heads
-
-
 @gluon.jit
 def _work_item(t, num_items, num_m, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, group, window_left, window_right,
                IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, ROWS: gl.constexpr):
@@ -228,7 +62,7 @@ def _work_item(t, num_items, num_m, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, grou
     early and the short ones fill the tail). Returns its sequence, head, token starts, lengths and key-tile
     bounds (forward._key_tiles)."""
     valid = t < num_items
-    pid_m, b, h = _split_item(t, num_m, num_heads, MASK_RIGHT)
+    pid_m, b, h = split_item(t, num_m, num_heads, MASK_RIGHT)
     if IS_VARLEN:
         bc = gl.where(valid, b, 0)
         q0 = gl.load(CU_Q + bc)
@@ -247,7 +81,7 @@ def _work_item(t, num_items, num_m, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, grou
         bq = b
         bk = b
     start_m = pid_m * ROWS
-    lo, full_lo, full_hi, hi = _key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
+    lo, full_lo, full_hi, hi = key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                           ROWS, MASK_LEFT, MASK_RIGHT, BLOCK_N)
     # An item past the end of its sequence (packed batches) runs no tiles. All four bounds go to 0: with a
     # window, such an item's lo can pass its hi, and then the loader (lo..hi) and the consumers' loops disagreed:
@@ -255,30 +89,6 @@ def _work_item(t, num_items, num_m, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, grou
     has_rows = (start_m < seqlen_q).to(gl.int32)
     return (b, h, h // group, bq, bk, q0, k0, v0, seqlen_q, seqlen_k, start_m,
             lo * has_rows, full_lo * has_rows, full_hi * has_rows, hi * has_rows)
-
-
-@gluon.jit
-def _post_item(item_smem, item_bar, t):
-    """The loader tells the consumers which work item comes next (past the last: stop)."""
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    item_smem.store(gl.full([1], 0, gl.int32, one) + t)
-    mbarrier.arrive(item_bar, count=1)
-
-
-@gluon.jit
-def _next_item(item_smem, item_bar, j):
-    """A consumer warpgroup waits for the loader's ``j``-th posted item and reads its index."""
-    mbarrier.wait(item_bar, j & 1)
-    return gl.max(item_smem.load(gl.BlockedLayout([1], [32], [4], [0])), 0)
-
-
-@gluon.jit
-def _claim_item(t, COUNTER, DYNAMIC: gl.constexpr):
-    """The loader's next work item after ``t``: with ``DYNAMIC`` the next one handed out (``COUNTER`` counts the
-    items taken past each program's first, which is its program id), else ``t`` plus the number of programs."""
-    if DYNAMIC:
-        return gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
-    return t + gl.num_programs(0)
 
 
 @gluon.jit
@@ -313,7 +123,7 @@ def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q
         k_row = (bk * num_kv_heads + hk) * n_k + k0
         v_row = (bk * num_kv_heads + hk) * HEAD_DIM_V
         mbarrier.wait(q_empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
-        _post_item(item_smem, item_bar, t)
+        post_item(item_smem, item_bar, t)
         mbarrier.expect(q_ready, CONSUMERS * q_bytes)
         for c in gl.static_range(CONSUMERS):
             tma_load(q_desc, [q_row + c * HALF_M, 0], q_ready, q_smem.index(c))
@@ -323,7 +133,7 @@ def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q
             s = i % STAGES
             if NAMED_BARRIERS:   # every consumer thread arrived when done with the buffer's last contents
                 if i >= STAGES:
-                    _named_barrier(False, RELEASE_BARRIER + s, 32 + CONSUMERS * 128, 1)
+                    named_barrier(False, RELEASE_BARRIER + s, 32 + CONSUMERS * 128, 1)
             else:   # a fresh barrier's "previous phase" counts as complete: the first STAGES waits pass at once
                 mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
@@ -333,9 +143,9 @@ def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q
             tma_load(vt_desc, [v_row, v0 + start_n], ready.index(s), v_smem.index(s))
             i += 1
         j += 1
-        t = _claim_item(t, COUNTER, DYNAMIC)
+        t = claim_item(t, COUNTER, DYNAMIC)
     mbarrier.wait(q_empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
-    _post_item(item_smem, item_bar, t)
+    post_item(item_smem, item_bar, t)
 
 
 @gluon.jit
@@ -359,8 +169,8 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
     diag = seqlen_k - seqlen_q
     # In band-masked loops the next tile's K scale comes through a pointer of its own: with start_n in the
     # address, LLVM widened the loop counter to 64 bits, and every key index and mask compare with it (a masked
-    # tile at D=64 causal: 1,039 instructions a thread, 945 without the widening, 842 with _tile_band_mask).
-    # Elsewhere the address keeps start_n: a kernel without a band compiles as it did before (see _inside).
+    # tile at D=64 causal: 1,039 instructions a thread, 945 without the widening, 842 with key_band_mask).
+    # Elsewhere the address keeps start_n: a kernel without a band compiles as it did before (see inside_sequences).
     # Packed batches too: there the key offset is a loaded sequence start, and the widening came back in every
     # loop (an unmasked tile at D=128 reloaded two spilled registers, a masked one 1,099 instructions against 859).
     BAND: gl.constexpr = MASKED and (MASK_LEFT or MASK_RIGHT)
@@ -372,7 +182,7 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         if PINGPONG:
             if NAMED_BARRIERS:
-                _named_barrier(False, TURN_BARRIER + FIRST, 256, 4)
+                named_barrier(False, TURN_BARRIER + FIRST, 256, 4)
             else:
                 mbarrier.wait(turn_me, (it & 1) ^ FIRST)
         s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -380,7 +190,7 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
             s_tok = warpgroup_mma(q2, k2_smem.index(s).permute((1, 0)), s_tok, is_async=True)
         if PINGPONG:
             if NAMED_BARRIERS:
-                _named_barrier(True, TURN_BARRIER + 1 - FIRST, 256, 4)
+                named_barrier(True, TURN_BARRIER + 1 - FIRST, 256, 4)
             else:
                 mbarrier.arrive(turn_other, count=1)
         if KS_PTR:
@@ -395,17 +205,17 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
         t = (s_int + 0x4B400000).to(gl.float32, bitcast=True)
         if SOFTCAP:   # tanh((s + shift) / cap), s = ks * (x - 1.5 * 2^23): q_scale is the cap then (forward._fwd_tile)
             t_mul = cap_a * ks
-            t = _tanh_scores(gl.fma(t, t_mul[:, None], (cap_b - t_mul * 12582912.0)[:, None]))
+            t = tanh_scores(gl.fma(t, t_mul[:, None], (cap_b - t_mul * 12582912.0)[:, None]))
             row_mul = q_scale
             row_add = q_scale * 0.0
         else:   # floored: with an all-zero K tile (scale 0) a masked score would be -inf * 0
             row_mul = gl.maximum(q_scale * ks, 1e-37)
             row_add = row_mul * -12582912.0
         if BAND or (MASKED and IS_VARLEN):
-            t = gl.where(_tile_band_mask(offs_n, rows, start_n, seqlen_k, diag, window_left, window_right, MASK_LEFT,
+            t = gl.where(key_band_mask(offs_n, rows, start_n, seqlen_k, diag, window_left, window_right, MASK_LEFT,
                                          MASK_RIGHT), t, float("-inf"))
         elif MASKED:
-            t = gl.where(_inside(rows[:, None], cols[None, :], seqlen_q, seqlen_k), t, float("-inf"))
+            t = gl.where(inside_sequences(rows[:, None], cols[None, :], seqlen_q, seqlen_k), t, float("-inf"))
         tile_max = gl.fma(gl.max(t, 1), row_mul, row_add)
         m_new = gl.maximum(m_i, tile_max)
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -413,7 +223,7 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
         e_ref = gl.where(tile_max == float("-inf"), 0.0, tile_max - LOG2_127)
         e = gl.exp2(gl.fma(t, row_mul[:, None], (row_add - e_ref)[:, None]))
         p_scale = gl.exp2(tile_max - m_ref) * (1.0 / 127.0)
-        p8 = _as_operand(_round_to_int8(e), V_ORDER, p_layout)
+        p8 = as_operand(round_to_int8(e), V_ORDER, p_layout)
         pv_tok = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
         # while P V runs: the row sum, and the rescaled accumulator less the int32_times offset
         l_i = l_i * alpha + gl.sum(e, 1) * p_scale
@@ -422,7 +232,7 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
         acc = gl.fma(acc, alpha_o[:, None], (p_scale_o * -12582912.0)[:, None])
         pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok, ))
         if NAMED_BARRIERS:
-            _named_barrier(True, RELEASE_BARRIER + s, 32 + CONSUMERS * 128, 4)
+            named_barrier(True, RELEASE_BARRIER + s, 32 + CONSUMERS * 128, 4)
         else:
             mbarrier.arrive(empty.index(s), count=1)
         it += 1
@@ -450,10 +260,10 @@ def _consumer(q_smem, q2_smem, C: gl.constexpr, k_smem, k2_smem, v_smem, q_ready
     ROWS: gl.constexpr = CONSUMERS * HALF_M
 
     if PINGPONG and NAMED_BARRIERS and FIRST == 0:   # the other warpgroup's first turn
-        _named_barrier(True, TURN_BARRIER + 1, 256, 4)
+        named_barrier(True, TURN_BARRIER + 1, 256, 4)
     it = num_items * 0      # the ring's tile count, run on across items as the loader's
     j = num_items * 0
-    t = _next_item(item_smem, item_bar, j)      # the loader's pick: past the last item means stop
+    t = next_item(item_smem, item_bar, j)      # the loader's pick: past the last item means stop
     while t < num_items:
         (b, h, hk, bq, bk, q0, k0, v0, seqlen_q, seqlen_k, start_m, lo, full_lo, full_hi,
          hi) = _work_item(t, num_items, num_m, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, group, window_left,
@@ -522,7 +332,7 @@ def _consumer(q_smem, q2_smem, C: gl.constexpr, k_smem, k2_smem, v_smem, q_ready
         ptrs = O + o_off + rows_o.to(gl.int64)[:, None] * s_ot + offs_d[None, :]
         gl.store(ptrs, out.to(O.dtype.element_ty), mask=(rows_o < seqlen_q)[:, None])
         j += 1
-        t = _next_item(item_smem, item_bar, j)
+        t = next_item(item_smem, item_bar, j)
 
 
 @gluon.jit
@@ -612,119 +422,16 @@ def _attn_fwd_hopper_kernel(
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 
-@functools.lru_cache(maxsize=None)
-def shared_layout(block_shape, dtype):
-    """The swizzled shared-memory layout of a TMA tile (computing it costs ~8 us of host time a descriptor)."""
-    assert all(b & (b - 1) == 0 and 0 < b <= 256 for b in block_shape), block_shape
-    return gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+_MOVED_TO_HOPPER_LAUNCH = ('forward_hopper_args', 'launch_forward_hopper', 'persistent_grid', 'ptx_options', 'qk_blocks', 'shared_layout', 'tma_descriptor')
 
 
-def tma_descriptor(base, shape, strides, block_shape, dtype=gl.int8):
-    """Gluon's ``TensorDescriptor`` over ``base`` seen as ``shape`` / ``strides``, with the checks its constructor
-    makes that the data needs (TMA faults on a base or stride that is not 16-byte aligned); the constructor's
-    generic validation costs ~5 us of host time a descriptor, and a forward and backward build 16."""
-    esize = base.element_size()
-    if not (base.data_ptr() % 16 == 0 and strides[-1] == 1 and all(st * esize % 16 == 0 for st in strides[:-1])
-            and min(shape) > 0):
-        raise ValueError(f"TMA cannot address this memory: base {base.data_ptr():#x}, shape {list(shape)}, "
-                         f"strides {list(strides)}, {esize}-byte elements")
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(base=base, shape=list(shape), strides=list(strides), block_shape=list(block_shape),
-                         layout=shared_layout(tuple(block_shape), dtype), padding="zero")
-    return desc
+def __getattr__(name):
+    """The launch helpers moved to hopper_launch.py: the old names keep working for one release, with a warning."""
+    if name in _MOVED_TO_HOPPER_LAUNCH:
+        import warnings
 
-
-def _tma_desc(x2d, block_shape, dtype=gl.int8):
-    """A TMA descriptor over a 2-D view: int8 tiles here, bf16/fp16 ones too in backward_hopper."""
-    return tma_descriptor(x2d, x2d.shape, x2d.stride(), block_shape, dtype)
-
-
-def qk_blocks(head_dim):
-    """Q's and K's channels as (first, second) power-of-two blocks (Gluon tiles have power-of-two shapes):
-    192 (MLA) -> (128, 64); 64 or 128 -> (that, 0)."""
-    first = min(head_dim, 128)
-    assert head_dim - first in (0, 64), head_dim
-    return first, head_dim - first
-
-
-def persistent_grid(num_items, programs, stand_in):
-    """(grid, counter, dynamic) of a launch over ``num_items`` work items: ``programs`` persistent programs that
-    take items from a zeroed int32 counter of the items handed out past each program's first (``dynamic``), when
-    that is fewer than the items; else one program an item (``stand_in``: a tensor passed as the unused counter)."""
-    if not (programs and programs < num_items):
-        return (num_items, ), stand_in, False
-    return (programs, ), torch.zeros(1, dtype=torch.int32, device=stand_in.device), True
-
-
-def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
-                        window, v_starts=None, consumers=2, consumer_regs=None, loader_regs=24, pingpong=None,
-                        sinks=None, sink_shift=None, softcap=0.0, shift=None, named_barriers=None,
-                        programs=None, v_operand_order=False):
-    """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift``,
-    ``softcap``, ``shift`` as there). ``pingpong`` defaults to on at V's head dim 128 and off at 64; the op
-    passes ``dispatch.gluon_forward_pingpong``'s choice (session 26: off is faster for short unmasked calls and
-    MLA's head dims).
-    ``named_barriers``: the turns and the buffer releases on hardware named barriers, each thread arriving for
-    itself, instead of mbarriers (whose one-thread arrivals Gluon precedes with a ``bar.sync`` of the warpgroup:
-    three of a tile's four go); default on at V's head dim 128, where kernels alone ran 1.00-1.05x faster with two
-    consumers and 1.01-1.04x with three (H100, session 18), off at 64 (0.98-1.03x).
-    ``programs``: launch this many programs (``dispatch.gluon_programs``: one per SM), each taking work
-    items (the query rows of one sequence and head) from an atomic counter until none is left, so the next item's
-    Q and first K / V tiles load while this one's epilogue runs, and causal calls' items of unequal length balance
-    (a static round-robin did not: session 20); None (or at least one per item): one program per work item.
-    ``v_operand_order``: ``v8t`` from ``quantize_v(..., operand_order=True)`` (each 16 keys in the order P's
-    registers hold them, so P goes to ``P V`` without shuffles: kernels alone 1.01-1.11x, session 21); the op's."""
-    assert sink_shift is None or (sinks is not None and sink_shift.stride() == lse.stride())
-    assert not softcap or (shift is not None and shift.stride() == lse.stride())
-    assert not (softcap and sink_shift is not None), "capped scores are already the caller's"
-    if consumers not in (2, 3):
-        raise ValueError(f"consumers must be 2 or 3, got {consumers!r}")
-    if pingpong is None:
-        pingpong = out4.shape[3] == 128 and consumers == 2
-    if named_barriers is None:
-        named_barriers = out4.shape[3] == 128
-    if consumer_regs is None:   # what one SM's 64K registers give each consumer warpgroup beside the loader
-        consumer_regs = {2: 240, 3: 160}[consumers]
-    q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]
-    head_dim_v = out4.shape[3]
-    assert quant["q_mean"] is None and (head_dim, head_dim_v) in HEAD_DIMS and out4.stride(3) == 1
-    assert head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == BLOCK_N.value, "one K scale a key tile"
-    bsz, hq, n_q, d = q8.shape
-    hk, n_k = k8.shape[1], k8.shape[2]
-    d1, d2 = qk_blocks(d)
-    q_desc = _tma_desc(q8.view(-1, d), [HALF_M.value, d1])
-    k_desc = _tma_desc(k8.view(-1, d), [BLOCK_N.value, d1])
-    q2_desc = _tma_desc(q8.view(-1, d), [HALF_M.value, d2]) if d2 else q_desc
-    k2_desc = _tma_desc(k8.view(-1, d), [BLOCK_N.value, d2]) if d2 else k_desc
-    vt_desc = _tma_desc(v8t.view(-1, v8t.shape[-1]), [head_dim_v, BLOCK_N.value])
-    cu_q = layout_q.cu_seqlens if layout_q.is_varlen else q_scale
-    cu_k = layout_k.cu_seqlens if layout_k.is_varlen else q_scale
-    if layout_k.is_varlen and v_starts is None:
-        raise ValueError("packed batches need v8t laid out with quantize.aligned_starts, passed as v_starts")
-    num_m = cdiv(layout_q.max_len, consumers * HALF_M.value)
-    num_items = num_m * layout_q.num_seqs * num_heads
-    grid, counter, dynamic = persistent_grid(num_items, programs, lse)
-    return grid, (
-        q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_scale, k_scale, v_scale, out4, lse, cu_q, cu_k,
-        v_starts if v_starts is not None else cu_k, sinks if sinks is not None else lse,
-        sink_shift if sink_shift is not None else lse, shift if softcap else lse, counter,
-        q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
-        v_scale.stride(0), v_scale.stride(1), *out4.stride()[:3], lse.stride(0), lse.stride(1),
-        n_q, n_k, num_heads, hk, group, window[0], window[1], float(softcap) * LOG2E, num_items, num_m,
-    ), dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
-            HEAD_DIM_V=head_dim_v, QK_SPLIT=bool(d2), CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
-            LOADER_REGS=loader_regs, PINGPONG=pingpong,
-            SINK_MODE=0 if sinks is None else 2 if sink_shift is not None else 1,
-            V_ORDER=v_operand_order,
-            SOFTCAP=bool(softcap), NAMED_BARRIERS=bool(named_barriers), DYNAMIC=dynamic, num_warps=4,
-            ptx_options=ptx_options())
-
-
-def launch_forward_hopper(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim, window,
-                          **tuning):
-    """forward.launch_forward's contract on the Gluon kernel: ``out4`` ``[B, Hq, N, D]`` (any strides) and
-    ``lse`` ``[B, Hq, N]`` fp32 are written. Needs (head_dim, V's) in ``HEAD_DIMS`` and no Q-smoothing; a packed
-    batch needs ``v8t`` from ``quantize_v(..., t_starts=aligned_starts(layout_k))`` and those starts as ``v_starts``."""
-    grid, args, kwargs = forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group,
-                                             head_dim, window, **tuning)
-    return launch(_attn_fwd_hopper_kernel, grid, *args, **kwargs)
+        from . import hopper_launch
+        warnings.warn(f"{__name__}.{name} moved to sagebwd_hf.kernels.hopper_launch.{name}; the old name goes in "
+                      f"the next release", DeprecationWarning, stacklevel=2)
+        return getattr(hopper_launch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

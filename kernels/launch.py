@@ -24,7 +24,8 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
-TESTED = ("3.6", "3.7", "3.8", "3.9")   # Triton major.minor releases whose launcher call this module was checked on
+from .constants import TESTED_TRITON as TESTED   # the releases whose launcher call this module was checked on
+
 _MAJOR_MINOR = ".".join(triton.__version__.split(".")[:2])
 
 

@@ -8,7 +8,7 @@ Scales (all fp32, symmetric, ``x ~ scale * x8``):
   bytes are the same in both layouts.
 * K: at head dims 64 and 128, one scale per run of ``K_SCALE_BLOCK`` tokens from each sequence's start (the
   max over the run), stored per token like the others, so every kernel may read it per token; the Hopper
-  kernels, whose key tile is that run, read one number a tile (``naive.K_SCALE_BLOCK`` says why). Other head
+  kernels, whose key tile is that run, read one number a tile (``constants.K_SCALE_BLOCK`` says why). Other head
   dims: per token.
 * V: one scale per channel per sequence; it leaves the ``P V`` reduction and is applied once at the end.
 
@@ -27,16 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .constants import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E, Q_SMOOTH_BLOCK  # noqa: F401  (re-exported)
 from .launch import launch
 from .layout import SeqLayout, cdiv, strides3, strides4
 
-LOG2E = 1.4426950408889634
 TOKEN_ALIGN = 16        # transposed copies pad the token axis so every row starts 16-byte aligned
-Q_SMOOTH_BLOCK = 128    # tokens per Q-smoothing mean; every kernel's query tile divides it
 STATS_CHUNK = 512       # tokens per program for a whole sequence's mean or max (padded batches)
 STATS_ROWS = 32         # tokens per load in the statistics kernel (its accumulator holds that many rows)
-K_SCALE_BLOCK = 128     # tokens per K scale at the head dims below (naive.k_scale_block)
-K_BLOCK_HEAD_DIMS = (64, 128, 192)
 
 
 @triton.jit

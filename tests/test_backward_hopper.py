@@ -32,7 +32,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}kv{c[2]}-n{c[3]}-d{c[4]}"
                          f"{f'v{c[6]}' if len(c) > 6 else ''}-w{c[5][0]}_{c[5][1]}")
 def test_gluon_dkdv_matches_portable(case, part):
-    from sagebwd_hf.kernels.backward_hopper import dkdv_query_tile, dq_key_tile, launch_dkdv_hopper, launch_dq_hopper
+    from sagebwd_hf.kernels.hopper_launch import dkdv_query_tile, dq_key_tile, launch_dkdv_hopper, launch_dq_hopper
 
     b, h, hk, n, d, window = case[:6]
     dv = case[6] if len(case) > 6 else d
@@ -214,7 +214,7 @@ def test_one_launch_backward_with_dq_reduce_adds(case):
     """``launch_backward_hopper(..., fused_dq=True)``: dV and dK as the portable launches give them at the one
     launch's 64-query tile, and dQ (dS K in bf16 from the quantized K, added by TMA reduce-adds) against float64,
     poisoned outputs, K outliers."""
-    from sagebwd_hf.kernels.backward_hopper import launch_backward_hopper
+    from sagebwd_hf.kernels.hopper_launch import launch_backward_hopper
     from sagebwd_hf.testing import exact_reference
 
     b, h, hk, n, window = case

@@ -42,14 +42,11 @@ def test_cpu_never_takes_gluon(monkeypatch):
 
 
 def test_auto_and_forced_choices_on_hopper(monkeypatch):
-    """auto takes Gluon only when it is the default and all of it holds (sm_90, a tested Triton, a call it
-    takes); gluon forces it, also on an untested release, and sends calls it does not take elsewhere."""
+    """auto takes Gluon only when all of it holds (sm_90, a tested Triton, a call it takes); gluon forces it,
+    also on an untested release, and sends calls it does not take elsewhere."""
     monkeypatch.setattr(dispatch, "gluon_unavailable", lambda device: None)   # as on an H100
     monkeypatch.setattr(dispatch, "_triton_minor", lambda: dispatch.GLUON_TESTED[0])
     dev = torch.device("cuda")
-    monkeypatch.setattr(dispatch, "GLUON_BY_DEFAULT", False)
-    assert not dispatch.use_gluon(dev, 128, False)
-    monkeypatch.setattr(dispatch, "GLUON_BY_DEFAULT", True)
     assert dispatch.use_gluon(dev, 128, False) and dispatch.use_gluon(dev, 64, False)
     assert not dispatch.use_gluon(dev, 96, False) and not dispatch.use_gluon(dev, 128, True)
     # MLA: Q/K head dim 192 with V's 128 (DeepSeek V2/V3), both passes; not 192 for V too, nor 128 with V 64
@@ -57,24 +54,15 @@ def test_auto_and_forced_choices_on_hopper(monkeypatch):
                                                                                       head_dim_v=128, backward=True)
     assert not dispatch.use_gluon(dev, 192, False) and not dispatch.use_gluon(dev, 128, False, head_dim_v=64)
     assert dispatch.use_gluon(dev, 128, False, varlen=True)        # the forward takes packed batches
-    # at head dim 128 a masked call shorter than GLUON_MIN_KEYS_D128 stays portable (since session 21 the
-    # threshold is 0: the Gluon forward measured faster at every length), unmasked ones always run on Gluon
-    assert dispatch.use_gluon(dev, 128, False, seqlen_k=1024, masked=True) == (1024 >= dispatch.GLUON_MIN_KEYS_D128)
-    monkeypatch.setattr(dispatch, "GLUON_MIN_KEYS_D128", 2048)
-    assert not dispatch.use_gluon(dev, 128, False, seqlen_k=2047)
-    assert dispatch.use_gluon(dev, 128, False, seqlen_k=2048)
-    assert dispatch.use_gluon(dev, 128, False, seqlen_k=1024, masked=False)
-    assert not dispatch.use_gluon(dev, 128, False, seqlen_k=1024, masked=True)
-    assert dispatch.use_gluon(dev, 64, False, seqlen_k=1024)
-    # the backward: padded and packed batches at head dims 64 and 128, any length
-    assert dispatch.use_gluon(dev, 128, False, seqlen_k=1024, backward=True) == dispatch.GLUON_BWD_BY_DEFAULT
-    assert dispatch.use_gluon(dev, 64, False, varlen=True, backward=True) == dispatch.GLUON_BWD_BY_DEFAULT
+    # every length, masked or not, forward and backward, padded or packed, capped or not
+    for seqlen_k in (1, 1024, 2047, 2048, 1 << 20):
+        for masked in (False, True):
+            assert dispatch.use_gluon(dev, 128, False, seqlen_k=seqlen_k, masked=masked)
+            assert dispatch.use_gluon(dev, 64, False, seqlen_k=seqlen_k, masked=masked, backward=True)
+    assert dispatch.use_gluon(dev, 64, False, varlen=True, backward=True)
     assert not dispatch.use_gluon(dev, 64, True, backward=True)
-    # soft-capped scores: a compile-time option of both Gluon families (auto: see GLUON_SOFTCAP_FORWARD)
-    assert dispatch.use_gluon(dev, 64, False, softcap=True) == dispatch.GLUON_SOFTCAP_FORWARD
-    assert dispatch.use_gluon(dev, 128, False, backward=True, softcap=True) == dispatch.GLUON_BWD_BY_DEFAULT
-    monkeypatch.setattr(dispatch, "GLUON_BWD_BY_DEFAULT", False)
-    assert not dispatch.use_gluon(dev, 128, False, backward=True)
+    assert dispatch.use_gluon(dev, 64, False, softcap=True)
+    assert dispatch.use_gluon(dev, 128, False, backward=True, softcap=True)
     # an untested Triton: auto stays portable, and says so once per process on an H100/H200 (not elsewhere)
     monkeypatch.setattr(dispatch, "_triton_minor", lambda: "99.0")
     monkeypatch.setattr(dispatch, "_warned", set())
@@ -137,22 +125,17 @@ def test_ping_pong_only_where_measured_faster():
 
 
 def test_persistent_launches_take_one_program_per_sm(monkeypatch):
-    """The Gluon forward and backward launch one program per SM (each taking work items from a counter), or one
-    program a work item with the persistent schedule off."""
+    """The Gluon forward and backward launch one program per SM (each taking work items from a counter)."""
     monkeypatch.setattr(dispatch, "sm_count", lambda device: 132)
     dev = torch.device("cuda", 0)
     assert dispatch.gluon_programs(dev) == 132 and dispatch.gluon_programs(dev, backward=True) == 132
-    monkeypatch.setattr(dispatch, "GLUON_FORWARD_PERSISTENT", False)
-    assert dispatch.gluon_programs(dev) is None and dispatch.gluon_programs(dev, backward=True) == 132
-    monkeypatch.setattr(dispatch, "GLUON_BACKWARD_PERSISTENT", False)
-    assert dispatch.gluon_programs(dev, backward=True) is None
 
 
 def test_persistent_grid_hands_out_every_item_once():
     """A persistent launch gets as many programs as asked and a zeroed counter (a stale count would skip work
     items, leaving outputs unwritten); as many programs as items or more, or none asked, is one program an item."""
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")   # forward_hopper imports Gluon
-    from sagebwd_hf.kernels.forward_hopper import persistent_grid
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")   # hopper_launch imports Gluon
+    from sagebwd_hf.kernels.hopper_launch import persistent_grid
 
     stand_in = torch.ones(3)
     grid, counter, dynamic = persistent_grid(1000, 132, stand_in)
@@ -167,21 +150,21 @@ def test_gluon_kernels_ask_ptxas_for_its_default_register_allocation(monkeypatch
     """Under CUDA 13's ptxas (Triton 3.9's for sm_90) the Gluon launches undo Triton's --regAllocOptLevel=2
     (which spills in the three-consumer forward and in dQ), keeping a user's PTXAS_OPTIONS after theirs; CUDA 12's
     ptxas, or the level set to None, leaves Triton's options as they are."""
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")   # forward_hopper imports Gluon
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")   # hopper_launch imports Gluon
     pytest.importorskip("triton.backends.nvidia.compiler")
     import types
 
     import triton.backends.nvidia.compiler as nv_compiler
     from triton import knobs
 
-    from sagebwd_hf.kernels import forward_hopper
+    from sagebwd_hf.kernels import hopper_launch
 
     def options(ptxas_version, user=None, level=4):
         monkeypatch.setattr(nv_compiler, "get_ptxas", lambda arch: types.SimpleNamespace(version=ptxas_version))
         monkeypatch.setattr(knobs.nvidia, "ptxas_options", user)
-        monkeypatch.setattr(forward_hopper, "PTXAS_REGALLOC_LEVEL", level)
-        forward_hopper._ptx_options.cache_clear()
-        return forward_hopper.ptx_options()
+        monkeypatch.setattr(hopper_launch, "PTXAS_REGALLOC_LEVEL", level)
+        hopper_launch._ptx_options.cache_clear()
+        return hopper_launch.ptx_options()
 
     try:
         assert options("13.4") == "--regAllocOptLevel=4"
@@ -189,7 +172,7 @@ def test_gluon_kernels_ask_ptxas_for_its_default_register_allocation(monkeypatch
         assert options("12.8") is None and options("12.9", user="-O2") is None
         assert options("13.4", level=None) is None
     finally:
-        forward_hopper._ptx_options.cache_clear()
+        hopper_launch._ptx_options.cache_clear()
 
 
 def test_stats_say_which_kernels_ran():
@@ -300,7 +283,7 @@ def test_gluon_forward_schedules_agree(case, softcap):
     across items) and P V's keys in P's register order run the same arithmetic on the same INT8 inputs:
     bit-identical outputs and lse, over padded tiles, rows that see no key, a window, GQA and MLA, with and without
     a soft cap."""
-    from sagebwd_hf.kernels.forward_hopper import launch_forward_hopper
+    from sagebwd_hf.kernels.hopper_launch import launch_forward_hopper
     from sagebwd_hf.kernels.layout import SeqLayout
     from sagebwd_hf.kernels.quantize import quantize_qk, quantize_v
     b, h, hk, nq, nk, d, causal, window, dv = _unpack(case)
@@ -512,11 +495,10 @@ def test_dispatch_picks_each_path_on_hopper(monkeypatch):
     monkeypatch.delenv(dispatch.BACKWARD_ENV, raising=False)
     reset_attention_stats()
     sagebwd_attn_func(q, k, v, causal=True).backward(do)
-    default = dispatch.GLUON_BY_DEFAULT and dispatch._triton_minor() in dispatch.GLUON_TESTED
-    default_bwd = dispatch.GLUON_BWD_BY_DEFAULT and dispatch._triton_minor() in dispatch.GLUON_TESTED
-    one_launch = default_bwd and dispatch.BACKWARD_DEFAULT == "fast"     # head dim 64, no cap
+    default = dispatch._triton_minor() in dispatch.GLUON_TESTED
+    one_launch = default and dispatch.BACKWARD_DEFAULT == "fast"     # head dim 64, no cap
     assert attention_stats()["kernels"] == {"fwd_gluon" if default else "fwd_triton": 1,
-                                            ("bwd_gluon_one_launch" if one_launch else "bwd_gluon") if default_bwd
+                                            ("bwd_gluon_one_launch" if one_launch else "bwd_gluon") if default
                                             else "bwd_triton": 1}
     for choice in ("gluon", "triton"):
         monkeypatch.setenv(dispatch.ENV_VAR, choice)
@@ -526,7 +508,7 @@ def test_dispatch_picks_each_path_on_hopper(monkeypatch):
 
 
 def test_one_launch_backward_rule(monkeypatch):
-    """SAGEBWD_BACKWARD: fast by default (issue 11), taking the one launch where it fits and measured faster,
+    """SAGEBWD_BACKWARD: fast by default, taking the one launch where it fits and measured faster,
     never under torch.use_deterministic_algorithms(True); the op's argument wins over the variable; a bad value
     names the variable and its choices."""
     rule = dispatch.gluon_one_launch_backward
@@ -542,10 +524,7 @@ def test_one_launch_backward_rule(monkeypatch):
     assert not rule(**dict(plain, deterministic=True))
     assert not rule(**dict(plain, head_dim=128, head_dim_v=128))
     assert not rule(**dict(plain, softcap=True))
-    assert rule(**dict(plain, masked=True))
-    monkeypatch.setattr(dispatch, "ONE_LAUNCH_MIN_KEYS_MASKED", 2048)   # the knob, should a GPU need it
-    assert not rule(**dict(plain, masked=True))
-    assert rule(**dict(plain, masked=True, max_len_k=2048))
+    assert rule(**dict(plain, masked=True)) and rule(**dict(plain, masked=True, max_len_k=1))
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:

@@ -137,25 +137,25 @@ def test_unaligned_inputs_get_their_own_kernel(monkeypatch):
 
 
 def test_tma_descriptor_is_the_checked_constructors():
-    """forward_hopper.tma_descriptor skips Gluon's TensorDescriptor constructor (host time) but builds the
+    """hopper_launch.tma_descriptor skips Gluon's TensorDescriptor constructor (host time) but builds the
     same descriptor, and refuses memory TMA cannot address as the constructor does."""
     try:
-        from sagebwd_hf.kernels import forward_hopper
+        from sagebwd_hf.kernels import hopper_launch
     except Exception as exc:   # noqa: BLE001  (a Triton whose Gluon API these kernels do not build on)
         pytest.skip(f"no Gluon kernels here: {exc}")
     from triton.experimental.gluon import language as gl
     base = torch.empty(256 * 128 + 64, dtype=torch.int8)
     for rows, cols, block in ((64, 64, [64, 64]), (256, 128, [128, 128]), (128, 64, [64, 128][::-1])):
         x = base[:rows * cols].view(rows, cols)
-        got = forward_hopper.tma_descriptor(x, x.shape, x.stride(), block)
-        want = forward_hopper.TensorDescriptor(x, list(x.shape), list(x.stride()), block,
-                                               forward_hopper.shared_layout(tuple(block), gl.int8))
+        got = hopper_launch.tma_descriptor(x, x.shape, x.stride(), block)
+        want = hopper_launch.TensorDescriptor(x, list(x.shape), list(x.stride()), block,
+                                               hopper_launch.shared_layout(tuple(block), gl.int8))
         assert got == want and type(got) is type(want)
         assert launch_mod._arg_key(got) == launch_mod._arg_key(want)
     for bad in (base[1:65 * 64 + 1].view(65, 64),          # base not 16-byte aligned
                 base[:63 * 65].view(63, 65)):               # row stride of 65 bytes
         with pytest.raises(ValueError, match="TMA cannot address"):
-            forward_hopper.tma_descriptor(bad, bad.shape, bad.stride(), [64, 64])
+            hopper_launch.tma_descriptor(bad, bad.shape, bad.stride(), [64, 64])
 
 
 def test_status_says_whether_and_why_not(monkeypatch):

@@ -1,0 +1,161 @@
+"""Gluon helpers both Hopper kernels (forward_hopper.py, backward_hopper.py) inline: the rounding and score math
+they share with the portable kernels, the key-tile ranges and masks of a work item, the loader's work-item
+hand-off to the consumers (an atomic counter, a one-slot mailbox), hardware named barriers, and the register
+relabelling that feeds a wgmma accumulator to the next product as its A operand.
+
+Each is a ``@gluon.jit`` function inlined where it is called (a Gluon kernel cannot call ``@triton.jit`` ones, so
+the few lines that repeat quantize.py's and forward.py's arithmetic are written again here).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+# The TMA load is ``async_load`` from Triton 3.8 on (3.9 removed the old name); 3.6 and 3.7 have only
+# ``async_copy_global_to_shared``. Same arguments in all four.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.constexpr_function
+def wgmma_layout(n, k):
+    """The register layout of one warpgroup's wgmma result ``[64 rows, n]`` (``k``: the instruction's depth, 32
+    for 8-bit operands, 16 for 16-bit ones); every product's layout in these kernels and backward_hopper's."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, k])
+
+
+@gluon.jit
+def round_to_int8(x):
+    return (x + 12582912.0).to(gl.int32, bitcast=True).to(gl.int8)
+
+
+@gluon.jit
+def tanh_scores(y):
+    """forward.tanh_scores in Gluon: ``tanh.approx.f32``, one MUFU op (the reasons there)."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [y], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def to_operand_order(p):
+    """A [64, 128] wgmma accumulator tile relabelled so that each thread's registers are, unchanged, the 8-bit
+    A operand (k_width 4) of a product over its columns. In a 16-column group a thread holds accumulator
+    columns {2t, 2t+1, 2t+8, 2t+9} (t: lane % 4) and the operand wants k = 4t..4t+3, so k's bits (k0, k1, k2, k3)
+    are column bits (c0, c3, c1, c2): column c = sigma(k). Converting without the relabel costs shuffles and
+    selects (16 SHFL, 16 SEL and 16 PRMT a tile at D=128); with it, the other operand's keys must come in
+    sigma's order: quantize writes V^T so (``operand_order``), and the backward's token-major copies."""
+    x = gl.reshape(p, [p.shape[0], p.shape[1] // 16, 2, 2, 2, 2])      # (row, c >> 4, c3, c2, c1, c0)
+    return gl.reshape(gl.permute(x, (0, 1, 3, 4, 2, 5)), [p.shape[0], p.shape[1]])
+
+
+@gluon.jit
+def as_operand(x8, ORDER: gl.constexpr, p_layout: gl.constexpr):
+    """An int8 accumulator-layout tile as the wgmma A operand ``p_layout``: with ``ORDER`` read from its
+    registers as they are (to_operand_order; the other operand's tokens permuted to match), else moved by shuffles."""
+    if ORDER:
+        return gl.convert_layout(to_operand_order(x8), p_layout, assert_trivial=True)
+    return gl.convert_layout(x8, p_layout)
+
+
+@gluon.jit
+def floor_to(x, BLOCK: gl.constexpr):
+    return (gl.maximum(x, 0) // BLOCK) * BLOCK
+
+
+@gluon.jit
+def ceil_to(x, BLOCK: gl.constexpr):
+    return ((gl.maximum(x, 0) + BLOCK - 1) // BLOCK) * BLOCK
+
+
+@gluon.jit
+def key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
+               ROWS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, BLOCK: gl.constexpr):
+    """forward._key_tiles for ``ROWS`` query rows and ``BLOCK``-key tiles (keys past the end always masked):
+    ``[lo, full_lo)`` and ``[full_hi, hi)`` need the mask, ``[full_lo, full_hi)`` does not."""
+    diag = seqlen_k - seqlen_q
+    hi = seqlen_k
+    full_hi = floor_to(seqlen_k, BLOCK)
+    lo = seqlen_k * 0           # a tensor either way: partitions take no Python ints
+    full_lo = lo
+    if MASK_RIGHT:
+        hi = gl.minimum(hi, start_m + ROWS + diag + window_right)
+        full_hi = gl.minimum(full_hi, floor_to(start_m + diag + window_right + 1, BLOCK))
+    if MASK_LEFT:
+        lo = floor_to(start_m + diag - window_left, BLOCK)
+        full_lo = ceil_to(start_m + ROWS - 1 + diag - window_left, BLOCK)
+    hi = ceil_to(hi, BLOCK)
+    full_lo = gl.minimum(gl.maximum(full_lo, lo), hi)
+    full_hi = gl.minimum(gl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@gluon.jit
+def inside_sequences(r2, c2, seqlen_q, seqlen_k):
+    """Which (query row ``r2``, key ``c2``) pairs lie inside both sequences: the mask of a kernel without a window
+    band, whose masked tiles are the sequences' last ones (the form that kernel had before key_band_mask: with
+    it, the unmasked tile loops of kernels without a band measured 1-3% slower, H100, though their loops kept
+    their instruction counts)."""
+    return (r2 < seqlen_q) & (c2 < seqlen_k)
+
+
+@gluon.jit
+def key_band_mask(offs_n, rows, start_n, seqlen_k, diag, window_left, window_right,
+                    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """Which (query row, key) pairs of the key tile at ``start_n`` a row sees (``offs_n``: the tile's columns
+    0..BLOCK-1; forward._score_mask's rule: keys inside the sequence and the window band, bottom-right aligned by
+    ``diag = seqlen_k - seqlen_q``), in the form that costs one compare a score and bound: every bound on a key is
+    a bound on its column, per row (the band's edge, the sequence's last key) computed once a tile. Rows past the
+    query sequence are not masked: nothing of theirs is stored (the outputs' and lse's stores are masked), and
+    in the backward their lse is +inf (P is 0)."""
+    last = rows * 0 + (seqlen_k - 1 - start_n)
+    if MASK_RIGHT:
+        last = gl.minimum(last, rows + diag + window_right - start_n)
+    valid = offs_n[None, :] <= last[:, None]
+    if MASK_LEFT:
+        valid = valid & (offs_n[None, :] >= (rows + diag - window_left - start_n)[:, None])
+    return valid
+
+
+@gluon.jit
+def named_barrier(ARRIVE: gl.constexpr, bar_id, threads, WARPS: gl.constexpr):
+    """``bar.arrive`` (ARRIVE) or ``bar.sync`` on hardware barrier ``bar_id`` (``threads`` take part in all) by
+    every thread of this WARPS-warp partition. Each thread signals for itself: an mbarrier arrival is one thread's,
+    so Gluon syncs the partition before it (a ``bar.sync`` of its warps per arrival)."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    op: gl.constexpr = "bar.arrive" if ARRIVE else "bar.sync"
+    ids = gl.full([32 * WARPS], 0, gl.int32, one) + bar_id
+    counts = gl.full([32 * WARPS], 0, gl.int32, one) + threads
+    gl.inline_asm_elementwise(op + " $1, $2; mov.u32 $0, 0;", "=r,r,r", [ids, counts], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def split_item(t, num_tiles, num_heads, LONGEST_FIRST: gl.constexpr):
+    """Work item ``t``, numbered tile fastest, as (tile, sequence, head); ``LONGEST_FIRST`` reverses the tiles
+    (a causal call's last query tiles see the most keys)."""
+    tile = t % num_tiles
+    if LONGEST_FIRST:
+        tile = num_tiles - 1 - tile
+    bh = t // num_tiles
+    return tile, bh // num_heads, bh % num_heads
+
+
+@gluon.jit
+def post_item(item_smem, item_bar, t):
+    """The loader tells the consumers which work item comes next (past the last: stop)."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    item_smem.store(gl.full([1], 0, gl.int32, one) + t)
+    mbarrier.arrive(item_bar, count=1)
+
+
+@gluon.jit
+def next_item(item_smem, item_bar, j):
+    """A consumer warpgroup waits for the loader's ``j``-th posted item and reads its index."""
+    mbarrier.wait(item_bar, j & 1)
+    return gl.max(item_smem.load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+
+
+@gluon.jit
+def claim_item(t, COUNTER, DYNAMIC: gl.constexpr):
+    """The loader's next work item after ``t``: with ``DYNAMIC`` the next one handed out (``COUNTER`` counts the
+    items taken past each program's first, which is its program id), else ``t`` plus the number of programs."""
+    if DYNAMIC:
+        return gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
+    return t + gl.num_programs(0)

@@ -1,0 +1,411 @@
+"""Host side of the Hopper (Gluon) kernels: TMA descriptors, grids and launch arguments, and the launches.
+
+``launch_forward_hopper`` keeps forward.launch_forward's contract on forward_hopper's kernel;
+``launch_backward_hopper`` keeps backward.launch_backward's on backward_hopper's (three launches, dV, dK and dQ,
+each gradient written once; or with ``fused_dq`` the one launch, dQ added up by reduce-adds). ``*_hopper_args``
+build ``(grid, args, kwargs)`` without launching (benchmarks/compile_offline.py compiles from them). Inputs come
+from quantize.quantize_qk / quantize_v / quantize; TMA needs 16-byte aligned bases, strides and, for packed
+batches, token-major copies whose sequences start 16-aligned (``quantize.aligned_starts``).
+"""
+import functools
+
+import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from . import backward_hopper, forward_hopper
+from .constants import GLUON_HEAD_DIMS, K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E, ONE_LAUNCH_QUERY_TILE
+from .launch import launch
+from .layout import cdiv, tma_addressable, token_rows
+
+
+# ptxas's register allocator at its own default level. Triton 3.7 on passes ``--regAllocOptLevel=2`` to every
+# ptxas call (its comment: a workaround for a ptxas 13.x bug), and from 3.9 sm_90 compiles with CUDA 13's ptxas
+# (3.6-3.8: CUDA 12's, which ignores the level). At level 2 CUDA 13.4's ptxas spills more in the loops that run
+# near the register budget: spill stores / loads in bytes, level 2 against ptxas's default, forward D=128 with three
+# consumers 488 / 604 against 328 / 388, D=64 40 / 156 against 20 / 40, dQ D=128 160 / 248 against 104 / 132
+# (causal 392 / 520 against 76 / 100). Level 4 is that default: cubins byte-identical to no flag for 13 kernel
+# configurations (compile_offline.py, ptxas 13.4). None leaves Triton's choice.
+PTXAS_REGALLOC_LEVEL = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _ptx_options(level):
+    try:
+        from triton import knobs
+        from triton.backends.nvidia.compiler import get_ptxas
+        cuda13 = int(get_ptxas(90).version.split(".")[0]) >= 13
+        theirs = knobs.nvidia.ptxas_options
+    except Exception:   # another Triton layout: leave its options alone
+        return None
+    if level is None or not cuda13:
+        return None
+    # after ours, a user's PTXAS_OPTIONS (Triton's knob, which an explicit ptx_options replaces) still wins
+    return " ".join(o for o in (f"--regAllocOptLevel={level}", theirs) if o)
+
+
+def ptx_options():
+    """The ``ptx_options`` of a Gluon launch (a Triton compile option): see PTXAS_REGALLOC_LEVEL."""
+    return _ptx_options(PTXAS_REGALLOC_LEVEL)
+
+
+@functools.lru_cache(maxsize=None)
+def shared_layout(block_shape, dtype):
+    """The swizzled shared-memory layout of a TMA tile (computing it costs ~8 us of host time a descriptor)."""
+    assert all(b & (b - 1) == 0 and 0 < b <= 256 for b in block_shape), block_shape
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+
+
+def tma_descriptor(base, shape, strides, block_shape, dtype=gl.int8):
+    """Gluon's ``TensorDescriptor`` over ``base`` seen as ``shape`` / ``strides``, with the checks its constructor
+    makes that the data needs (TMA faults on a base or stride that is not 16-byte aligned); the constructor's
+    generic validation costs ~5 us of host time a descriptor, and a forward and backward build 16."""
+    esize = base.element_size()
+    if not (base.data_ptr() % 16 == 0 and strides[-1] == 1 and all(st * esize % 16 == 0 for st in strides[:-1])
+            and min(shape) > 0):
+        raise ValueError(f"TMA cannot address this memory: base {base.data_ptr():#x}, shape {list(shape)}, "
+                         f"strides {list(strides)}, {esize}-byte elements")
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(base=base, shape=list(shape), strides=list(strides), block_shape=list(block_shape),
+                         layout=shared_layout(tuple(block_shape), dtype), padding="zero")
+    return desc
+
+
+def tma_desc_2d(x2d, block_shape, dtype=gl.int8):
+    """A TMA descriptor over a 2-D view: int8 tiles here, bf16/fp16 ones too in backward_hopper."""
+    return tma_descriptor(x2d, x2d.shape, x2d.stride(), block_shape, dtype)
+
+
+def qk_blocks(head_dim):
+    """Q's and K's channels as (first, second) power-of-two blocks (Gluon tiles have power-of-two shapes):
+    192 (MLA) -> (128, 64); 64 or 128 -> (that, 0)."""
+    first = min(head_dim, 128)
+    assert head_dim - first in (0, 64), head_dim
+    return first, head_dim - first
+
+
+def persistent_grid(num_items, programs, stand_in):
+    """(grid, counter, dynamic) of a launch over ``num_items`` work items: ``programs`` persistent programs that
+    take items from a zeroed int32 counter of the items handed out past each program's first (``dynamic``), when
+    that is fewer than the items; else one program an item (``stand_in``: a tensor passed as the unused counter)."""
+    if not (programs and programs < num_items):
+        return (num_items, ), stand_in, False
+    return (programs, ), torch.zeros(1, dtype=torch.int32, device=stand_in.device), True
+
+
+def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
+                        window, v_starts=None, consumers=2, consumer_regs=None, loader_regs=24, pingpong=None,
+                        sinks=None, sink_shift=None, softcap=0.0, shift=None, named_barriers=None,
+                        programs=None, v_operand_order=False):
+    """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift``,
+    ``softcap``, ``shift`` as there). ``pingpong`` defaults to on at V's head dim 128 and off at 64; the op
+    passes ``dispatch.gluon_forward_pingpong``'s choice (session 26: off is faster for short unmasked calls and
+    MLA's head dims).
+    ``named_barriers``: the turns and the buffer releases on hardware named barriers, each thread arriving for
+    itself, instead of mbarriers (whose one-thread arrivals Gluon precedes with a ``bar.sync`` of the warpgroup:
+    three of a tile's four go); default on at V's head dim 128, where kernels alone ran 1.00-1.05x faster with two
+    consumers and 1.01-1.04x with three (H100, session 18), off at 64 (0.98-1.03x).
+    ``programs``: launch this many programs (``dispatch.gluon_programs``: one per SM), each taking work
+    items (the query rows of one sequence and head) from an atomic counter until none is left, so the next item's
+    Q and first K / V tiles load while this one's epilogue runs, and causal calls' items of unequal length balance
+    (a static round-robin did not: session 20); None (or at least one per item): one program per work item.
+    ``v_operand_order``: ``v8t`` from ``quantize_v(..., operand_order=True)`` (each 16 keys in the order P's
+    registers hold them, so P goes to ``P V`` without shuffles: kernels alone 1.01-1.11x, session 21); the op's."""
+    assert sink_shift is None or (sinks is not None and sink_shift.stride() == lse.stride())
+    assert not softcap or (shift is not None and shift.stride() == lse.stride())
+    assert not (softcap and sink_shift is not None), "capped scores are already the caller's"
+    if consumers not in (2, 3):
+        raise ValueError(f"consumers must be 2 or 3, got {consumers!r}")
+    if pingpong is None:
+        pingpong = out4.shape[3] == 128 and consumers == 2
+    if named_barriers is None:
+        named_barriers = out4.shape[3] == 128
+    if consumer_regs is None:   # what one SM's 64K registers give each consumer warpgroup beside the loader
+        consumer_regs = {2: 240, 3: 160}[consumers]
+    q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]
+    head_dim_v = out4.shape[3]
+    assert quant["q_mean"] is None and (head_dim, head_dim_v) in GLUON_HEAD_DIMS and out4.stride(3) == 1
+    assert head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == forward_hopper.BLOCK_N.value, "one K scale a key tile"
+    bsz, hq, n_q, d = q8.shape
+    hk, n_k = k8.shape[1], k8.shape[2]
+    d1, d2 = qk_blocks(d)
+    q_desc = tma_desc_2d(q8.view(-1, d), [forward_hopper.HALF_M.value, d1])
+    k_desc = tma_desc_2d(k8.view(-1, d), [forward_hopper.BLOCK_N.value, d1])
+    q2_desc = tma_desc_2d(q8.view(-1, d), [forward_hopper.HALF_M.value, d2]) if d2 else q_desc
+    k2_desc = tma_desc_2d(k8.view(-1, d), [forward_hopper.BLOCK_N.value, d2]) if d2 else k_desc
+    vt_desc = tma_desc_2d(v8t.view(-1, v8t.shape[-1]), [head_dim_v, forward_hopper.BLOCK_N.value])
+    cu_q = layout_q.cu_seqlens if layout_q.is_varlen else q_scale
+    cu_k = layout_k.cu_seqlens if layout_k.is_varlen else q_scale
+    if layout_k.is_varlen and v_starts is None:
+        raise ValueError("packed batches need v8t laid out with quantize.aligned_starts, passed as v_starts")
+    num_m = cdiv(layout_q.max_len, consumers * forward_hopper.HALF_M.value)
+    num_items = num_m * layout_q.num_seqs * num_heads
+    grid, counter, dynamic = persistent_grid(num_items, programs, lse)
+    return grid, (
+        q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_scale, k_scale, v_scale, out4, lse, cu_q, cu_k,
+        v_starts if v_starts is not None else cu_k, sinks if sinks is not None else lse,
+        sink_shift if sink_shift is not None else lse, shift if softcap else lse, counter,
+        q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
+        v_scale.stride(0), v_scale.stride(1), *out4.stride()[:3], lse.stride(0), lse.stride(1),
+        n_q, n_k, num_heads, hk, group, window[0], window[1], float(softcap) * LOG2E, num_items, num_m,
+    ), dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
+            HEAD_DIM_V=head_dim_v, QK_SPLIT=bool(d2), CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
+            LOADER_REGS=loader_regs, PINGPONG=pingpong,
+            SINK_MODE=0 if sinks is None else 2 if sink_shift is not None else 1,
+            V_ORDER=v_operand_order,
+            SOFTCAP=bool(softcap), NAMED_BARRIERS=bool(named_barriers), DYNAMIC=dynamic, num_warps=4,
+            ptx_options=ptx_options())
+
+
+def launch_forward_hopper(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim, window,
+                          **tuning):
+    """forward.launch_forward's contract on the Gluon kernel: ``out4`` ``[B, Hq, N, D]`` (any strides) and
+    ``lse`` ``[B, Hq, N]`` fp32 are written. Needs (head_dim, V's) in ``GLUON_HEAD_DIMS`` and no Q-smoothing; a packed
+    batch needs ``v8t`` from ``quantize_v(..., t_starts=aligned_starts(layout_k))`` and those starts as ``v_starts``."""
+    grid, args, kwargs = forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group,
+                                             head_dim, window, **tuning)
+    return launch(forward_hopper._attn_fwd_hopper_kernel, grid, *args, **kwargs)
+
+
+
+
+def dkdv_query_tile(head_dim: int) -> int:
+    """Queries per tile of the dV and dK launches: P^T's and dS^T's per-key scales span this many queries, so it
+    is part of the numerics (interface.tile_configs gives the portable kernels and the reference the same). At
+    MLA's Q/K head dim 192 dK's accumulator alone takes 96 registers: 64-query tiles for both launches (the
+    portable kernels' MLA tile too)."""
+    return 64 if head_dim > 128 else 128
+
+
+def dq_key_tile(head_dim: int) -> int:
+    """Keys per tile of the dQ kernel: dS's per-query scales span this many keys (part of the numerics, as
+    dkdv_query_tile). At MLA's 192 the dQ accumulator takes 96 registers: 64-key tiles halve S and dP beside
+    it (the portable kernels' MLA tile too)."""
+    return 64 if head_dim > 128 else 128
+
+
+def _rows(x4):
+    """Our own contiguous ``[B, H, N, D]`` int8 tensors as ``[B*H*N, D]`` for a descriptor."""
+    return x4.reshape(-1, x4.shape[-1])
+
+
+def _packed(packing, bsz, n_q, n_k, stand_in):
+    """(CU_Q, CU_K, CU_T, IS_VARLEN, sequences, longest query and key sequences) of a launch: ``packing`` is None
+    (a padded batch) or (layout_q, layout_k, t_starts): a packed batch's SeqLayouts and its token-major copy's
+    16-aligned sequence starts (quantize.aligned_starts of layout_q for the key-tile launches' Q^T and dO^T,
+    of layout_k for dQ's K^T)."""
+    if packing is None:
+        return stand_in, stand_in, stand_in, False, bsz, n_q, n_k
+    layout_q, layout_k, t_starts = packing
+    assert layout_q.is_varlen and layout_k.is_varlen and layout_q.num_seqs == layout_k.num_seqs and bsz == 1
+    return (layout_q.cu_seqlens, layout_k.cu_seqlens, t_starts, True, layout_q.num_seqs, layout_q.max_len,
+            layout_k.max_len)
+
+
+def _caller_desc(x4, block_shape, dtype):
+    """A descriptor over a caller's tensor in its own memory (``layout.token_rows``), and its row/column
+    coordinates for the kernel."""
+    x4 = tma_addressable(x4)
+    shape, strides, coords = token_rows(x4)
+    return tma_descriptor(x4, shape, strides, block_shape, dtype), coords
+
+
+def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
+                     window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None, block_q=None, softcap=0.0,
+                     shift=None, programs=None, operand_order=False, packing=None, tile_ks=None, dq_acc=None,
+                     dq_buffers=3):
+    """(grid, args, kwargs) of one launch, ``part`` "dv", "dk" or "dkdv" (both in one program): ``[B, H, N, D]``
+    tensors as ``backward.launch_backward`` takes them (``quant`` from ``quantize_qk(..., transposed=True)``;
+    ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None where not written. ``operand_order``:
+    ``do8t`` and ``quant["q8t"]`` hold each 16 queries in quantize's operand order, so P^T and dS^T feed their
+    products from the registers as they are (no shuffles). ``packing``: None for a padded batch, or for a packed
+    one ([1, H, T, D]) ``(layout_q, layout_k, t_starts)``, ``do8t`` and ``q8t`` laid out with ``t_starts``
+    (``quantize.aligned_starts(layout_q)``). ``tile_ks`` (default: wherever it applies, head dims with one K scale
+    a key block): the loader folds the item's K scale into the per-query vectors, one FMA a score less in S^T's
+    dequantization (with a cap: in the cap's argument). ``part="dkdvq"``: dV and dK, and dQ added to ``dq_acc``
+    (fp32, ``[B, H, N, D]`` contiguous, zeroed) by reduce-adds (_reduce_dq; dS K in the input dtype: _k_operand);
+    ``dq_schedule``: how its consumers meet for dQ, DQ_LOCKSTEP (1) or DQ_LAGGED (2: 1.01-1.07x faster than
+    lockstep at D=64, 1K-8K keys, H100, session 28); None: DQ_SCHEDULE. (dV's product issued async under dS^T's
+    math as well ran at 0.90-0.99x the lagged schedule's speed, session 28: not kept.)"""
+    head_dim_v = v4.shape[3]
+    assert part in ("dv", "dk", "dkdvq") and (head_dim, head_dim_v) in GLUON_HEAD_DIMS
+    do_dv, do_dk, do_dq = part in ("dv", "dkdvq"), part in ("dk", "dkdvq"), part == "dkdvq"
+    if fold is None:    # dV alone 1.09-1.12x with it (H100, session 5); dK alone 1.00-1.03x (H200, session 21)
+        fold = part in ("dv", "dk")
+    assert not (fold and do_dv and do_dk), "FOLD scales P^T by one product's scale: the other needs it unscaled"
+    assert not (do_dq and softcap), "a cap's K-smoothing row term needs dS's row sums, which the one launch lacks"
+    block_q = block_q or (ONE_LAUNCH_QUERY_TILE if do_dq else dkdv_query_tile(head_dim))
+    can_tile_ks = head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == backward_hopper.BLOCK_N.value
+    tile_ks = can_tile_ks if tile_ks is None else bool(tile_ks)
+    assert can_tile_ks or not tile_ks, "tile_ks needs one K scale a key tile"
+    assert quant["q_mean"] is None, "no Q-smoothing on this path"
+    q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]
+    bsz, hq, n_q, d = q8.shape
+    hk, n_k = k8.shape[1], k8.shape[2]
+    q_scale_raw = quant["q_scale_raw"]
+    shift = shift if softcap else lse
+    for t in (lse, do_scale, delta, q_scale_raw, shift):
+        assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
+    io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
+    d1, d2 = qk_blocks(d)
+    q_desc = tma_desc_2d(_rows(q8), [block_q, d1], gl.int8)
+    k_desc = tma_desc_2d(_rows(k8), [backward_hopper.HALF_N.value, d1], gl.int8)
+    q2_desc = tma_desc_2d(_rows(q8), [block_q, d2], gl.int8) if d2 else q_desc
+    k2_desc = tma_desc_2d(_rows(k8), [backward_hopper.HALF_N.value, d2], gl.int8) if d2 else k_desc
+    dot_desc = tma_desc_2d(do8t.reshape(-1, do8t.shape[-1]), [head_dim_v, block_q], gl.int8) if do_dv else q_desc
+    if do_dk:
+        qt = quant["q8t"]
+        qt_desc = tma_desc_2d(qt.reshape(-1, qt.shape[-1]), [d1, block_q], gl.int8)
+        qt2_desc = tma_desc_2d(qt.reshape(-1, qt.shape[-1]), [d2, block_q], gl.int8) if d2 else qt_desc
+        do_desc, do_coords = _caller_desc(do4, [block_q, head_dim_v], io_dtype)
+        v_desc, v_coords = _caller_desc(v4, [backward_hopper.HALF_N.value, head_dim_v], io_dtype)
+    else:
+        qt_desc, qt2_desc, do_desc, v_desc = q_desc, q_desc, q_desc, k_desc          # unused
+        do_coords = v_coords = (0, 0, 0)
+    if do_dq:
+        assert not d2 and tile_ks and dq_acc is not None and dq_acc.dtype == torch.float32
+        assert dq_acc.shape == q8.shape and dq_acc.is_contiguous()
+        dq_desc = tma_desc_2d(dq_acc.view(-1, head_dim), [block_q, head_dim // 2], gl.float32)
+    else:
+        dq_desc = k_desc       # unused
+    dv4 = dv4 if do_dv else dk4
+    dk4 = dk4 if do_dk else dv4
+    assert dv4.stride(3) == 1 and dk4.stride(3) == 1
+    cu_q, cu_k, cu_qt, varlen, num_seqs, _, max_k = _packed(packing, bsz, n_q, n_k, lse)
+    num_n = cdiv(max_k, backward_hopper.BLOCK_N.value)
+    num_items = num_n * num_seqs * hk
+    grid, counter, dynamic = persistent_grid(num_items, programs, lse)
+    return grid, (
+        q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, dq_desc, q_scale, lse,
+        do_scale, delta, q_scale_raw, shift, k_scale, dv4, dk4, counter, cu_q, cu_k, cu_qt, q_scale.stride(0),
+        q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
+        *dv4.stride()[:3], *dk4.stride()[:3], *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1],
+        softmax_scale, float(softcap) * LOG2E if softcap else 1.0, num_items, num_n,
+    ), dict(IS_VARLEN=varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
+            HEAD_DIM_V=head_dim_v,
+            QK_SPLIT=bool(d2), DO_DK=do_dk, DO_DV=do_dv,
+            CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, SOFTCAP=bool(softcap),
+            BLOCK_Q=block_q, DYNAMIC=dynamic, ORDER=operand_order, TILE_KS=tile_ks,
+            DO_DQ=do_dq,
+            DQ_BUFFERS=dq_buffers, num_warps=4,
+            ptx_options=ptx_options())
+
+
+def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
+                       window, softmax_scale, **tuning):
+    """dV (``part="dv"``), dK (``"dk"``) or, with dQ added to ``dq_acc``, all three (``"dkdvq"``) into ``dv4`` /
+    ``dk4`` ``[B, Hk, N, D]``."""
+    grid, args, kwargs = dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads,
+                                          group, head_dim, window, softmax_scale, **tuning)
+    return launch(backward_hopper._attn_bwd_dkdv_hopper_kernel, grid, *args, **kwargs)
+
+
+def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale,
+                   consumer_regs=240, loader_regs=32, softcap=0.0, shift=None, row_ds=None, k_mean=None,
+                   programs=None, operand_order=False, packing=None):
+    """(grid, args, kwargs) of the dQ launch: ``[B, H, N, D]`` tensors as ``backward.launch_backward`` takes them
+    (``quant`` from ``quantize_qk(..., transposed=True)``, whose ``k8t`` is dQ's B operand; ``softcap``, ``shift``,
+    ``row_ds``, ``k_mean`` as there). ``operand_order``: ``k8t`` holds each 16 keys in quantize's operand order
+    (dkdv_hopper_args's). ``packing``: as dkdv_hopper_args's, its ``t_starts`` ``k8t``'s
+    (``quantize.aligned_starts(layout_k)``)."""
+    head_dim_v = v4.shape[3]
+    assert (head_dim, head_dim_v) in GLUON_HEAD_DIMS and dq4.stride(3) == 1
+    block_k = dq_key_tile(head_dim)
+    assert head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK % block_k == 0, "one K scale a key tile"
+    assert quant["q_mean"] is None, "no Q-smoothing on this path"
+    q8, k8, k8t, q_scale, k_scale = quant["q8"], quant["k8"], quant["k8t"], quant["q_scale"], quant["k_scale"]
+    bsz, hq, n_q, d = q8.shape
+    hk, n_k = k8.shape[1], k8.shape[2]
+    assert not softcap or shift is not None
+    assert k_mean is None or softcap or row_ds is not None, "the sinks' row sums, or a cap's own"
+    shift = shift if softcap else lse
+    row_ds = row_ds if k_mean is not None and not softcap else lse
+    for t in (lse, delta, shift, row_ds):
+        assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
+    io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
+    d1, d2 = qk_blocks(d)
+    q_desc = tma_desc_2d(_rows(q8), [backward_hopper.HALF_N.value, d1], gl.int8)
+    do_desc, do_coords = _caller_desc(do4, [backward_hopper.HALF_N.value, head_dim_v], io_dtype)
+    k_desc = tma_desc_2d(_rows(k8), [block_k, d1], gl.int8)
+    v_desc, v_coords = _caller_desc(v4, [block_k, head_dim_v], io_dtype)
+    kt_desc = tma_desc_2d(k8t.reshape(-1, k8t.shape[-1]), [d1, block_k], gl.int8)
+    q2_desc = tma_desc_2d(_rows(q8), [backward_hopper.HALF_N.value, d2], gl.int8) if d2 else q_desc
+    k2_desc = tma_desc_2d(_rows(k8), [block_k, d2], gl.int8) if d2 else k_desc
+    kt2_desc = tma_desc_2d(k8t.reshape(-1, k8t.shape[-1]), [d2, block_k], gl.int8) if d2 else kt_desc
+    cu_q, cu_k, cu_kt, varlen, num_seqs, max_q, _ = _packed(packing, bsz, n_q, n_k, lse)
+    if k_mean is not None:   # one mean a sequence (packed: the sequences', not the one batch's)
+        assert k_mean.shape == (hk, num_seqs, d) and k_mean.stride(2) == 1 and k_mean.dtype == torch.float32
+    num_m = cdiv(max_q, backward_hopper.BLOCK_M.value)
+    num_items = num_m * num_seqs * hq
+    grid, counter, dynamic = persistent_grid(num_items, programs, lse)
+    return grid, (
+        q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, q_scale, lse, delta, shift, row_ds,
+        lse if k_mean is None else k_mean, k_scale, dq4, counter, cu_q, cu_k, cu_kt,
+        q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
+        *((0, 0) if k_mean is None else k_mean.stride()[:2]), *dq4.stride()[:3],
+        *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1], softmax_scale,
+        float(softcap) * LOG2E if softcap else 1.0, num_items, num_m,
+    ), dict(IS_VARLEN=varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
+            QK_SPLIT=bool(d2), CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, SOFTCAP=bool(softcap),
+            ROW_TERM=k_mean is not None, DYNAMIC=dynamic, ORDER=operand_order, num_warps=4,
+            ptx_options=ptx_options())
+
+
+def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale, **tuning):
+    """dQ into ``dq4`` ``[B, H, N, D]`` (any strides with a contiguous last dim) on the Gluon kernel."""
+    grid, args, kwargs = dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window,
+                                        softmax_scale, **tuning)
+    return launch(backward_hopper._attn_bwd_dq_hopper_kernel, grid, *args, **kwargs)
+
+
+def _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing):
+    """The dQ launch's ``ROW_TERM`` for sinks after the one launch: ``dq_acc += scale * row_ds * mean(k)``, row_ds
+    the sink's share of each row's rowsum(dS) (given), k_mean ``[Hk, sequences, D]``, each query head reading its
+    KV head's mean (no copy per query head) and each token its sequence's."""
+    b, h, n, d = dq_acc.shape
+    hk = h // group
+    if packing is None:
+        assert k_mean.shape == (hk, b, d), k_mean.shape
+        mean = k_mean.permute(1, 0, 2).reshape(b, hk, 1, 1, d)
+    else:   # one [1, H, T, D] batch: each token's sequence
+        assert k_mean.shape == (hk, packing[0].num_seqs, d), k_mean.shape
+        mean = k_mean[:, packing[0].seq_ids(n, dq_acc.device)].reshape(1, hk, 1, n, d)
+    dq_acc.view(b, hk, group, n, d).addcmul_(row_ds.reshape(b, hk, group, n, 1), mean, value=softmax_scale)
+
+
+def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4, dv4, num_heads, num_kv_heads,
+                           head_dim, window, softmax_scale, softcap=0.0, shift=None, row_ds=None,
+                           k_mean=None, packing=None, fused_dq=False, **tuning):
+    """backward.launch_backward's contract on the Gluon kernels, without Q-smoothing: dV, dK and dQ as three
+    launches, each gradient written once (deterministic). ``softcap`` > 0: capped scores
+    (``shift`` as the forward's); ``k_mean``, ``row_ds``: as there. ``packing``: None for a padded batch; for a
+    packed one ``(layout_q, layout_k, q_starts, k_starts)``, the token-major copies (``do8t``, ``q8t``; ``k8t``)
+    laid out with those starts (``quantize.aligned_starts``). ``fused_dq``: one launch instead (``part="dkdvq"``,
+    64-query tiles), dQ added up by reduce-adds in fp32, so not bit-identical run to run; no cap (the sinks'
+    K-smoothing term is added after it: _add_sinks_row_term); ``dq4`` None: the fp32 dQ is returned instead of
+    copied into it (the caller frees the launch's inputs first)."""
+    group = num_heads // num_kv_heads
+    common = (num_heads, group, head_dim, window, softmax_scale)
+    lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides
+    key_tiles_packing = dq_packing = None
+    if packing is not None:
+        layout_q, layout_k, q_starts, k_starts = packing
+        key_tiles_packing, dq_packing = (layout_q, layout_k, q_starts), (layout_q, layout_k, k_starts)
+    tuning = dict(tuning, softcap=softcap, shift=shift)
+    do4, v4 = tma_addressable(do4), tma_addressable(v4)     # a copy, if one is needed, once for all launches
+    if fused_dq:   # one launch: dQ by reduce-adds of dS K from the key-tile programs (not deterministic)
+        dq_acc = torch.zeros(quant["q8"].shape, dtype=torch.float32, device=quant["q8"].device)
+        launch_dkdv_hopper("dkdvq", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common,
+                           packing=key_tiles_packing, dq_acc=dq_acc, **tuning)
+        if k_mean is not None:
+            _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing)
+        if dq4 is None:
+            return dq_acc
+        dq4.copy_(dq_acc)
+        return None
+    launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, None, *common,
+                       packing=key_tiles_packing, **tuning)
+    launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, None, dk4, *common,
+                       packing=key_tiles_packing, **tuning)
+    launch_dq_hopper(quant, lse, do4, delta, v4, dq4, *common, row_ds=row_ds, k_mean=k_mean, packing=dq_packing,
+                     **{key: value for key, value in tuning.items() if key not in ("fold", "block_q", "tile_ks")})

@@ -1,6 +1,6 @@
-"""Model coverage (issue 15): every causal-LM architecture of the installed Transformers, tiny, on SageBwd.
+"""Model coverage: every causal-LM architecture of the installed Transformers, tiny, on SageBwd.
 
-``benchmarks/model_coverage.py`` builds each architecture of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` tiny from its
+``sagebwd_hf.model_coverage`` builds each architecture of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` tiny from its
 default config and runs a training step with the reference attention (sdpa, or eager where SDPA does not
 compute the model's attention) and with "sagebwd" on the same weights; ``sagebwd_hf.attention_stats()``
 classifies it (runs on SageBwd / documented fallback / raises by design / not routed / cannot build tiny).
@@ -21,20 +21,18 @@ far too long for ~190 models; tests/test_kernels.py checks the kernels against t
 (``python -m pytest -m gpu tests/test_model_coverage.py``) runs bfloat16 models on the Triton/Gluon kernels.
 """
 import os
-import sys
 
 import pytest
 import transformers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import model_coverage as mc  # noqa: E402
-from sagebwd_hf import transformers_integration as ti  # noqa: E402
+from sagebwd_hf import model_coverage as mc
+from sagebwd_hf import transformers_integration as ti
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-EXPECTED = mc.read_doc(mc.DOC)                 # {model_type: status key}
-DOC_VERSIONS = mc.doc_versions(mc.DOC)
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), mc.DOC)
+EXPECTED = mc.read_doc(DOC)                 # {model_type: status key}
+DOC_VERSIONS = mc.doc_versions(DOC)
 SAME_TRANSFORMERS = DOC_VERSIONS.get("transformers") == transformers.__version__
 
 def _params(names, strict=True):

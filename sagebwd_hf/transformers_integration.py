@@ -236,8 +236,8 @@ def _whole_chunks(ids) -> Optional[int]:
     rows of a padded batch (``[B, N, H, D]`` viewed as ``[B * N / size, size, H, D]``), the plain causal call.
     None otherwise: a shorter last chunk (Llama 4 on rows that the chunk size does not divide) runs the packed
     path, which measured faster than whole chunks padded plus the last as one more call (H100, 20K-token rows in
-    chunks of 8K, fwd+bwd per FLOP against the plain call: 0.93-0.96 packed, 0.77-0.86 split; docs/speed_notes.md,
-    session 23). Reads the ids on the host (once per forward: per_tensor)."""
+    chunks of 8K, fwd+bwd per FLOP against the plain call: 0.93-0.96 packed, 0.77-0.86 split; 2026-11,
+    docs/history.md). Reads the ids on the host (once per forward: per_tensor)."""
     row = ids[0].cpu()
     size = int((row == 0).sum())
     if size == 0 or row.numel() % size:

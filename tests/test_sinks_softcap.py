@@ -19,8 +19,8 @@ EXACT_MIN_COS = {"O": 0.999, "dQ": 0.997, "dK": 0.998, "dV": 0.999}
 ORACLE_REL = 2e-2
 # The sinks' gradient, -sum_i p_sink,i (dO_i . O_i), is a 4-vector (one per head) and each entry a sum over rows
 # with cancellation, so O's INT8 error reaches it amplified: over 5,000 fresh inputs per case the reference's cos
-# against exact attention had a heavy tail (below 0.995 in 0.1-0.8% of draws, down to 0.942; a session-19 H100
-# run failed the former bound 0.995 at 0.9899). It is checked three ways instead: exactly, against the formula on
+# against exact attention had a heavy tail (below 0.995 in 0.1-0.8% of draws, down to 0.942; an H100 run,
+# 2026-11, failed the former bound 0.995 at 0.9899). It is checked three ways instead: exactly, against the formula on
 # the op's own O and lse (rel to sum_i |term_i|: <= 7e-7 measured, reference and kernels); the lse against exact
 # attention, which places the sink (|error| - 0.01 |lse|: <= 0.061 over 1,000 draws per case); and a coarse cos
 # against exact (a sink dropped or misplaced gives < 0.8).

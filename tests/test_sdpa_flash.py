@@ -116,6 +116,59 @@ def test_unsupported_call_goes_to_the_original_kernel(cpu_override):
     assert sdpa_flash.stats()["fallback"] == {"dropout": 1} and sdpa_flash.stats()["forward"] == 0
 
 
+FA_FORWARD = torch.ops.aten._flash_attention_forward
+
+
+def _packed(heads=4, kv_heads=2, lengths=(40, 0, 88), d=32):
+    total = sum(lengths)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    return (torch.randn(total, heads, d, dtype=torch.bfloat16), torch.randn(total, kv_heads, d, dtype=torch.bfloat16),
+            torch.randn(total, kv_heads, d, dtype=torch.bfloat16), cu, max(lengths))
+
+
+@needs_registry
+@pytest.mark.parametrize("window", [(None, None), (16, None)])
+def test_flashattention_varlen_op_equals_sagebwd_varlen(cpu_override, window):
+    torch.manual_seed(0)
+    q, k, v, cu, longest = _packed()
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse, *_ = FA_FORWARD(*leaves, cu, cu, longest, longest, 0.0, True, False, scale=None,
+                              window_size_left=window[0], window_size_right=window[1])
+    assert (out.shape, lse.shape, lse.dtype) == (q.shape, (q.shape[1], q.shape[0]), torch.float32)
+    do = torch.randn_like(out)
+    out.backward(do)
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = sagebwd_hf.sagebwd_attn_varlen_func(
+        *ref_leaves, cu, cu, longest, longest, causal=True, window_size=(-1 if window[0] is None else window[0], 0),
+        return_lse=True)
+    ref_out.backward(do)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    for name, mine, ref in zip(("dQ", "dK", "dV"), leaves, ref_leaves):
+        cos, rel = error_stats(mine.grad, ref.grad)
+        assert cos > 0.99999 and rel < 1e-3, (name, cos, rel)
+    assert sdpa_flash.stats()["backward_row_term"] == 0
+
+
+@needs_registry
+def test_flashattention_dense_op_is_bottom_right_causal(cpu_override):
+    """FlashAttention's own op ([B, N, H, D]) aligns a causal mask bottom-right when the query is shorter."""
+    q, k, v = (x.transpose(1, 2) for x in _qkv(n_q=24))
+    out, lse, *_ = FA_FORWARD(q, k, v, None, None, 24, 64, 0.0, True, False)
+    ref, ref_lse = sagebwd_hf.sagebwd_attn_func(*(x.transpose(1, 2) for x in (q, k, v)), causal=True,
+                                                return_lse=True)
+    assert torch.equal(out, ref.transpose(1, 2)) and torch.equal(lse, ref_lse)
+
+
+@needs_registry
+@pytest.mark.parametrize("extra, reason", [(dict(seqused_k=torch.tensor([40, 0, 88], dtype=torch.int32)), "seqused_k"),
+                                           (dict(alibi_slopes=torch.ones(4)), "alibi")])
+def test_flashattention_op_leaves_what_it_cannot_take(cpu_override, extra, reason):
+    q, k, v, cu, longest = _packed()
+    with pytest.raises(NotImplementedError):
+        FA_FORWARD(q, k, v, cu, cu, longest, longest, 0.0, True, False, **extra)
+    assert sdpa_flash.stats()["fallback"] == {reason: 1}
+
+
 def test_lse_is_the_natural_log_of_the_callers_scores():
     """K-smoothing shifts every score of a row; SDPA's lse must not carry that shift (ring attention merges
     partial results by it). Keys with a large common offset make the shift large."""
@@ -307,3 +360,18 @@ def test_sdpa_leaves_what_it_cannot_take_to_flash(sagebwd_behind_sdpa):
     assert not torch.equal(_flash_sdpa(q[:, :, :100], k, v), native_short)   # non-square, not causal: ours
     sdpa_flash.restore()
     assert torch.equal(_flash_sdpa(q, k, v, is_causal=True), native)         # restored: flash's own again
+
+
+@pytest.mark.gpu
+def test_flashattention_varlen_op_matches_flash_on_the_gpu(sagebwd_behind_sdpa):
+    """FlashAttention's packed op with SageBwd active: flash's own output and lse layout, INT8 close to its values."""
+    q, k, v, cu, longest = _packed(heads=8, kv_heads=2, lengths=(300, 1, 700), d=64)
+    q, k, v, cu = q.cuda(), k.cuda(), v.cuda(), cu.cuda()
+    ours = FA_FORWARD(q, k, v, cu, cu, longest, longest, 0.0, True, False)
+    sdpa_flash.restore()
+    native = FA_FORWARD(q, k, v, cu, cu, longest, longest, 0.0, True, False)
+    sdpa_flash.activate()
+    for mine, ref in zip(ours[:2], native[:2]):
+        assert (mine.shape, mine.dtype, mine.stride()) == (ref.shape, ref.dtype, ref.stride())
+    assert error_stats(ours[0], native[0])[0] > 0.999
+    assert (ours[1] - native[1]).abs().max() < 0.05

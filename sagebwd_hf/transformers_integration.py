@@ -31,7 +31,7 @@ from transformers import masking_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from . import context_parallel
+from . import context_parallel, sdpa_flash
 from .config import options_for
 from .kernels import dispatch
 from .interface import MAX_HEAD_DIM, sagebwd_attn_func, sagebwd_attn_varlen_func
@@ -79,16 +79,19 @@ def attention_stats() -> dict:
     (under torch.compile too, but not in CUDA-graph replays), SageBwd's own API included (``fwd_gluon``/
     ``bwd_gluon``: the Hopper kernels, ``bwd_gluon_one_launch``: the Hopper backward in one launch, the default
     at head dim 64 unless ``SAGEBWD_BACKWARD=deterministic``; ``fwd_triton``/``bwd_triton``: the portable ones,
-    ``*_naive``: the PyTorch path on CPU; ``kernels/dispatch.py`` says how the choice is made).
+    ``*_naive``: the PyTorch path on CPU; ``kernels/dispatch.py`` says how the choice is made), and
+    ``sdpa_flash`` the calls of torch's flash ops that SageBwd took or left while active behind SDPA
+    (``sagebwd_hf.sdpa_flash.stats()``; ``paths["context_parallel"]`` counts this backend's calls sent there).
     """
     return {"sagebwd": sum(_kernel_calls.values()), "paths": dict(_kernel_calls),
-            "fallback": dict(_fallback_calls), "kernels": dispatch.kernel_counts()}
+            "fallback": dict(_fallback_calls), "kernels": dispatch.kernel_counts(), "sdpa_flash": sdpa_flash.stats()}
 
 
 def reset_attention_stats() -> None:
     _kernel_calls.clear()
     _fallback_calls.clear()
     dispatch.reset_kernel_counts()
+    sdpa_flash.reset_stats()
 
 
 def _warn_once(key: str, message: str) -> None:

@@ -106,6 +106,9 @@ def test_flash_op_equals_sagebwd_attn_func(cpu_override, causal, kv_heads, scale
         assert cos > 0.99999 and rel < 1e-3, (name, cos, rel)
     # the backward got the lse its forward returned (kept by autograd): no recomputation for a ring's row term
     assert sdpa_flash.stats() == {"forward": 1, "backward": 1, "backward_row_term": 0, "fallback": {}}
+    assert sagebwd_hf.attention_stats()["sdpa_flash"] == sdpa_flash.stats()
+    sagebwd_hf.reset_attention_stats()
+    assert sdpa_flash.stats()["forward"] == 0
 
 
 @needs_registry

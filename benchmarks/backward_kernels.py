@@ -57,7 +57,7 @@ def main():
                 do_q = quantize(do, lay, natural=False, transposed=True, out_for_delta=out)
                 # the token-major copies in the operand order the op gives its Gluon launches (operand_order=1)
                 quant_ordered = quantize_qk(q, k, lay, lay, scale, True, False, transposed=True, operand_order=True)
-                do8t_ordered = quantize(do, lay, natural=False, transposed=True, operand_order=True)["x8t"]
+                do8t_ordered = quantize(do, lay, natural=False, transposed=True, operand_order=True).x8t
                 grads = {"dq": torch.empty_like(q), "dk": torch.empty_like(k), "dv": torch.empty_like(v)}
                 shape = f"d{d}_n{n // 1024}k_{'causal' if causal else 'full'}"
                 # "bwd": all launches as the op runs them (portable: its configured split), 5 products
@@ -66,8 +66,8 @@ def main():
                         continue
                     flops = 2.0 * products * b * h * n * n * d * (0.5 if causal else 1.0)
                     port = lambda: launch_backward(  # noqa: E731
-                        quant, quant["q8t"], quant["q_scale_raw"], quant["k8t"], v, do, do_q["x8t"], do_q["scale"],
-                        lse, do_q["delta"], grads["dq"], grads["dk"], grads["dv"], lay, lay, h, h, d, window, scale,
+                        quant, quant.q8t, quant.q_scale_raw, quant.k8t, v, do, do_q.x8t, do_q.scale,
+                        lse, do_q.delta, grads["dq"], grads["dk"], grads["dv"], lay, lay, h, h, d, window, scale,
                         cfg["dkdv"], cfg["dq"], kernels={"bwd": ("dkdv", "dq")}.get(part, (part,)),
                         split_dkdv=cfg["split_dkdv"] if part == "bwd" else True)
                     port_ms = median_ms(port)
@@ -76,19 +76,19 @@ def main():
                         # the op's schedule (persistent programs) unless a variant says programs=0: one an item
                         tuning.setdefault("programs", dispatch.gluon_programs(q.device, backward=True))
                         tuning["operand_order"] = order = bool(tuning.get("operand_order", 0))
-                        qx, do8t = (quant_ordered, do8t_ordered) if order else (quant, do_q["x8t"])
+                        qx, do8t = (quant_ordered, do8t_ordered) if order else (quant, do_q.x8t)
                         if part == "bwd":
                             return lambda: launch_backward_hopper(
-                                qx, v, do, do8t, do_q["scale"], lse, do_q["delta"], got["dq"], got["dk"],
+                                qx, v, do, do8t, do_q.scale, lse, do_q.delta, got["dq"], got["dk"],
                                 got["dv"], h, h, d, window, scale, **tuning)
                         if part == "dq":
                             tuning.pop("fold", None)        # dV/dK options
                             tuning.pop("block_q", None)
                             tuning.pop("tile_ks", None)
                             return lambda: launch_dq_hopper(
-                                qx, lse, do, do_q["delta"], v, got["dq"], h, 1, d, window, scale, **tuning)
+                                qx, lse, do, do_q.delta, v, got["dq"], h, 1, d, window, scale, **tuning)
                         return lambda: launch_dkdv_hopper(
-                            part, qx, lse, do, do8t, do_q["scale"], do_q["delta"], v, got["dv"], got["dk"],
+                            part, qx, lse, do, do8t, do_q.scale, do_q.delta, v, got["dv"], got["dk"],
                             h, 1, d, window, scale, **tuning)
                     run = gluon()
                     run()

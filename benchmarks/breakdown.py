@@ -102,8 +102,8 @@ def main():
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def bwd(c_kv, c_q, kernels=("dkdv", "dq"), split=cfg["split_dkdv"]):
-        return launch_backward(bq, bq["q8t"], bq["q_scale_raw"], bq["k8t"], v, do, dq4["x8t"], dq4["scale"], lse,
-                               dq4["delta"], dq, dk, dv, lay, lay, h, h, d, window, scale, c_kv, c_q, kernels,
+        return launch_backward(bq, bq.q8t, bq.q_scale_raw, bq.k8t, v, do, dq4.x8t, dq4.scale, lse,
+                               dq4.delta, dq, dk, dv, lay, lay, h, h, d, window, scale, c_kv, c_q, kernels,
                                split_dkdv=split)
     t_kv = ms(lambda: bwd(cfg["dkdv"], cfg["dq"], ("dkdv",)))
     print("bwd kernels: " + ", ".join(f"{k}: {regs(v)}" for k, v in bwd(cfg["dkdv"], cfg["dq"]).items()))

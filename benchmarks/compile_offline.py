@@ -89,8 +89,12 @@ def make_inputs(mod, a):
         starts = torch.arange(b + 1, dtype=torch.int32) * (-(-n // 16) * 16)
         b, n = 1, b * n + 15 * b
     npad = -(-n // 16) * 16
-    quant = dict(q8=torch.empty(b, h, n, d, dtype=torch.int8), k8=torch.empty(b, hk, n, d, dtype=torch.int8),
-                 q_scale=torch.empty(b, h, n), k_scale=torch.empty(b, hk, n), q_mean=None)
+    from sagebwd_hf.kernels.quantize import QuantizedQK
+    quant = QuantizedQK(q8=torch.empty(b, h, n, d, dtype=torch.int8), q_scale=torch.empty(b, h, n),
+                        q_scale_raw=torch.empty(b, h, n), v_scale=None,
+                        q8t=torch.empty(b, h, d, npad, dtype=torch.int8), k8=torch.empty(b, hk, n, d, dtype=torch.int8),
+                        k_scale=torch.empty(b, hk, n), k8t=torch.empty(b, hk, d, npad, dtype=torch.int8),
+                        q_mean=None, q_mean_cu=None, k_mean=None, q_shift=None)
     v8t = torch.empty(b, hk, dv, npad, dtype=torch.int8)
     v_scale = torch.empty(hk, b, dv).transpose(0, 1)          # [S, Hk, Dv] view of [Hk, S, Dv]
     out4 = torch.empty(b, h, n, dv, dtype=torch.bfloat16)
@@ -107,8 +111,6 @@ def make_inputs(mod, a):
         return mod.forward_hopper_args(quant, v8t, v_scale, out4, lse, layout, layout, h, h // hk, d, window, **kw)
     if a.packed:
         kw["packing"] = (lay_packed, lay_packed, starts)
-    quant.update(q8t=torch.empty(b, h, d, npad, dtype=torch.int8), k8t=torch.empty(b, hk, d, npad, dtype=torch.int8),
-                 q_scale_raw=torch.empty(b, h, n))
     do4 = torch.empty(b, h, n, dv, dtype=torch.bfloat16)
     v4 = torch.empty(b, hk, n, dv, dtype=torch.bfloat16)
     vec = lambda: torch.empty(b, h, n)  # noqa: E731   per-query vectors, q_scale's layout

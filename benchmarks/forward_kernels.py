@@ -47,7 +47,7 @@ def median_ms(fn, reps=30, warmup=3):
 
 def prepare(q, k, v, layout_q, layout_k, operand_order=False):
     quant = quantize_qk(q, k, layout_q, layout_k, q.shape[-1] ** -0.5, True, False, v4=v)   # as the op does
-    v8t, v_scale = quantize_v(v, layout_k, v_scale=quant["v_scale"], operand_order=operand_order)
+    v8t, v_scale = quantize_v(v, layout_k, v_scale=quant.v_scale, operand_order=operand_order)
     return quant, v8t, v_scale
 
 
@@ -115,7 +115,7 @@ def main():
                 lay = SeqLayout(b, n, None)
                 quant_ms = median_ms(lambda: prepare(q, k, v, lay, lay))
                 quant, v8t, v_scale = prepare(q, k, v, lay, lay)
-                v8t_ordered = quantize_v(v, lay, v_scale=quant["v_scale"], operand_order=True)[0]
+                v8t_ordered = quantize_v(v, lay, v_scale=quant.v_scale, operand_order=True)[0]
                 lse = torch.empty(b, h, n, device="cuda")
                 window = (-1, 0) if causal else (-1, -1)
                 flops = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)

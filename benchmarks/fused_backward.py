@@ -42,7 +42,7 @@ def inputs(b, h, hk, n, d, causal, outliers=False, seed=0):
     lay, window, scale = SeqLayout(b, n, None), ((-1, 0) if causal else (-1, -1)), d ** -0.5
     quant = quantize_qk(q, k, lay, lay, scale, True, False, transposed=True, operand_order=True)
     qf = quantize_qk(q, k, lay, lay, scale, True, False, v4=v)
-    v8t, v_scale = quantize_v(v, lay, v_scale=qf["v_scale"])
+    v8t, v_scale = quantize_v(v, lay, v_scale=qf.v_scale)
     out, lse = torch.empty_like(q), torch.empty(b, h, n, device="cuda")
     launch_forward(qf, v8t, v_scale, out, lse, lay, lay, h, h // hk, d, window, tile_configs(d, q.device)["fwd"])
     do_q = quantize(do, lay, natural=False, transposed=True, out_for_delta=out, operand_order=True)
@@ -57,8 +57,8 @@ def backward(x, variant=None):
     extra = {} if variant is None else dict(variant, fused_dq=True)
 
     def run():
-        launch_backward_hopper(x["quant"], v, x["do"], x["do_q"]["x8t"], x["do_q"]["scale"], x["lse"],
-                               x["do_q"]["delta"], *grads, x["h"], x["hk"], x["d"], x["window"], x["scale"],
+        launch_backward_hopper(x["quant"], v, x["do"], x["do_q"].x8t, x["do_q"].scale, x["lse"],
+                               x["do_q"].delta, *grads, x["h"], x["hk"], x["d"], x["window"], x["scale"],
                                programs=dispatch.gluon_programs(q.device, backward=True), operand_order=True, **extra)
     return run, grads
 

@@ -174,7 +174,7 @@ def host_parts(shape, reps=20):
     k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lay, scale, window = SeqLayout(b, n, None), d ** -0.5, (-1, 0)
     quant = quantize_qk(q, k, lay, lay, scale, True, False, v4=v)
-    v8t, v_scale = quantize_v(v, lay, None, quant["v_scale"])
+    v8t, v_scale = quantize_v(v, lay, None, quant.v_scale)
     out, lse = itf._forward(q, k, v, None, None, n, n, scale, window, True, False, "triton")
     bquant = quantize_qk(q, k, lay, lay, scale, True, False, transposed=True)
     do_q = quantize(do, lay, natural=False, transposed=True, out_for_delta=out)
@@ -189,7 +189,7 @@ def host_parts(shape, reps=20):
     parts = {
         "torch.empty [B,H,N] fp32": lambda: torch.empty(b, h, n, device="cuda"),
         "fwd: quantize_qk (K mean + V scales, K, Q)": lambda: quantize_qk(q, k, lay, lay, scale, True, False, v4=v),
-        "fwd: quantize_v": lambda: quantize_v(v, lay, None, quant["v_scale"]),
+        "fwd: quantize_v": lambda: quantize_v(v, lay, None, quant.v_scale),
         "fwd: launch_forward_hopper": lambda: launch_forward_hopper(quant, v8t, v_scale, out, lse, lay, lay, h,
                                                                      h // hk, d, window),
         "fwd: interface._forward (no op)": lambda: itf._forward(q, k, v, None, None, n, n, scale, window, True,
@@ -198,7 +198,7 @@ def host_parts(shape, reps=20):
         "bwd: quantize_qk transposed": lambda: quantize_qk(q, k, lay, lay, scale, True, False, transposed=True),
         "bwd: quantize dO (+ delta)": lambda: quantize(do, lay, natural=False, transposed=True, out_for_delta=out),
         "bwd: launch_backward_hopper (dV, dK, dQ)": lambda: launch_backward_hopper(
-            bquant, v, do, do_q["x8t"], do_q["scale"], lse, do_q["delta"], *grads, h, hk, d, window, scale),
+            bquant, v, do, do_q.x8t, do_q.scale, lse, do_q.delta, *grads, h, hk, d, window, scale),
         "bwd: interface._backward (no op)": lambda: itf._backward(do, q, k, v, out, lse, None, None, n, n, scale,
                                                                    window, True, False, "triton"),
         "fwd: sagebwd_attn_func, grad (graph built, no backward)": lambda: sagebwd_hf.sagebwd_attn_func(

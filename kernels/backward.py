@@ -428,8 +428,8 @@ def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse,
         assert shift is not None and shift.stride() == lse.stride()
     if k_mean is not None and not softcap:
         assert row_ds is not None and row_ds.stride() == lse.stride()
-    q8, k8, q_mean, q_mean_cu = quant["q8"], quant["k8"], quant["q_mean"], quant["q_mean_cu"]
-    q_scale, k_scale = quant["q_scale"], quant["k_scale"]
+    q8, k8, q_mean, q_mean_cu = quant.q8, quant.k8, quant.q_mean, quant.q_mean_cu
+    q_scale, k_scale = quant.q_scale, quant.k_scale
     group = num_heads // num_kv_heads
     dot_fp32 = v4.device.type == "cpu" and v4.dtype == torch.bfloat16
     common = dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,

@@ -45,7 +45,7 @@ def tanh_scores(y, FAST_TANH: tl.constexpr):
     cap into exp2's. On NVIDIA GPUs PTX's ``tanh.approx.f32`` (one MUFU op; relative error 2^-10.99, eight times
     finer than bf16's rounding of the same score in eager Gemma 2 attention; FlashAttention's soft cap uses it
     too): ``1 - 2 / (e^(2y) + 1)`` with ``rcp.approx`` took three MUFU ops a score with P's exp2, and the capped
-    kernels ran at 0.5-0.7 of the plain ones per FLOP (docs/speed_notes.md, session 18). Elsewhere (the
+    kernels ran at 0.5-0.7 of the plain ones per FLOP (H100, docs/history.md). Elsewhere (the
     interpreter) that exact form, which saturates to +-1 without NaN at +-inf."""
     if FAST_TANH:
         t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [y], dtype=tl.float32, is_pure=True,
@@ -270,16 +270,16 @@ def launch_forward(quant, v8t, v_scale, out4, lse, layout_q: SeqLayout, layout_k
     sink_mode = 0 if sinks is None else 2 if sink_shift is not None else 1
     block_m, block_n, block_d, num_warps, num_stages = config
     assert Q_SMOOTH_BLOCK % block_m == 0
-    q8, k8 = quant["q8"], quant["k8"]
-    q_mean = quant["q_mean"]
+    q8, k8 = quant.q8, quant.k8
+    q_mean = quant.q_mean
     grid = (cdiv(layout_q.max_len, block_m), layout_q.num_seqs * num_heads)
     return launch(
         _attn_fwd_kernel, grid,
-        q8, quant["q_scale"], k8, quant["k_scale"], v8t, v_scale,
-        maybe(q_mean, v_scale), maybe(quant["q_mean_cu"], q8), out4, lse, maybe(shift, lse), maybe(sinks, lse),
+        q8, quant.q_scale, k8, quant.k_scale, v8t, v_scale,
+        maybe(q_mean, v_scale), maybe(quant.q_mean_cu, q8), out4, lse, maybe(shift, lse), maybe(sinks, lse),
         maybe(layout_q.cu_seqlens, q8), maybe(layout_k.cu_seqlens, q8),
-        *strides4(q8)[:3], *strides3(quant["q_scale"])[:2],
-        *strides4(k8)[:3], *strides3(quant["k_scale"])[:2],
+        *strides4(q8)[:3], *strides3(quant.q_scale)[:2],
+        *strides4(k8)[:3], *strides3(quant.k_scale)[:2],
         *strides4(v8t)[:3], *strides3(v_scale)[:2],
         *strides3(q_mean)[:2],
         *strides4(out4), *strides3(lse)[:2],

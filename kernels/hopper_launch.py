@@ -99,18 +99,18 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
                         programs=None, v_operand_order=False):
     """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift``,
     ``softcap``, ``shift`` as there). ``pingpong`` defaults to on at V's head dim 128 and off at 64; the op
-    passes ``dispatch.gluon_forward_pingpong``'s choice (session 26: off is faster for short unmasked calls and
-    MLA's head dims).
+    passes ``dispatch.gluon_forward_pingpong``'s choice (off is faster for short unmasked calls and MLA's head
+    dims).
     ``named_barriers``: the turns and the buffer releases on hardware named barriers, each thread arriving for
     itself, instead of mbarriers (whose one-thread arrivals Gluon precedes with a ``bar.sync`` of the warpgroup:
     three of a tile's four go); default on at V's head dim 128, where kernels alone ran 1.00-1.05x faster with two
-    consumers and 1.01-1.04x with three (H100, session 18), off at 64 (0.98-1.03x).
+    consumers and 1.01-1.04x with three (H100), off at 64 (0.98-1.03x).
     ``programs``: launch this many programs (``dispatch.gluon_programs``: one per SM), each taking work
     items (the query rows of one sequence and head) from an atomic counter until none is left, so the next item's
     Q and first K / V tiles load while this one's epilogue runs, and causal calls' items of unequal length balance
-    (a static round-robin did not: session 20); None (or at least one per item): one program per work item.
+    (a static round-robin did not); None (or at least one per item): one program per work item.
     ``v_operand_order``: ``v8t`` from ``quantize_v(..., operand_order=True)`` (each 16 keys in the order P's
-    registers hold them, so P goes to ``P V`` without shuffles: kernels alone 1.01-1.11x, session 21); the op's."""
+    registers hold them, so P goes to ``P V`` without shuffles: kernels alone 1.01-1.11x, H200); the op's."""
     assert sink_shift is None or (sinks is not None and sink_shift.stride() == lse.stride())
     assert not softcap or (shift is not None and shift.stride() == lse.stride())
     assert not (softcap and sink_shift is not None), "capped scores are already the caller's"
@@ -122,9 +122,9 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
         named_barriers = out4.shape[3] == 128
     if consumer_regs is None:   # what one SM's 64K registers give each consumer warpgroup beside the loader
         consumer_regs = {2: 240, 3: 160}[consumers]
-    q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]
+    q8, k8, q_scale, k_scale = quant.q8, quant.k8, quant.q_scale, quant.k_scale
     head_dim_v = out4.shape[3]
-    assert quant["q_mean"] is None and (head_dim, head_dim_v) in GLUON_HEAD_DIMS and out4.stride(3) == 1
+    assert quant.q_mean is None and (head_dim, head_dim_v) in GLUON_HEAD_DIMS and out4.stride(3) == 1
     assert head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == forward_hopper.BLOCK_N.value, "one K scale a key tile"
     bsz, hq, n_q, d = q8.shape
     hk, n_k = k8.shape[1], k8.shape[2]
@@ -214,23 +214,21 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
                      window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None, block_q=None, softcap=0.0,
                      shift=None, programs=None, operand_order=False, packing=None, tile_ks=None, dq_acc=None,
                      dq_buffers=3):
-    """(grid, args, kwargs) of one launch, ``part`` "dv", "dk" or "dkdv" (both in one program): ``[B, H, N, D]``
+    """(grid, args, kwargs) of one key-tile launch, ``part`` "dv", "dk" or "dkdvq" (the one launch): ``[B, H, N, D]``
     tensors as ``backward.launch_backward`` takes them (``quant`` from ``quantize_qk(..., transposed=True)``;
     ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None where not written. ``operand_order``:
-    ``do8t`` and ``quant["q8t"]`` hold each 16 queries in quantize's operand order, so P^T and dS^T feed their
+    ``do8t`` and ``quant.q8t`` hold each 16 queries in quantize's operand order, so P^T and dS^T feed their
     products from the registers as they are (no shuffles). ``packing``: None for a padded batch, or for a packed
     one ([1, H, T, D]) ``(layout_q, layout_k, t_starts)``, ``do8t`` and ``q8t`` laid out with ``t_starts``
     (``quantize.aligned_starts(layout_q)``). ``tile_ks`` (default: wherever it applies, head dims with one K scale
     a key block): the loader folds the item's K scale into the per-query vectors, one FMA a score less in S^T's
     dequantization (with a cap: in the cap's argument). ``part="dkdvq"``: dV and dK, and dQ added to ``dq_acc``
-    (fp32, ``[B, H, N, D]`` contiguous, zeroed) by reduce-adds (_reduce_dq; dS K in the input dtype: _k_operand);
-    ``dq_schedule``: how its consumers meet for dQ, DQ_LOCKSTEP (1) or DQ_LAGGED (2: 1.01-1.07x faster than
-    lockstep at D=64, 1K-8K keys, H100, session 28); None: DQ_SCHEDULE. (dV's product issued async under dS^T's
-    math as well ran at 0.90-0.99x the lagged schedule's speed, session 28: not kept.)"""
+    (fp32, ``[B, H, N, D]`` contiguous, zeroed) by reduce-adds (backward_hopper._reduce_dq; dS K in the input
+    dtype: backward_hopper._k_operand)."""
     head_dim_v = v4.shape[3]
     assert part in ("dv", "dk", "dkdvq") and (head_dim, head_dim_v) in GLUON_HEAD_DIMS
     do_dv, do_dk, do_dq = part in ("dv", "dkdvq"), part in ("dk", "dkdvq"), part == "dkdvq"
-    if fold is None:    # dV alone 1.09-1.12x with it (H100, session 5); dK alone 1.00-1.03x (H200, session 21)
+    if fold is None:    # dV alone 1.09-1.12x with it (H100); dK alone 1.00-1.03x (H200)
         fold = part in ("dv", "dk")
     assert not (fold and do_dv and do_dk), "FOLD scales P^T by one product's scale: the other needs it unscaled"
     assert not (do_dq and softcap), "a cap's K-smoothing row term needs dS's row sums, which the one launch lacks"
@@ -238,11 +236,11 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     can_tile_ks = head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == backward_hopper.BLOCK_N.value
     tile_ks = can_tile_ks if tile_ks is None else bool(tile_ks)
     assert can_tile_ks or not tile_ks, "tile_ks needs one K scale a key tile"
-    assert quant["q_mean"] is None, "no Q-smoothing on this path"
-    q8, k8, q_scale, k_scale = quant["q8"], quant["k8"], quant["q_scale"], quant["k_scale"]
+    assert quant.q_mean is None, "no Q-smoothing on this path"
+    q8, k8, q_scale, k_scale = quant.q8, quant.k8, quant.q_scale, quant.k_scale
     bsz, hq, n_q, d = q8.shape
     hk, n_k = k8.shape[1], k8.shape[2]
-    q_scale_raw = quant["q_scale_raw"]
+    q_scale_raw = quant.q_scale_raw
     shift = shift if softcap else lse
     for t in (lse, do_scale, delta, q_scale_raw, shift):
         assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
@@ -254,7 +252,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     k2_desc = tma_desc_2d(_rows(k8), [backward_hopper.HALF_N.value, d2], gl.int8) if d2 else k_desc
     dot_desc = tma_desc_2d(do8t.reshape(-1, do8t.shape[-1]), [head_dim_v, block_q], gl.int8) if do_dv else q_desc
     if do_dk:
-        qt = quant["q8t"]
+        qt = quant.q8t
         qt_desc = tma_desc_2d(qt.reshape(-1, qt.shape[-1]), [d1, block_q], gl.int8)
         qt2_desc = tma_desc_2d(qt.reshape(-1, qt.shape[-1]), [d2, block_q], gl.int8) if d2 else qt_desc
         do_desc, do_coords = _caller_desc(do4, [block_q, head_dim_v], io_dtype)
@@ -312,8 +310,8 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
     assert (head_dim, head_dim_v) in GLUON_HEAD_DIMS and dq4.stride(3) == 1
     block_k = dq_key_tile(head_dim)
     assert head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK % block_k == 0, "one K scale a key tile"
-    assert quant["q_mean"] is None, "no Q-smoothing on this path"
-    q8, k8, k8t, q_scale, k_scale = quant["q8"], quant["k8"], quant["k8t"], quant["q_scale"], quant["k_scale"]
+    assert quant.q_mean is None, "no Q-smoothing on this path"
+    q8, k8, k8t, q_scale, k_scale = quant.q8, quant.k8, quant.k8t, quant.q_scale, quant.k_scale
     bsz, hq, n_q, d = q8.shape
     hk, n_k = k8.shape[1], k8.shape[2]
     assert not softcap or shift is not None
@@ -394,7 +392,7 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
     tuning = dict(tuning, softcap=softcap, shift=shift)
     do4, v4 = tma_addressable(do4), tma_addressable(v4)     # a copy, if one is needed, once for all launches
     if fused_dq:   # one launch: dQ by reduce-adds of dS K from the key-tile programs (not deterministic)
-        dq_acc = torch.zeros(quant["q8"].shape, dtype=torch.float32, device=quant["q8"].device)
+        dq_acc = torch.zeros(quant.q8.shape, dtype=torch.float32, device=quant.q8.device)
         launch_dkdv_hopper("dkdvq", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common,
                            packing=key_tiles_packing, dq_acc=dq_acc, **tuning)
         if k_mean is not None:

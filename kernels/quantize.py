@@ -21,7 +21,8 @@ layout, the scales, and for dO also ``delta = rowsum(dO * O)``). Each program re
 fixed order: no atomics, so forward and backward quantize the same input to the same bytes.
 """
 import functools
-from typing import Optional
+import warnings
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -34,6 +35,43 @@ from .layout import SeqLayout, cdiv, strides3, strides4
 TOKEN_ALIGN = 16        # transposed copies pad the token axis so every row starts 16-byte aligned
 STATS_CHUNK = 512       # tokens per program for a whole sequence's mean or max (padded batches)
 STATS_ROWS = 32         # tokens per load in the statistics kernel (its accumulator holds that many rows)
+
+
+def _field_by_key(self, key):
+    """``result["name"]``, the dict these results used to be: the field, with a DeprecationWarning."""
+    if isinstance(key, str):
+        warnings.warn(f"{type(self).__name__}[{key!r}]: the result is a NamedTuple now; use .{key} (indexing by "
+                      f"name goes in the next release)", DeprecationWarning, stacklevel=2)
+        return getattr(self, key)
+    return tuple.__getitem__(self, key)
+
+
+class Quantized(NamedTuple):
+    """What ``quantize`` made of one input ``[B, H, N, D]``; a field not asked for is None."""
+    x8: Optional[torch.Tensor]        # int8, natural layout [B, H, N, D]
+    x8t: Optional[torch.Tensor]       # int8, token-major [B, H, D, N_pad]
+    scale: Optional[torch.Tensor]     # fp32 per token [B, H, N] (None with a channel_scale)
+    delta: Optional[torch.Tensor]     # rowsum(x * out_for_delta) [B, H, N]
+    row_dot: Optional[torch.Tensor]   # each token dotted with its sequence's vector (``dot``) [B, H, N]
+    scaled: Optional[torch.Tensor]    # scale times the ``scaled`` factor [B, H, N]
+    __getitem__ = _field_by_key
+
+
+class QuantizedQK(NamedTuple):
+    """INT8 Q and K for ``S = Q K^T`` (``quantize_qk``); a field not asked for is None."""
+    q8: torch.Tensor                      # [B, H, N, D]
+    q_scale: torch.Tensor                 # per token, softmax scale and log2(e) folded in (the kernels use exp2)
+    q_scale_raw: torch.Tensor             # per token, Q's own
+    v_scale: Optional[torch.Tensor]       # V's per-channel scales [Hkv, S, Dv] (with ``v4``), for quantize_v
+    q8t: Optional[torch.Tensor]           # Q's token-major copy [B, H, D, N_pad] (``transposed``)
+    k8: torch.Tensor                      # [B, Hkv, N, D]
+    k_scale: torch.Tensor                 # per token (one per K_SCALE_BLOCK tokens at K_BLOCK_HEAD_DIMS)
+    k8t: Optional[torch.Tensor]           # K's token-major copy (``k_transposed``)
+    q_mean: Optional[torch.Tensor]        # Q-smoothing block means [H, blocks, D], scaled like q_scale
+    q_mean_cu: Optional[torch.Tensor]     # first block of each sequence
+    k_mean: Optional[torch.Tensor]        # K-smoothing means [Hkv, S, D]
+    q_shift: Optional[torch.Tensor]       # softmax_scale * q . mean(k) per query [B, H, N] (``row_shift``)
+    __getitem__ = _field_by_key
 
 
 @triton.jit
@@ -188,7 +226,7 @@ def _quantize_kernel(
         # every Triton lays the store along the tokens (each warp writes neighbouring tokens of a channel). The
         # operand order's permutation is applied to the data, not the addresses: with permuted addresses the
         # contiguity is unknown and Triton 3.9 laid the lanes along the channels instead (32 rows of X8T a
-        # store: the pass ran 5-8x slower than on 3.6, which picked the tokens; H100, session 25).
+        # store: the pass ran 5-8x slower than on 3.6, which picked the tokens; H100, Triton 3.9).
         x8t = tl.trans(x8)
         # Where each sequence's copy is padded to 16 tokens of its own (padded batches; packed ones with their
         # own starts), whole groups of 16 are written, those past the sequence's end as the zeros of its rows
@@ -342,7 +380,7 @@ def aligned_starts(layout: SeqLayout) -> torch.Tensor:
 def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
              channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
              scaled=None, block_scale=False, operand_order=False):
-    """One pass over ``x4`` ``[B, H, N, D]`` -> dict with ``x8`` (natural ``[B, H, N, D]``), ``x8t``
+    """One pass over ``x4`` ``[B, H, N, D]`` -> ``Quantized`` with ``x8`` (natural ``[B, H, N, D]``), ``x8t``
     (``[B, H, D, N_pad]``), ``scale`` (per token ``[B, H, N]``, unless ``channel_scale`` given) and
     ``delta`` (``rowsum(x * out_for_delta)``) as asked. ``t_starts`` (packed batches): each sequence's first
     column in ``x8t`` (``aligned_starts``) instead of its first token. ``dot = (vectors [Hv, S, D], group,
@@ -390,7 +428,7 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
         BLOCK_D=_block_d(d), OPERAND_ORDER=operand_order,
         num_warps=num_warps,
     )
-    return dict(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot, scaled=scaled_out)
+    return Quantized(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot, scaled=scaled_out)
 
 
 def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float,
@@ -398,7 +436,7 @@ def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale:
                 operand_order: bool = False, t_starts_q=None, t_starts_k=None, k_transposed: Optional[bool] = None):
     """INT8 Q and K for ``S = Q K^T`` (and, with ``transposed``, their token-major copies for the backward).
 
-    Returns a dict: ``q8, q_scale`` (softmax scale and log2(e) folded in, so the kernels use exp2),
+    Returns a ``QuantizedQK``: ``q8, q_scale`` (softmax scale and log2(e) folded in, so the kernels use exp2),
     ``q_scale_raw``, ``k8, k_scale``, ``q8t, k8t``, for Q-smoothing ``q_mean`` (``[H, blocks, D]``,
     scaled like ``q_scale``) and ``q_mean_cu`` (first block of each sequence), and with K-smoothing ``k_mean``
     (``[Hkv, S, D]``) and, if ``row_shift``, ``q_shift`` (``softmax_scale * q . mean(k)`` per query, ``[B, H, N]``:
@@ -424,16 +462,16 @@ def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale:
     q = quantize(q4, layout_q, sub=q_mean, sub_cu=q_cu, sub_block=Q_SMOOTH_BLOCK,
                  transposed=transposed and not q_smoothing, dot=dot, scaled=softmax_scale * LOG2E,
                  operand_order=operand_order, t_starts=t_starts_q)
-    return dict(q8=q["x8"], q_scale=q["scaled"], q_scale_raw=q["scale"], v_scale=v_scale,
-                q8t=q["x8t"], k8=k["x8"], k_scale=k["scale"], k8t=k["x8t"],
-                q_mean=None if q_mean is None else q_mean * (softmax_scale * LOG2E), q_mean_cu=q_cu,
-                k_mean=k_sub, q_shift=q["row_dot"])
+    return QuantizedQK(q8=q.x8, q_scale=q.scaled, q_scale_raw=q.scale, v_scale=v_scale,
+                       q8t=q.x8t, k8=k.x8, k_scale=k.scale, k8t=k.x8t,
+                       q_mean=None if q_mean is None else q_mean * (softmax_scale * LOG2E), q_mean_cu=q_cu,
+                       k_mean=k_sub, q_shift=q.row_dot)
 
 
 def operand_order_columns(n: int) -> torch.Tensor:
     """Where ``quantize(..., operand_order=True)`` puts each of ``n`` tokens (n a multiple of 16): inside each 16,
     token c goes to column (c0, c3, c1, c2) read as bits 0-3. The Gluon forward feeds P to ``P V`` from the
-    registers its softmax left it in, which hold P's keys in that order (forward_hopper._operand_order): V's
+    registers its softmax left it in, which hold P's keys in that order (hopper_common.to_operand_order): V's
     token-major copy takes the same order, so the product is unchanged (a permutation of its sum)."""
     c = torch.arange(n) % 16
     return torch.arange(n) - c + (c & 1) + ((c >> 3) & 1) * 2 + ((c >> 1) & 1) * 4 + ((c >> 2) & 1) * 8
@@ -447,5 +485,5 @@ def quantize_v(v4: torch.Tensor, layout: SeqLayout, t_starts=None, v_scale=None,
     if v_scale is None:
         v_scale = _stats(v4, layout, True, factor=1.0 / 127.0)[0]      # [H, S, D]
     v8t = quantize(v4, layout, channel_scale=v_scale, natural=False, transposed=True, t_starts=t_starts,
-                   operand_order=operand_order)["x8t"]
+                   operand_order=operand_order).x8t
     return v8t, v_scale.transpose(0, 1)

@@ -174,7 +174,7 @@ def _torch_shift(q, k, cu_q, cu_k, scale) -> Shift:
 
 def _kernel_shift(quant) -> Shift:
     """From ``quantize_qk(..., row_shift=True)``. (The K means stay in ``quant``: the dQ kernels read them.)"""
-    return Shift(quant["q_shift"], None)
+    return Shift(quant.q_shift, None)
 
 
 def _kernel_softcap_shift(shift: Optional[Shift], lse_shape, device):
@@ -230,7 +230,7 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
     # the Gluon kernel reads V^T by TMA, whose tiles must start 16-byte aligned: packed sequences are laid so
     v_starts = aligned_starts(lay_k) if gluon and varlen else None
     # (the Gluon forward reads V^T's keys in the order its P registers hold them: quantize.operand_order_columns)
-    v8t, v_scale = quantize_v(v4, lay_k, v_starts, quant["v_scale"], operand_order=gluon)
+    v8t, v_scale = quantize_v(v4, lay_k, v_starts, quant.v_scale, operand_order=gluon)
     lse = torch.empty(q4.shape[:3], device=q.device, dtype=torch.float32)
     _poisoned(out, lse)
     args = (quant, v8t, v_scale, as_bhnd(out, varlen), lse, lay_q, lay_k, q4.shape[1], q4.shape[1] // k4.shape[1],
@@ -329,21 +329,21 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     shift = _kernel_shift(quant) if need_shift else None
     if q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
         raw = quantize(q4, lay_q, natural=False, transposed=True)
-        q8rt, q_scale_raw = raw["x8t"], raw["scale"]
+        q8rt, q_scale_raw = raw.x8t, raw.scale
     else:
-        q8rt, q_scale_raw = quant["q8t"], quant["q_scale_raw"]
+        q8rt, q_scale_raw = quant.q8t, quant.q_scale_raw
     do_q = quantize(do4, lay_q, natural=False, transposed=True, out_for_delta=o4, operand_order=gluon,
                     t_starts=starts_q)
     dsinks = row_ds = None
     if sinks is not None:   # from delta = rowsum(dO * O), which dO's pass gives
-        dsinks, row_ds = sink_math.sink_grads(do_q["delta"], lse, sinks,
+        dsinks, row_ds = sink_math.sink_grads(do_q.delta, lse, sinks,
                                               None if shift is None or softcap else shift.rows)
     # dQ's K-smoothing term (the dQ kernels' epilogue; with a cap they sum their own dS)
-    term = dict(k_mean=quant["k_mean"] if need_shift else None, row_ds=row_ds)
+    term = dict(k_mean=quant.k_mean if need_shift else None, row_ds=row_ds)
     cap_args = dict(softcap=softcap, shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
     if gluon:
         from .kernels.hopper_launch import launch_backward_hopper   # imports Gluon: only where it runs
-        dq_acc = launch_backward_hopper(quant, v4, do4, do_q["x8t"], do_q["scale"], lse, do_q["delta"],
+        dq_acc = launch_backward_hopper(quant, v4, do4, do_q.x8t, do_q.scale, lse, do_q.delta,
                                         None if one_launch else as_bhnd(dq, varlen), as_bhnd(dk, varlen),
                                         as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3], window, scale,
                                         programs=dispatch.gluon_programs(q.device, backward=True),
@@ -355,8 +355,8 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
             dq = _new_like(q, varlen)
             as_bhnd(dq, varlen).copy_(dq_acc)
     else:
-        launch_backward(quant, q8rt, q_scale_raw, quant["k8t"], v4, do4, do_q["x8t"], do_q["scale"], lse,
-                        do_q["delta"], as_bhnd(dq, varlen), as_bhnd(dk, varlen), as_bhnd(dv, varlen), lay_q, lay_k,
+        launch_backward(quant, q8rt, q_scale_raw, quant.k8t, v4, do4, do_q.x8t, do_q.scale, lse,
+                        do_q.delta, as_bhnd(dq, varlen), as_bhnd(dk, varlen), as_bhnd(dv, varlen), lay_q, lay_k,
                         q4.shape[1], k4.shape[1], q4.shape[3], window, scale, cfg["dkdv"], cfg["dq"],
                         split_dkdv=cfg["split_dkdv"], **term, **cap_args)
         dispatch.count("bwd_triton")

@@ -53,22 +53,22 @@ def test_gluon_dkdv_matches_portable(case, part):
                      for c in (cfg["dkdv"] if cfg["split_dkdv"] else (cfg["dkdv"],) * 2))
     want = {"dq": torch.full_like(q, float("nan")), "dk": torch.full_like(k, float("nan")),
             "dv": torch.full_like(v, float("nan"))}
-    launch_backward(quant, quant["q8t"], quant["q_scale_raw"], quant["k8t"], v, do, do_q["x8t"], do_q["scale"],
-                    lse, do_q["delta"], want["dq"], want["dk"], want["dv"], lay, lay, h, hk, d, window,
+    launch_backward(quant, quant.q8t, quant.q_scale_raw, quant.k8t, v, do, do_q.x8t, do_q.scale,
+                    lse, do_q.delta, want["dq"], want["dk"], want["dv"], lay, lay, h, hk, d, window,
                     scale, dkdv_cfg, cfg["dq"], kernels=(part,), split_dkdv=True)
     quant_ordered = quantize_qk(q, k, lay, lay, scale, True, False, transposed=True, operand_order=True)
-    do8t_ordered = quantize(do, lay, natural=False, transposed=True, operand_order=True)["x8t"]
+    do8t_ordered = quantize(do, lay, natural=False, transposed=True, operand_order=True).x8t
     runs = {}
     # one program a work item, or 3 persistent programs taking them all; natural or operand order
     for programs, order in ((None, False), (3, False), (3, True)):
         got = runs[programs, order] = {name: torch.full_like(t, float("nan")) for name, t in want.items()}
         qt = quant_ordered if order else quant
         if part == "dq":
-            launch_dq_hopper(qt, lse, do, do_q["delta"], v, got["dq"], h, h // hk, d, window, scale,
+            launch_dq_hopper(qt, lse, do, do_q.delta, v, got["dq"], h, h // hk, d, window, scale,
                              programs=programs, operand_order=order)
         else:
-            launch_dkdv_hopper(part, qt, lse, do, do8t_ordered if order else do_q["x8t"], do_q["scale"],
-                               do_q["delta"], v, got["dv"], got["dk"], h, h // hk, d, window, scale,
+            launch_dkdv_hopper(part, qt, lse, do, do8t_ordered if order else do_q.x8t, do_q.scale,
+                               do_q.delta, v, got["dv"], got["dk"], h, h // hk, d, window, scale,
                                programs=programs, operand_order=order)
     for name in (part,):
         got = runs[None, False]
@@ -231,13 +231,13 @@ def test_one_launch_backward_with_dq_reduce_adds(case):
     want = {"dq": torch.full_like(q, float("nan")), "dk": torch.full_like(k, float("nan")),
             "dv": torch.full_like(v, float("nan"))}
     dkdv_cfg = (64,) + cfg["dkdv"][1:]     # the one launch's query tile: P^T's and dS^T's scales span it
-    launch_backward(quant, quant["q8t"], quant["q_scale_raw"], quant["k8t"], v, do, do_q["x8t"], do_q["scale"],
-                    lse, do_q["delta"], want["dq"], want["dk"], want["dv"], lay, lay, h, hk, d, window, scale,
+    launch_backward(quant, quant.q8t, quant.q_scale_raw, quant.k8t, v, do, do_q.x8t, do_q.scale,
+                    lse, do_q.delta, want["dq"], want["dk"], want["dv"], lay, lay, h, hk, d, window, scale,
                     (dkdv_cfg, dkdv_cfg), cfg["dq"], split_dkdv=True)
     quant_ordered = quantize_qk(q, k, lay, lay, scale, True, False, transposed=True, operand_order=True)
-    do8t = quantize(do, lay, natural=False, transposed=True, operand_order=True)["x8t"]
+    do8t = quantize(do, lay, natural=False, transposed=True, operand_order=True).x8t
     got = {name: torch.full_like(t, float("nan")) for name, t in want.items()}
-    launch_backward_hopper(quant_ordered, v, do, do8t, do_q["scale"], lse, do_q["delta"], got["dq"], got["dk"],
+    launch_backward_hopper(quant_ordered, v, do, do8t, do_q.scale, lse, do_q.delta, got["dq"], got["dk"],
                            got["dv"], h, hk, d, window, scale, fused_dq=True,
                            operand_order=True, programs=7)
     for name in ("dk", "dv"):

@@ -291,9 +291,9 @@ def test_gluon_forward_schedules_agree(case, softcap):
     q, k, v = (x.detach() for x in (q, k, v))
     lay_q, lay_k = SeqLayout(b, nq, None), SeqLayout(b, nk, None)
     quant = quantize_qk(q, k, lay_q, lay_k, d ** -0.5, True, False, row_shift=bool(softcap), v4=v)
-    v8t, v_scale = quantize_v(v, lay_k, v_scale=quant["v_scale"])
+    v8t, v_scale = quantize_v(v, lay_k, v_scale=quant.v_scale)
     window = (window[0], 0) if causal and window[1] < 0 else window
-    cap = dict(softcap=softcap, shift=quant["q_shift"] * LOG2E) if softcap else {}
+    cap = dict(softcap=softcap, shift=quant.q_shift * LOG2E) if softcap else {}
     runs = {}
     for consumers in (2, 3):
         for named in (False, True):
@@ -304,7 +304,7 @@ def test_gluon_forward_schedules_agree(case, softcap):
                                       consumers=consumers, named_barriers=named, programs=programs, **cap)
                 runs[consumers, named, programs] = (out, lse)
     # P fed to P V in the order its registers hold it, V^T's keys permuted to match: the same int32 sums
-    v8t_ordered, _ = quantize_v(v, lay_k, v_scale=quant["v_scale"], operand_order=True)
+    v8t_ordered, _ = quantize_v(v, lay_k, v_scale=quant.v_scale, operand_order=True)
     for consumers in (2, 3):
         out = torch.full((b, h, nq, dv), float("nan"), device="cuda", dtype=q.dtype)
         lse = torch.full(q.shape[:3], float("nan"), device="cuda")

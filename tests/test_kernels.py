@@ -330,13 +330,13 @@ def test_forward_takes_k_and_v_statistics_in_one_pass(device):
         quant = quantize_qk(q, k, lay, lay, 0.3, smooth, False, v4=v)
         alone = quantize_qk(q, k, lay, lay, 0.3, smooth, False)
         if smooth:
-            assert torch.equal(quant["k_mean"], token_stats(k, lay, abs_max=False)[0])
+            assert torch.equal(quant.k_mean, token_stats(k, lay, abs_max=False)[0])
         v_max = token_stats(v, lay, abs_max=True)[0]
-        assert torch.equal(quant["v_scale"], v_max * (1.0 / 127.0))
-        assert torch.equal(quantize_v(v, lay, v_scale=quant["v_scale"])[0], quantize_v(v, lay)[0])
+        assert torch.equal(quant.v_scale, v_max * (1.0 / 127.0))
+        assert torch.equal(quantize_v(v, lay, v_scale=quant.v_scale)[0], quantize_v(v, lay)[0])
         for name in ("q8", "k8", "k_scale", "q_scale_raw", "q_scale"):
-            assert torch.equal(quant[name], alone[name]), name
-        assert torch.equal(quant["q_scale"], quant["q_scale_raw"] * (0.3 * LOG2E))
+            assert torch.equal(getattr(quant, name), getattr(alone, name)), name
+        assert torch.equal(quant.q_scale, quant.q_scale_raw * (0.3 * LOG2E))
 
 
 @pytest.mark.parametrize("device", kernel_devices())
@@ -364,11 +364,11 @@ def test_k_scale_is_one_per_block_of_each_sequence(device):
             for a, b in zip(starts, starts[1:]):
                 k8, k_scale = naive.quantize_per_block(k[:, :, a:b], naive.k_scale_block(d))
                 # (the division by the scale may round one code the other way in the interpreter's numpy)
-                torch.testing.assert_close(quant["k_scale"][:, :, a:b], k_scale, rtol=2e-7, atol=0)
-                codes = (quant["k8"][:, :, a:b].float() - k8).abs()
+                torch.testing.assert_close(quant.k_scale[:, :, a:b], k_scale, rtol=2e-7, atol=0)
+                codes = (quant.k8[:, :, a:b].float() - k8).abs()
                 assert codes.max() <= 1 and codes.mean() < 1e-3, (d, starts, codes.max(), codes.mean())
-                first = quant["k_scale"][:, :, a:b:block].repeat_interleave(block, 2)[:, :, :b - a]
-                assert torch.equal(quant["k_scale"][:, :, a:b], first) == per_block, (d, starts)
+                first = quant.k_scale[:, :, a:b:block].repeat_interleave(block, 2)[:, :, :b - a]
+                assert torch.equal(quant.k_scale[:, :, a:b], first) == per_block, (d, starts)
         assert torch.equal(naive.quantize_per_block(k, 1)[1], naive.quantize_per_token(k)[1])
 
 
@@ -504,24 +504,24 @@ def test_token_major_copy_holds_the_natural_bytes(device):
 
     x = torch.randn(2, 3, 37, 32, device=device, dtype=torch.float16)
     out = quantize(x, SeqLayout(2, 37, None), transposed=True)
-    assert out["x8t"].shape == (2, 3, 32, 48)
-    assert torch.equal(out["x8t"][..., :37], out["x8"].transpose(-1, -2))
-    assert (out["x8t"][..., 37:] == 0).all()
+    assert out.x8t.shape == (2, 3, 32, 48)
+    assert torch.equal(out.x8t[..., :37], out.x8.transpose(-1, -2))
+    assert (out.x8t[..., 37:] == 0).all()
 
     lengths = [5, 0, 17, 16, 33]
     cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
     x = torch.randn(1, 2, int(cu[-1]), 32, device=device, dtype=torch.float16)
     lay = SeqLayout(len(lengths), max(lengths), cu)
     out = quantize(x, lay, transposed=True)
-    assert torch.equal(out["x8t"][..., : int(cu[-1])], out["x8"].transpose(-1, -2))
+    assert torch.equal(out.x8t[..., : int(cu[-1])], out.x8.transpose(-1, -2))
     starts = aligned_starts(lay)
     aligned = quantize(x, lay, transposed=True, t_starts=starts)
-    filled = torch.zeros(aligned["x8t"].shape[-1], dtype=torch.bool)
+    filled = torch.zeros(aligned.x8t.shape[-1], dtype=torch.bool)
     for i, n in enumerate(lengths):
         a, b = int(cu[i]), int(starts[i])
-        assert torch.equal(aligned["x8t"][..., b:b + n], out["x8"][..., a:a + n, :].transpose(-1, -2))
+        assert torch.equal(aligned.x8t[..., b:b + n], out.x8[..., a:a + n, :].transpose(-1, -2))
         filled[b:b + n] = True
-    assert (aligned["x8t"][..., ~filled.to(device)] == 0).all()
+    assert (aligned.x8t[..., ~filled.to(device)] == 0).all()
 
 
 def _layouts(b, h, n, d):

@@ -1,65 +1,40 @@
-"""SageBwd backward on Hopper (sm_90), in Gluon: dV, dK and dQ as three warp-specialized launches (dK and dV
-may share one, ``part="dkdv"``).
+"""SageBwd backward on Hopper (sm_90), in Gluon: the key-tile kernel (dV, dK, or in one launch all three
+gradients) and the dQ kernel, warp-specialized, TMA-fed, async wgmma.
 
-Same numerics as the portable kernels (``backward.py``) at their GPU tiles: the key-tile launches walk
-128-query tiles (P^T's and dS^T's per-key scales), the dQ launch walks 128-key tiles (dS's per-query scales):
+Contract: backward.launch_backward's (hopper_launch.launch_backward_hopper launches them), at the portable
+kernels' tiles, so the numerics are theirs: the key-tile launches walk 128-query tiles (P^T's and dS^T's per-key
+scales), the dQ launch walks 128-key tiles (dS's per-query scales):
 
-* dV (``_attn_bwd_dkdv_hopper_kernel``, ``DO_DK`` off): ``S^T = K8 Q8^T`` in INT8 dequantized with the
-  K scales (one per 128 keys, ``quantize.K_SCALE_BLOCK``: one a program, which the loader folds into the
-  per-query vectors with the add trick's offset, ``TILE_KS``: one FMA a score) and the per-token Q scales,
-  ``P^T = exp2(S^T - lse)``, ``dV += P^T dO`` in INT8 (dO's per-token scale folded into P^T, P^T quantized
-  per key over each query tile).
-* dK (same kernel, ``DO_DK`` on): S^T and P^T again, ``dP^T = V dO^T`` in bf16/fp16,
-  ``dS^T = P^T (dP^T - delta)``, ``dK += dS^T Q`` in INT8 (Q's per-token scale folded into dS^T).
-* dQ (``_attn_bwd_dq_hopper_kernel``): ``S = Q8 K8^T``, ``dP = dO V^T``, ``dS = P (dP - delta)``,
-  ``dQ += dS K`` in INT8 (dS quantized per query over each 128-key tile; that tile's one K scale joins the
-  row's dequantization scale, so it costs nothing per score).
+* dV (``_attn_bwd_dkdv_hopper_kernel``, ``DO_DV``): ``S^T = K8 Q8^T`` in INT8, dequantized with the item's one K
+  scale (``TILE_KS``: the loader folds it into the per-query vectors, one FMA a score) and the per-token Q
+  scales; ``P^T = exp2(S^T - lse)``; ``dV += P^T dO`` in INT8 (dO's per-token scale folded into P^T, ``FOLD``:
+  as log2 in its exponent; P^T quantized per key over each query tile).
+* dK (same kernel, ``DO_DK``): S^T and P^T again, ``dP^T = V dO^T`` in bf16/fp16, ``dS^T = P^T (dP^T - delta)``,
+  ``dK += dS^T Q`` in INT8 (Q's per-token scale folded into dS^T).
+* dQ (``_attn_bwd_dq_hopper_kernel``): ``S = Q8 K8^T``, ``dP = dO V^T``, ``dS = P (dP - delta)``, ``dQ += dS K``
+  in INT8 (dS quantized per query over each key tile, whose one K scale joins the row's scale).
+* the one launch (``DO_DQ``, FlashAttention 3's, D=64, 64-query tiles: ``constants.ONE_LAUNCH_QUERY_TILE``): the
+  key-tile programs compute dV and dK and also dQ: each consumer stores its dS^T tile (bf16) to shared memory and
+  announces it, waits for the other's only after its own dV product, then adds up its half of dQ's channels as
+  ``dS K`` in the input dtype over the program's 128 keys (K as exact bf16 integers times its one scale), and a
+  TMA reduce-add puts the fp32 result into a zeroed accumulator. dQ's product is unquantized (more accurate) and
+  the adds' order varies: not bit-identical run to run. dispatch.gluon_one_launch_backward says when it runs.
 
-The schedule is the Gluon forward's (``forward_hopper.py``): a work item is 128 keys (dV, dK) or 128 queries (dQ)
-of one (sequence, head); one program per SM takes items from an atomic counter (``programs``; causal items
-longest first), or one program runs one item. A loader warp posts each item to the consumers, brings its own
-tile once they released the last one and streams the other side's operands and per-token vectors through a
-two-stage TMA ring whose count runs on across items; two consumer warpgroups of 64 rows each.
-No atomics: every gradient is written once, so the backward is deterministic run to run.
+Each of the three launches writes every gradient once (deterministic). Why three launches by default and not one:
+INT8 wgmma accumulates in int32 and the quantization scale changes per tile, so each product is dequantized
+through its own int32 registers into an fp32 accumulator; at D=128 the one launch's registers spill.
 
-``part="dkdvq"`` (``launch_backward_hopper(..., fused_dq=True)``; the op's default at D=64 since session 28):
-FlashAttention 3's one launch. The key-tile programs also compute dQ: each consumer stores its dS^T tile (bf16) to
-shared memory and announces it (DQ_LAGGED: each waits for the other's only after its own dV product), and each
-adds up its half of dQ's channels as ``dS K`` in the input dtype over the program's 128 keys (a 16-bit A
-operand may be read transposed from shared memory, an 8-bit one may not: session 11's INT8 version of this cost
-2,686 instructions a tile), K being the item's int8 K as exact bf16 integers times its one scale; then a TMA
-reduce-add of the fp32 result into a zeroed accumulator. Seven product units where the three launches take ten
-(dQ's product in bf16 is two), dQ more accurate (its product is not quantized), not deterministic (the adds'
-order varies). D=64, 64-query tiles (FUSED_QUERY_TILE), H100: 1.08-1.20x the three launches at 1K-8K keys,
-causal or not (docs/speed_notes.md, sessions 27 and 28); D=128 spills (0.36-0.42x). The op runs it unless
-determinism is asked for (dispatch.gluon_one_launch_backward).
+Schedule: the forward's (forward_hopper.py): a work item is 128 keys (dV, dK) or 128 queries (dQ) of one
+(sequence, head); one program per SM takes items from an atomic counter (causal items longest first), or one
+program runs one item. A loader warp posts each item to the two 64-row consumer warpgroups, brings the item's own
+tile once they released the last one, and streams the other side's operands and per-query vectors through a
+two-stage TMA ring.
 
-Why three launches and not FlashAttention 3's one: INT8 wgmma accumulates in int32 and the quantization
-scale changes per tile, so each product is dequantized through its own int32 registers into an fp32
-accumulator (an integer add and an FMA per accumulator element per tile, whatever the tile's query count).
-``part="dkdv"`` runs dK and dV in one program (S^T once, both products, 64-query tiles at D=128 so S^T and dP^T
-fit beside the two accumulators): correct (tests/test_backward_hopper.py) but slower, measured on an H100
-(session 6, docs/speed_notes.md): at D=128 N=4K 6.27 ms against 1.86 + 2.42 ms for the two launches; its loop
-issues 1,157 instructions per 64x64 tile (42 of them spill loads, 41 spill stores) against 948 for the split
-launches' 128-query tiles; at D=64 (128-query tiles) 7.27 against 6.63 ms. The split launches stay the default.
-
-Measured (H100, docs/speed_notes.md, session 5), kernels alone against the portable launches on the same
-inputs: dV 1.15-1.65x, dK 1.42-1.62x, dQ 1.08-1.35x, whole backward 1.22-1.34x; then ``FOLD`` (the dO scale
-as ``log2`` inside P^T's exp2 instead of a multiply per score) made dV 1.09-1.12x faster again, and the same
-with Q's scale made dK 1.00-1.03x faster (H200, session 21; 0.95-1.03x with session 5's spills). The forward's
-ping-pong turns between the two consumers measured 0.87-1.02x here (not kept).
-
-``SOFTCAP`` (a compile-time option of the same kernels): the capped scores recomputed as the forward does,
-dS (dS^T) times the cap's derivative ``1 - tanh^2``, as backward.py.
-
-``ROW_TERM`` (dQ): K-smoothing scores K - mean(k), which leaves ``rowsum(dS) * mean(k)`` out of dQ; that is zero
-when a row's dS sum to zero, not with a cap (the kernel's own rowsum) or sinks (``ROW_DS``: the sink's share,
-given). The epilogue adds it, as backward.py (a PyTorch pass over dQ before).
-
-Padded and packed batches (``packing``: the sequences' starts, as the forward's ``IS_VARLEN``; their token-major
-copies start 16-aligned, ``quantize.aligned_starts``), head dims 64 and 128, and MLA's 192 for Q/K with 128 for V
-(Q's and K's channels as two blocks, forward_hopper.qk_blocks: two wgmmas for each product over them, two
-accumulators for dK and dQ), no Q-smoothing (``dispatch.use_gluon(..., backward=True)``).
+Options: ``SOFTCAP`` (the capped scores recomputed as the forward does, dS times ``1 - tanh^2``); ``ROW_TERM``
+(dQ: K-smoothing leaves ``rowsum(dS) * mean(k)`` out of dQ, zero unless a cap or sinks make dS's rows not sum to
+zero; the epilogue adds it); packed batches (``IS_VARLEN``: token-major copies start 16-aligned,
+``quantize.aligned_starts``); head dims 64, 128 and MLA's 192 for Q/K with 128 for V (``QK_SPLIT``: two wgmmas
+for each product over Q's and K's channels, two accumulators for dK and dQ); no Q-smoothing.
 """
 from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
@@ -183,7 +158,7 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
     (for S^T), dO8^T (dV's operand), dO (dK's dP^T) and Q8^T (dK's operand), with the per-query vectors
     (q_scale, lse (+inf past the end), and dO's scale, delta, the raw Q scale as the products need them; with
     ``SOFTCAP`` q_scale and the row shift over the cap). ``QK_SPLIT``: Q's and K's channels past the first
-    block (``D1``) as tiles of their own (Q8, K8 and Q8^T alike; forward_hopper.qk_blocks). ``TILE_KS``: the
+    block (``D1``) as tiles of their own (Q8, K8 and Q8^T alike; hopper_launch.qk_blocks). ``TILE_KS``: the
     item's one K scale folded into those vectors (_key_tiles_bwd)."""
     D1: gl.constexpr = q_desc.block_type.shape[1]
     k_bytes: gl.constexpr = k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if QK_SPLIT else 0)
@@ -484,7 +459,7 @@ def _reduce_dq(dq, it, C: gl.constexpr, dq_smem, dq_desc, row):
     and before the copy is issued). Rows past a sequence's end add zeros (their dS is 0) to the next head's or
     sequence's rows. (Each thread adding its own values, ``red.global.add``, the one-launch backward ran 0.89x the
     three launches at D=64 N=4K; one warp adding them for the consumers 0.37x; without any adds 1.26x: H100,
-    session 27.)"""
+    docs/history.md.)"""
     BUFFERS: gl.constexpr = dq_smem.shape[0] // 2
     buf = dq_smem.index(BUFFERS * C + it % BUFFERS)
     tma.store_wait(BUFFERS - 1)

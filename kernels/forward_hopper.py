@@ -1,38 +1,28 @@
 """SageBwd forward on Hopper (sm_90), in Gluon: warp-specialized, TMA-fed, async INT8 wgmma.
 
-The same numerics as ``forward.py`` (the portable ``tl.dot`` kernel, and ``sagebwd_hf.naive``): per-token Q
-scales, one K scale per 128 keys (``quantize.K_SCALE_BLOCK``, this kernel's key tile: one number a tile, folded
-into each row's constant), P quantized per row of every BLOCK_N-key tile with that tile's row maximum mapped to
-127, per-channel V scales applied at the end. Only the schedule differs, FlashAttention 3's:
+Contract: forward.launch_forward's (hopper_launch.launch_forward_hopper launches it): the same numerics as the
+portable kernel (forward.py) and ``sagebwd_hf.naive``: per-token Q scales, one K scale per ``BLOCK_N`` keys
+(``constants.K_SCALE_BLOCK``, this kernel's key tile: one number a tile, folded into each row's constant), P
+quantized per row of every key tile with that tile's row maximum mapped to 127, per-channel V scales applied at
+the end. Head dims 64 and 128, and MLA's 192 for Q/K with 128 for V (``QK_SPLIT``: Q's and K's channels as two
+power-of-two blocks); no Q-smoothing; padded or packed batches (V^T laid out by ``quantize.aligned_starts``:
+TMA needs 16-byte aligned tile coordinates); ``SOFTCAP`` (``cap * tanh(s / cap)``, ``tanh.approx``) and sinks
+(``SINK_MODE``) as compile-time options.
+
+Schedule (FlashAttention 3's):
 
 * a work item is 128 query rows of one (sequence, head) (192 with three consumers); one program per SM takes
-  items from an atomic counter (``programs``; FlashAttention 3's persistent schedule, longest causal items first)
-  or one program runs one item. A program has three partitions: a loader warp that picks the items and brings
-  each item's Q once and its K / V^T int8 tiles through a ring of ``STAGES`` shared-memory buffers by TMA (an
-  mbarrier pair per buffer: ``ready`` when the bytes landed, ``empty`` when both consumers are done with it; or,
-  with ``NAMED_BARRIERS``, a hardware barrier per buffer that every consumer thread arrives at), and two
-  consumer warpgroups of 64 query rows each. Each consumer runs ``S = Q K^T`` and ``O += P V`` as async
-  wgmma; while one warpgroup does its softmax the other's products can use the tensor cores.
-* ``P`` goes to ``P V`` from registers (wgmma's A operand); V^T tiles are token-contiguous, as 8-bit wgmma
-  wants its B operand K-major.
-* the two consumers take turns to issue ``S = Q K^T`` (``PINGPONG``: ``dispatch.gluon_forward_pingpong`` says
-  when); each reads the next tile's K scale one tile ahead, so it never waits on a global load mid-tile.
-* ``consumers=3``: three consumer warpgroups (192 query rows a program, no turns, 160 registers each),
-  FlashAttention 3's tile for head dim 64: spill-free there, a few spilled registers a tile at 128, faster at
-  both without a mask (``dispatch.gluon_forward_consumers`` says when).
+  items from an atomic counter (``DYNAMIC``; longest causal items first), or one program runs one item. An item
+  past a short sequence's end runs no tiles.
+* a loader warp picks the items, brings each item's Q once and its K / V^T int8 tiles through a ring of ``STAGES``
+  shared-memory buffers by TMA (an mbarrier pair per buffer, or with ``NAMED_BARRIERS`` a hardware barrier per
+  buffer that every consumer thread arrives at);
+* two (or three, ``CONSUMERS``) consumer warpgroups of 64 query rows each run ``S = Q K^T`` and ``O += P V`` as
+  async wgmma; with ``PINGPONG`` two consumers take turns to issue S, so one's softmax runs under the other's
+  products. P goes to ``P V`` from registers (wgmma's A operand; with ``V_ORDER`` V^T's keys come in the order
+  the registers hold P's, so no shuffles). dispatch.py picks consumers and turns per call.
 
-Status (docs/speed_notes.md, session 4, H100): kernel-only 1.16-1.26x the portable kernel at D=128 (4K-16K
-keys), 1.02-1.09x at D=64; the default on Hopper through ``dispatch.py`` (for every length since session 21:
-``GLUON_MIN_KEYS_D128``). Packed batches: TMA needs a 16-byte aligned innermost tile coordinate, so
-this kernel reads V^T laid out by ``quantize.aligned_starts`` there; and items past a short sequence's end run
-no tiles (tests/test_dispatch.py and the Transformers packing tests on an H100, session 5).
-
-``SOFTCAP``: the scores capped as in forward.py (the K-smoothing shift added back, then ``cap * tanh(s / cap)``
-with PTX's ``tanh.approx``), a compile-time option of the same kernel.
-
-Head dims 64 and 128, and MLA's 192 for Q/K with 128 for V (``QK_SPLIT``: Q's and K's channels as two
-power-of-two blocks, ``qk_blocks``); no Q-smoothing. Gluon's API moves between Triton releases; this file is
-tested on the versions listed in ``dispatch.GLUON_TESTED``.
+Gluon's API moves between Triton releases: tested on ``constants.TESTED_TRITON``.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -104,7 +94,7 @@ def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q
     whose count runs on across items (with ``QK_SPLIT``, Q's and K's channels past the first block as tiles of
     their own: qk_blocks). An item index past the last tells the consumers to stop. One Q buffer, indexed by
     constants: with two, picked by the item's parity, wgmma read the wrong Q rows on Triton 3.6 (a run-time index
-    of the A operand's shared memory; masked calls gave relative L2 0.5, H100, session 20)."""
+    of the A operand's shared memory; masked calls gave relative L2 0.5 on an H100)."""
     CONSUMERS: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = CONSUMERS * HALF_M
     D1: gl.constexpr = q_desc.block_type.shape[1]
@@ -161,8 +151,8 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
     PINGPONG: the two warpgroups take turns to issue S (``turn_me`` / ``turn_other``), FlashAttention 3's
     scheduler barrier, so one's softmax tends to run under the other's products. (FlashAttention 3's
     in-warpgroup overlap, the next tile's S issued before this tile's softmax or once its P V is issued,
-    measured 0.49-0.94x on an H100, session 16: unrolled by two so each in-flight S keeps its registers, the
-    loop each warpgroup runs doubles and the instruction cache misses; docs/speed_notes.md.)"""
+    measured 0.49-0.94x on an H100: unrolled by two so each in-flight S keeps its registers, the
+    loop each warpgroup runs doubles and the instruction cache misses; docs/history.md.)"""
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.int32, s_layout)
     o_zero = gl.zeros(acc.shape, gl.int32, o_layout)

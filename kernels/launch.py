@@ -5,7 +5,7 @@ to 1 or divisible by 16), builds a cache key and looks the compiled kernel up be
 of host time a launch under cProfile with our 30-50 arguments, and one attention call makes 6 launches forward and 9 back.
 For a short sequence or a small batch that host time, not the GPU, bounds a training step (H100, the 60m
 preset at 8 x 1024 tokens: 4.7 ms of host time per attention forward + backward for 0.4 ms of GPU work,
-``benchmarks/per_call.py --shapes proof``; docs/speed_notes.md, session 14).
+``benchmarks/per_call.py --shapes proof``; docs/history.md).
 
 ``launch`` keeps the compiled kernel of each call under a key of its own that is at least as fine as Triton's
 specialization (equal keys imply equal specializations: see ``_arg_key``), and launches it through

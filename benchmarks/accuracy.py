@@ -2,7 +2,7 @@
 
 For O, dQ, dK, dV: cosine similarity and relative L2 against float64 attention (float32 with --ref-fp32),
 on plain Gaussian inputs and on inputs whose K has channel outliers; SageBwd without K-smoothing beside
-it shows what the smoothing buys. The bar (issue 2): O and dV cosine >= 0.999, dQ and dK cosine >= 0.99
+it shows what the smoothing buys. The bar: O and dV cosine >= 0.999, dQ and dK cosine >= 0.99
 (with K-smoothing, the default).
 
     python benchmarks/accuracy.py                      # GPU: D=128, N=4096; CPU: a small shape

@@ -3,9 +3,9 @@ one run. Needs a CUDA GPU.
 
 Rows of ``--seqlen`` tokens cut into chunks of ``--chunk`` (the last one shorter unless the chunk divides the row),
 causal inside each chunk. Routes: ``split`` (the whole chunks as one padded batch, a shorter last chunk as one
-more call, concatenated; the adapter's route for such rows in sessions 19-22), ``packed`` (every chunk a sequence
-of one packed run through ``segmented_attention``: the adapter's route since session 23), and ``plain``: the
-plain causal call on rows of one chunk (``B * N / C`` rows), the per-FLOP yardstick of issue 15. Forward and
+more call, concatenated; an earlier route of the adapter), ``packed`` (every chunk a sequence
+of one packed run through ``segmented_attention``: the adapter's route), and ``plain``: the
+plain causal call on rows of one chunk (``B * N / C`` rows), the per-FLOP yardstick. Forward and
 forward+backward ms (median of CUDA-event timings), TFLOP/s-equivalent (4*H*D*sum(c^2)/2 forward, 3.5x that for
 both), and which kernels ran.
 

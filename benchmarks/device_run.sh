@@ -18,7 +18,7 @@
 # Carried wheels: every .whl/*.whl is installed with --no-deps into /tmp/site first. sageattention 1.0.6 is
 # pure Python (20 KB): `pip download sageattention==1.0.6 --no-deps -d .whl` here (.whl/ is git-ignored),
 # then name .whl in the device call's carry list.
-# Output: $OUT/run.log (everything), the CSVs, bench.png: at most 6 files, under the device tool's 8. Each script's short table is printed again at the very end.
+# Output: $OUT/run.log (everything), the CSVs, bench.png: at most 6 files, under the 8 a GPU machine run returns. Each script's short table is printed again at the very end.
 set -uo pipefail
 OUT=${OUT:-/tmp/sagebwd_out}
 mkdir -p "$OUT"

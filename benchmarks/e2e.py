@@ -296,7 +296,7 @@ def print_summary(rows, meta, args):
         print(f"{r['seqlen']:>6} {r['impl']:<10} {str(r['grad_ckpt']):<5} {r['tokens_per_s'] / 1e3:>7.1f} "
               f"{r['step_ms']:>8.1f} {r['peak_gib']:>8.1f} {f(r, 'x_sdpa', '.3f'):>7} {f(r, 'x_sdpa-flash', '.3f'):>7} "
               f"{f(r, 'x_noop', '.3f'):>7} {f(r, 'attn_share', '.0%'):>10}  {r.get('sdpa_kernels', '')}")
-    print("targets (issue 6, sagebwd):")
+    print("targets (sagebwd):")
     for seq, ref, bar in ((8192, "sdpa", 1.05), (8192, "sdpa-flash", 1.15), (32768, "sdpa", 1.15)):
         r = next((r for r in rows if r["seqlen"] == seq and r["impl"] == "sagebwd"), None)
         x = r.get(f"x_{ref}") if r else None

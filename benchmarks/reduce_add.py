@@ -1,4 +1,4 @@
-"""What dQ's fp32 reduce-adds would cost a one-kernel backward (issue 11's design question). Needs a CUDA GPU.
+"""What dQ's fp32 reduce-adds would cost a one-kernel backward (the one launch's design question). Needs a CUDA GPU.
 
 In FlashAttention 3's schedule each key-tile program adds its share of dQ, a ``[BQ, D]`` fp32 tile per query
 tile it visits, into a global dQ accumulator; the traffic is ``(N / BLOCK_N) * N * D * 4`` bytes a head (half of

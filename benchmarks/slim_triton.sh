@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A Triton release small enough to travel to the GPU machine (the device tool carries 64 MiB; a wheel is
+# A Triton release small enough to travel to the GPU machine (a run carries 64 MiB to it; a wheel is
 # 200-290 MB), for running the Gluon kernels there under another Triton than the machine's own (3.6):
 #   bash benchmarks/slim_triton.sh 3.9.0        -> .triton/triton-3.9.0.tar.xz (40-57 MB)
 # It drops what the kernels do not use (the profiler, the AMD backend, CUPTI, cuobjdump, the ptxas sm_90 does not

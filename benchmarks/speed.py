@@ -39,13 +39,12 @@ QUICK_SEQLENS = [1024, 4096]
 # The first is Llama-3-like (D=128, 4 queries per KV head); the second is Llama-3.2-1B's attention
 # (32 query heads, 8 KV heads, D=64) at 8K, the e2e benchmark's main point.
 GQA_SHAPES = [(128, 16, 4, 4096, True), (64, 32, 8, 8192, True)]
-# --mla: DeepSeek V2/V3's attention heads (issue 15): Q/K head dim 192, V's 128, 16 heads
+# --mla: DeepSeek V2/V3's attention heads: Q/K head dim 192, V's 128, 16 heads
 MLA_HEADS, MLA_HEAD_DIMS = 16, (192, 128)
 METHODS = ["sagebwd", "sagebwd_portable", "sagebwd_sinks", "sagebwd_softcap", "sagebwd_softcap_portable", "cudnn",
            "flash", "sageattn"]
-# The model-zoo options on the same shapes (issue 15): sinks (one logit per head, gpt-oss) and a soft cap of 50
-# (Gemma 2) on the default kernels (on Hopper since session 11 the capped backward is Gluon, its forward
-# portable: dispatch.GLUON_SOFTCAP_FORWARD), the cap on the portable kernels alone too.
+# The model-zoo options on the same shapes: sinks (one logit per head, gpt-oss) and a soft cap of 50 (Gemma 2)
+# on the default kernels (on Hopper both passes Gluon), the cap on the portable kernels alone too.
 # Each is compared with the plain call on the same kernels. Their "cos" is against plain SDPA, which computes
 # neither (a cap of 50 barely moves these scores; sinks rescale every row).
 FEATURE_METHODS = {"sagebwd_sinks": "sagebwd", "sagebwd_softcap": "sagebwd",
@@ -316,7 +315,7 @@ def print_summary(rows_list, shapes, meta):
 
 
 def print_mla(rows, shapes):
-    """MLA's head dims against the plain D=128 shape of the same N and mask (issue 15: within 5% of its
+    """MLA's head dims against the plain D=128 shape of the same N and mask (the target: within 5% of its
     throughput per FLOP), each method against its own plain run."""
     pairs = [(s, next((p for p in shapes if p.head_dim == 128 and p.dv == 128 and p.heads == p.kv_heads
                        and (p.seqlen, p.causal) == (s.seqlen, s.causal)), None))
@@ -356,7 +355,7 @@ def print_features(rows, shapes):
 
 
 def print_targets(rows, shapes):
-    """Issue 6's kernel-level targets, each with its worst shape."""
+    """The kernel-level targets, each with its worst shape."""
     def worst(pred, ref, key):
         vals = [(ratio(rows, s.name, "sagebwd", ref, key), s.name) for s in shapes if pred(s)]
         vals = [v for v in vals if v[0] == v[0]]
@@ -372,7 +371,7 @@ def print_targets(rows, shapes):
               ("all shapes  fwd+bwd >= 1.00x flash", every, "flash", "fwd_bwd_ms", 1.0),
               ("all shapes  fwd     >= 1.00x flash", every, "flash", "fwd_ms", 1.0),
               ("all shapes  bwd     >= 1.00x flash", every, "flash", "bwd_ms", 1.0)]
-    print("targets (issue 6; worst shape):")
+    print("targets (worst shape):")
     for label, pred, ref, key, bar in checks:
         w = worst(pred, ref, key)
         if w is None:

@@ -430,7 +430,7 @@ def test_gluon_softcap_matches_reference(case, monkeypatch):
     # The portable kernels read the same INT8 bytes: only fp32 rounding differs. The reference quantizes in
     # PyTorch, and one INT8 code it rounds the other way (its K mean differs in the last bit) moves a row that
     # sees one key by up to max(q scale) * max(k scale) * 127 * softmax scale: 0.03-0.04 on these doubled q and
-    # outlier K, so a bound of 1e-2 alone could fail on a correct kernel (it did once, an H100 run, session 13).
+    # outlier K, so a bound of 1e-2 alone could fail on a correct kernel (it did once, on an H100).
     torch.testing.assert_close(lse[seen], lse_portable[seen], rtol=0, atol=1e-3)
     one_code = _one_code_lse(q, k)
     err = (lse - lse_ref)[seen].abs()

@@ -23,7 +23,7 @@ from sagebwd_hf.testing import (assert_equal_but_summation_order, compare, error
 # 4.3e-3 (dK, fp16); the former bf16 bound, 6e-3, failed one full GPU run here (6.35e-3).
 ORACLE_REL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
 # Tensors of ~512 elements (the one-token decode, 4 rows x 128; 33 rows x 2 heads x D=8): one flipped INT8
-# rounding moves them by 2-3e-3, two by ~6e-3. Session 19's audit (interpreter, fresh seeds): the decode case
+# rounding moves them by 2-3e-3, two by ~6e-3. An audit (interpreter, fresh seeds): the decode case
 # reached 6.15e-3 in 2 of 220 draws, the D=8 case 4.79e-3 over 791; this bound is 2.4x the worst.
 ORACLE_REL_TINY = 1.5e-2
 ORACLE_REL_GPU = {torch.float16: 7e-3, torch.bfloat16: 1.2e-2}
@@ -225,7 +225,7 @@ def test_lse_matches_exact(device):
     _, lse_exact = attention_exact(q, k, v, window_size=(-1, 0))
     assert lse.dtype == torch.float32 and lse.shape == (1, 2, 100)
     # rtol as the sink tests': the INT8 score error grows with the scores (atol alone failed 17 of 20,000 draws
-    # of the reference, worst 0.030; with rtol 0.01 none came within 0.019 of the bound; session 19's audit)
+    # of the reference, worst 0.030; with rtol 0.01 none came within 0.019 of the bound in an audit)
     assert torch.allclose(lse.double(), lse_exact, atol=2e-2, rtol=1e-2)
 
 

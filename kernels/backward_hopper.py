@@ -933,9 +933,10 @@ _MOVED_TO_HOPPER_LAUNCH = ('dkdv_hopper_args', 'dq_hopper_args', 'dkdv_query_til
 def __getattr__(name):
     """The launch helpers moved to hopper_launch.py: the old names keep working for one release, with a warning."""
     if name in _MOVED_TO_HOPPER_LAUNCH:
+        import importlib
         import warnings
 
-        from . import hopper_launch
+        hopper_launch = importlib.import_module(f"{__package__}.hopper_launch")   # at call time: no import cycle
         warnings.warn(f"{__name__}.{name} moved to sagebwd_hf.kernels.hopper_launch.{name}; the old name goes in "
                       f"the next release", DeprecationWarning, stacklevel=2)
         return getattr(hopper_launch, name)

@@ -418,9 +418,10 @@ _MOVED_TO_HOPPER_LAUNCH = ('forward_hopper_args', 'launch_forward_hopper', 'pers
 def __getattr__(name):
     """The launch helpers moved to hopper_launch.py: the old names keep working for one release, with a warning."""
     if name in _MOVED_TO_HOPPER_LAUNCH:
+        import importlib
         import warnings
 
-        from . import hopper_launch
+        hopper_launch = importlib.import_module(f"{__package__}.hopper_launch")   # at call time: no import cycle
         warnings.warn(f"{__name__}.{name} moved to sagebwd_hf.kernels.hopper_launch.{name}; the old name goes in "
                       f"the next release", DeprecationWarning, stacklevel=2)
         return getattr(hopper_launch, name)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Build a pre-training corpus, with no download, from the Python sources installed on this machine: the
-standard library and every site-packages folder (on our GPU machines: torch, JAX, SciPy, scikit-learn,
+standard library and every site-packages folder (on a typical GPU machine: torch, JAX, SciPy, scikit-learn,
 pandas, Transformers, ...), tens of millions of tokens of code that nobody on this project wrote.
 
     python examples/code_corpus.py --output_dir runs/code_corpus              # every installed .py file
@@ -35,13 +35,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as common  # noqa: E402
+from common.arguments import HelpFormatter  # noqa: E402
+from common.data import train_bpe, vocab_fingerprint  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--output_dir", default="runs/code_corpus")
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--output_dir", default="runs/code_corpus",
+                        help="where the token files, the tokenizer and manifest.json go")
     parser.add_argument("--roots", nargs="+", default=None,
                         help="folders to read .py files from (default: the standard library and site-packages)")
     parser.add_argument("--vocab_size", type=int, default=8192, help="BPE vocabulary, EOS included (<= 65536)")
@@ -140,13 +142,13 @@ def build(args):
             break
         sample.append(f[2])
         size += len(f[2])
-    bpe, tokenizer = common.train_bpe(sample, args.vocab_size)
+    bpe, tokenizer = train_bpe(sample, args.vocab_size)
     eos_id = tokenizer.eos_token_id
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out / "tokenizer")
     manifest = dict(roots=roots, versions=versions(), vocab_size=len(tokenizer), eos_id=eos_id,
-                    vocab_fingerprint=common.vocab_fingerprint(tokenizer),
+                    vocab_fingerprint=vocab_fingerprint(tokenizer),
                     eval_percent=args.eval_percent, max_file_kb=args.max_file_kb, tokenizer_sample_files=len(sample),
                     splits={})
     for split, group in (("train", train), ("eval", evals)):

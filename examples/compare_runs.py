@@ -42,7 +42,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as common  # noqa: E402
+from common.arguments import ATTN_IMPLEMENTATIONS, HelpFormatter  # noqa: E402
+from common.metrics import read_metrics  # noqa: E402
 
 PRETRAIN = Path(__file__).resolve().parent / "pretrain.py"
 # pretrain.py flags that this script sets for each run itself.
@@ -61,11 +62,11 @@ def parse_args(argv=None):
         cut = argv.index("--")
         argv, forwarded = argv[:cut], argv[cut + 1:]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     formatter_class=HelpFormatter,
                                      usage="%(prog)s [options] [-- pretrain.py options]")
     parser.add_argument("--output_dir", default="runs/compare", help="where the runs, PNG and summary go")
     parser.add_argument("--attn_implementations", nargs="+", default=["sdpa", "sagebwd"],
-                        choices=common.ATTN_IMPLEMENTATIONS, help="runs to make; the first is the reference")
+                        choices=ATTN_IMPLEMENTATIONS, help="runs to make; the first is the reference")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
                         help="one run per implementation and seed; two or more give a noise estimate")
     parser.add_argument("--launcher", default=None,
@@ -149,7 +150,7 @@ def load_run(path):
         path = path / "metrics.csv"
     if not path.exists():
         raise SystemExit(f"error: no metrics file {path}")
-    rows = common.read_metrics(path)
+    rows = read_metrics(path)
     train = [r for r in rows if r.get("loss")]
     if not train:
         raise SystemExit(f"error: {path} has no training rows")

@@ -31,7 +31,7 @@ from pathlib import Path
 from accelerate.utils import set_seed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as common  # noqa: E402
+from common import arguments, checkpoints, data, models, training  # noqa: E402
 
 import sagebwd_hf  # noqa: E402  (registers attn_implementation="sagebwd" with Transformers)
 
@@ -41,13 +41,13 @@ DEFAULT_LR, DEMO_LR = 2e-4, 3e-3       # --learning_rate default with --model_na
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=arguments.HelpFormatter)
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", default=None,
                        help="base model: hub name or local folder (default: the cached demo base model)")
     model.add_argument("--tokenizer_name", default=None, help="default: the base model's tokenizer")
-    model.add_argument("--attn_implementation", default="sagebwd", choices=common.ATTN_IMPLEMENTATIONS)
-    model.add_argument("--model_dtype", default="float32", choices=tuple(common.DTYPES),
+    arguments.add_attn_implementation_argument(model)
+    model.add_argument("--model_dtype", default="float32", choices=tuple(models.DTYPES),
                        help="dtype of the frozen base weights (LoRA weights stay float32)")
     model.add_argument("--demo_base_steps", type=int, default=300,
                        help="pre-training steps of the demo base model (only without --model_name_or_path)")
@@ -59,7 +59,7 @@ def parse_args(argv=None):
                            "uninterrupted one; with 0 a resume reproduces it exactly)")
     lora.add_argument("--lora_target_modules", default="all-linear",
                       help="comma-separated module names (e.g. q_proj,k_proj,v_proj,o_proj) or all-linear")
-    common.add_data_arguments(parser)
+    arguments.add_data_arguments(parser)
     batching = parser.add_mutually_exclusive_group()
     batching.add_argument("--packing", action="store_true",
                           help="pack documents into fixed-length rows of --seq_len tokens (default: one padded "
@@ -67,30 +67,29 @@ def parse_args(argv=None):
     batching.add_argument("--padding_free", action="store_true",
                           help="documents end to end with restarting position_ids: no padding, no attention "
                                "across documents")
-    common.add_training_arguments(parser, output_dir="runs/finetune_lora", lr=None, max_steps=None, batch_size=8,
-                                  seq_len=128)
+    arguments.add_training_arguments(parser, output_dir="runs/finetune_lora", lr=None, max_steps=None, batch_size=8,
+                                     seq_len=128)
     parser.add_argument("--num_train_epochs", type=float, default=3,
                         help="epochs over the training data, unless --max_steps is given")
     parser.add_argument("--lr_scheduler_type", default="cosine", choices=SCHEDULERS)
     args = parser.parse_args(argv)
-    common.check_positive(args, "seq_len", "per_device_batch_size", "gradient_accumulation_steps", "max_steps",
-                          "learning_rate", "eval_steps", "checkpointing_steps", "num_train_epochs", "lora_r",
-                          "lora_alpha", "demo_base_steps")
+    arguments.check_positive(args, "seq_len", "per_device_batch_size", "gradient_accumulation_steps", "max_steps",
+                             "learning_rate", "eval_steps", "checkpointing_steps", "num_train_epochs", "lora_r",
+                             "lora_alpha", "demo_base_steps")
     if args.learning_rate is None:
         # LoRA on a real pre-trained model wants a small step; the tiny demo base model learns faster with more.
         args.learning_rate = DEMO_LR if args.model_name_or_path is None else DEFAULT_LR
     if not 0 <= args.lora_dropout < 1:
         parser.error(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
-    common.check_files(args, "train_file", "validation_file")
+    arguments.check_files(args, "train_file", "validation_file")
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    from peft import LoraConfig, get_peft_model
     from transformers import get_scheduler
 
-    accelerator = common.make_accelerator(args)
+    accelerator = training.make_accelerator(args)
     set_seed(args.seed)
     out = Path(args.output_dir)
     if accelerator.is_main_process:
@@ -98,31 +97,24 @@ def main(argv=None):
     mode = "packed" if args.packing else "padding_free" if args.padding_free else "padded"
 
     with accelerator.main_process_first():
-        tokenizer, tokenized, model_path = common.finetune_documents(args, accelerator)
-        lm_datasets = common.build_lm_dataset(tokenized, mode, args.seq_len, args.per_device_batch_size)
-    train_dataloader, eval_dataloader = common.make_dataloaders(lm_datasets, mode, tokenizer,
-                                                                args.per_device_batch_size)
+        tokenizer, tokenized, model_path = models.finetune_documents(args, accelerator)
+        lm_datasets = data.build_lm_dataset(tokenized, mode, args.seq_len, args.per_device_batch_size)
+    train_dataloader, eval_dataloader = data.make_dataloaders(lm_datasets, mode, tokenizer,
+                                                              args.per_device_batch_size)
 
     # Re-seed: the LoRA initialisation and dropout then do not depend on whether the demo base model was
     # trained in this process or found in the cache.
     set_seed(args.seed)
-    model = common.load_base_model(args, model_path)
+    model = models.load_base_model(args, model_path)
     if args.gradient_checkpointing:
-        # Non-reentrant checkpointing also works with a frozen embedding (no enable_input_require_grads).
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    targets = args.lora_target_modules
-    targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
-    lora_config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                             target_modules=targets, task_type="CAUSAL_LM")
-    try:
-        model = get_peft_model(model, lora_config)
-    except ValueError as err:
-        raise SystemExit(f"error: --lora_target_modules {args.lora_target_modules!r}: {err}") from None
-    trainable, total = common.count_parameters(model, trainable_only=True), common.count_parameters(model)
+        models.enable_activation_checkpointing(model)
+    model, targets = models.add_lora(model, args)
+    trainable, total = models.count_parameters(model, trainable_only=True), models.count_parameters(model)
     accelerator.print(f"model: {model_path}, attention {args.attn_implementation}; LoRA r={args.lora_r} "
                       f"alpha={args.lora_alpha} on {targets}: {trainable:,} trainable of {total:,} parameters")
+    models.note_float32_attention(accelerator, model, args.attn_implementation, accelerator.mixed_precision)
 
-    optimizer = common.adamw(model, args.learning_rate, args.weight_decay, betas=(0.9, 0.999))
+    optimizer = training.adamw(model, args.learning_rate, args.weight_decay, betas=(0.9, 0.999))
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader)
     batches_per_epoch = len(train_dataloader)
@@ -142,15 +134,15 @@ def main(argv=None):
         accelerator.init_trackers("sagebwd_finetune_lora", config={k: v for k, v in vars(args).items()
                                                                    if isinstance(v, (int, float, str, bool))})
 
-    state, metrics, resume_path = common.resume(accelerator, args, out)
+    state, metrics, resume_path = checkpoints.resume(accelerator, args, out)
     if resume_path is None:
         # The base model's loss on the evaluation data: the number the fine-tuning should bring down.
-        eval_loss, eval_ppl = common.evaluate(accelerator, model, eval_dataloader, args.max_eval_batches)
+        eval_loss, eval_ppl = training.evaluate(accelerator, model, eval_dataloader, args.max_eval_batches)
         metrics.log(step=0, eval_loss=eval_loss, eval_ppl=eval_ppl)
         accelerator.print(f"step 0 (base model): eval loss {eval_loss:.4f} ppl {eval_ppl:.2f}")
 
-    common.train(accelerator, args, model, optimizer, scheduler, train_dataloader, eval_dataloader, out, state,
-                 metrics, max_steps, max(1, max_steps // 10), desc="finetune_lora")
+    training.train(accelerator, args, model, optimizer, scheduler, train_dataloader, eval_dataloader, out, state,
+                   metrics, max_steps, max(1, max_steps // 10), desc="finetune_lora")
 
     # The adapter only (a few MB): adapter_config.json + adapter_model.safetensors. get_state_dict gathers
     # FSDP shards; PEFT's save_pretrained keeps the LoRA weights of the full state dict.
@@ -163,7 +155,7 @@ def main(argv=None):
     accelerator.print(f"saved the adapter to {adapter_dir} (base model: {model_path}); load it with "
                       "peft.PeftModel.from_pretrained(base_model, adapter_dir)")
     del model, optimizer, scheduler, train_dataloader, eval_dataloader   # before the process group: see end_training
-    common.end_training(accelerator)
+    training.end_training(accelerator)
 
 
 if __name__ == "__main__":

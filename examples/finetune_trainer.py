@@ -54,7 +54,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as common  # noqa: E402
+from common import arguments, checkpoints, data, models, training  # noqa: E402
+from common.metrics import CSVLogger, read_metrics  # noqa: E402
 
 import sagebwd_hf  # noqa: E402  (registers attn_implementation="sagebwd" with Transformers)
 
@@ -67,30 +68,30 @@ TRAINER_STATE = "trainer_state.json"      # written by Trainer into every comple
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=arguments.HelpFormatter)
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", default=None,
                        help="base model: hub name or local folder (default: the cached demo base model)")
     model.add_argument("--tokenizer_name", default=None, help="default: the base model's tokenizer")
-    model.add_argument("--attn_implementation", default="sagebwd", choices=common.ATTN_IMPLEMENTATIONS)
-    model.add_argument("--model_dtype", default="float32", choices=tuple(common.DTYPES),
+    arguments.add_attn_implementation_argument(model)
+    model.add_argument("--model_dtype", default="float32", choices=tuple(models.DTYPES),
                        help="dtype of the loaded weights (keep float32 for full fine-tuning; with --lora the "
                             "frozen base may be bfloat16)")
     model.add_argument("--demo_base_steps", type=int, default=300,
                        help="pre-training steps of the demo base model (only without --model_name_or_path)")
     lora = parser.add_argument_group("LoRA (with --lora; default: full fine-tuning)")
     lora.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter instead of all weights")
-    lora.add_argument("--lora_r", type=int, default=None, help=f"LoRA rank (default {LORA_DEFAULTS['lora_r']})")
+    lora.add_argument("--lora_r", type=int, default=None, help=f"LoRA rank (default: {LORA_DEFAULTS['lora_r']})")
     lora.add_argument("--lora_alpha", type=float, default=None,
-                      help=f"LoRA scaling numerator, scale = alpha / r (default {LORA_DEFAULTS['lora_alpha']:g})")
+                      help=f"LoRA scaling numerator, scale = alpha / r (default: {LORA_DEFAULTS['lora_alpha']:g})")
     lora.add_argument("--lora_dropout", type=float, default=None,
-                      help=f"dropout on the LoRA input (default {LORA_DEFAULTS['lora_dropout']})")
+                      help=f"dropout on the LoRA input (default: {LORA_DEFAULTS['lora_dropout']})")
     lora.add_argument("--lora_target_modules", default=None,
                       help="comma-separated module names (e.g. q_proj,k_proj,v_proj,o_proj) or all-linear "
                            "(default)")
-    common.add_data_arguments(parser)
-    common.add_training_arguments(parser, output_dir="runs/finetune_trainer", lr=None, max_steps=None,
-                                  batch_size=8, seq_len=128)
+    arguments.add_data_arguments(parser)
+    arguments.add_training_arguments(parser, output_dir="runs/finetune_trainer", lr=None, max_steps=None,
+                                     batch_size=8, seq_len=128)
     parser.add_argument("--num_train_epochs", type=float, default=3,
                         help="epochs over the training data, unless --max_steps is given")
     parser.add_argument("--lr_scheduler_type", default="cosine", choices=SCHEDULERS)
@@ -99,8 +100,8 @@ def parse_args(argv=None):
     # Same flags as the Accelerate examples; what they mean here:
     helps = {
         "--per_device_batch_size": "documents (pieces of at most --seq_len tokens) per micro-batch per process, "
-                                   "flattened into one padding-free row (default 8)",
-        "--seq_len": "longest document piece: longer documents are cut into pieces of this many tokens (default 128)",
+                                   "flattened into one padding-free row",
+        "--seq_len": "longest document piece: longer documents are cut into pieces of this many tokens",
         "--mixed_precision": "no (fp32), fp16 or bf16 (Trainer's autocast; the weights stay in --model_dtype); "
                              "default: bf16 where the device supports it (CUDA with bf16), fp32 elsewhere (CPU)",
         "--checkpointing_steps": "save a Trainer checkpoint (model, optimizer, scheduler, RNG, trainer state) every "
@@ -111,9 +112,9 @@ def parse_args(argv=None):
     for flag, text in helps.items():
         parser._option_string_actions[flag].help = text
     args = parser.parse_args(argv)
-    common.check_positive(args, "seq_len", "per_device_batch_size", "gradient_accumulation_steps", "max_steps",
-                          "learning_rate", "eval_steps", "checkpointing_steps", "num_train_epochs", "lora_r",
-                          "lora_alpha", "demo_base_steps", "max_eval_batches", "log_every")
+    arguments.check_positive(args, "seq_len", "per_device_batch_size", "gradient_accumulation_steps", "max_steps",
+                             "learning_rate", "eval_steps", "checkpointing_steps", "num_train_epochs", "lora_r",
+                             "lora_alpha", "demo_base_steps", "max_eval_batches", "log_every")
     given = [f"--{name}" for name in LORA_DEFAULTS if getattr(args, name) is not None]
     if given and not args.lora:
         raise SystemExit(f"error: {', '.join(given)}: LoRA settings apply with --lora only (default: full "
@@ -127,7 +128,7 @@ def parse_args(argv=None):
         raise SystemExit(f"error: --warmup_steps must be >= 0, got {args.warmup_steps}")
     if args.learning_rate is None:
         args.learning_rate = (DEMO_LR if args.model_name_or_path is None else MODEL_LR)[int(args.lora)]
-    common.check_files(args, "train_file", "validation_file")
+    arguments.check_files(args, "train_file", "validation_file")
     return args
 
 
@@ -239,14 +240,14 @@ def make_callbacks(max_steps, metrics, log_every):
     return Metrics(), progress
 
 
-class ResumableCSV(common.CSVLogger):
-    """common.CSVLogger, remembering the elapsed training time of the rows it kept on resume."""
+class ResumableCSV(CSVLogger):
+    """CSVLogger (metrics.csv), remembering the elapsed training time of the rows it kept on resume."""
 
     def __init__(self, path, enabled=True, resume_step=None, restore_from=None):
         super().__init__(path, enabled, resume_step, restore_from)
         self.last_elapsed = 0.0
         if enabled and resume_step is not None:
-            rows = [r for r in common.read_metrics(self.path) if r.get("elapsed_s")]
+            rows = [r for r in read_metrics(self.path) if r.get("elapsed_s")]
             self.last_elapsed = float(rows[-1]["elapsed_s"]) if rows else 0.0
 
 
@@ -257,7 +258,7 @@ def main(argv=None):
 
     out = Path(args.output_dir)
     # Before anything is loaded: a resume that cannot happen stops here, with one line.
-    resume_path = common.find_checkpoint(args.resume_from_checkpoint, out, TRAINER_STATE) if args.resume_from_checkpoint else None
+    resume_path = checkpoints.find_checkpoint(args.resume_from_checkpoint, out, TRAINER_STATE) if args.resume_from_checkpoint else None
     precision = mixed_precision(args)
 
     # TrainingArguments first: it sets up the processes (torchrun / accelerate launch) and the device. The number
@@ -300,10 +301,10 @@ def main(argv=None):
         out.mkdir(parents=True, exist_ok=True)
 
     with training_args.main_process_first(desc="tokenizer, data and demo base model"):
-        tokenizer, tokenized, model_path = common.finetune_documents(args, state)
+        tokenizer, tokenized, model_path = models.finetune_documents(args, state)
         # One example per document piece (<= seq_len tokens); DataCollatorWithFlattening then lays the examples
         # of each micro-batch end to end. ("padded" rows are exactly those pieces; the mask is not needed.)
-        lm_datasets = common.build_lm_dataset(tokenized, "padded", args.seq_len, args.per_device_batch_size)
+        lm_datasets = data.build_lm_dataset(tokenized, "padded", args.seq_len, args.per_device_batch_size)
         lm_datasets = lm_datasets.remove_columns([c for c in lm_datasets["train"].column_names if c != "input_ids"])
     world = training_args.world_size
     if len(lm_datasets["train"]) == 0:
@@ -332,26 +333,19 @@ def main(argv=None):
     # Re-seed: the LoRA initialisation does not depend on whether the demo base model was trained in this
     # process or found in the cache.
     set_seed(args.seed)
-    model = common.load_base_model(args, model_path)
-    n_params = common.count_parameters(model)
+    model = models.load_base_model(args, model_path)
+    n_params = models.count_parameters(model)
     if args.lora:
-        from peft import LoraConfig, get_peft_model
-        targets = args.lora_target_modules
-        targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
-        try:
-            model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha,
-                                                     lora_dropout=args.lora_dropout, target_modules=targets,
-                                                     task_type="CAUSAL_LM"))
-        except ValueError as err:
-            raise SystemExit(f"error: --lora_target_modules {args.lora_target_modules!r}: {err}") from None
+        model, targets = models.add_lora(model, args)
         what = f"LoRA r={args.lora_r} alpha={args.lora_alpha:g} on {targets}"
     else:
         what = "full fine-tuning"
-    trainable = common.count_parameters(model, trainable_only=True)
+    trainable = models.count_parameters(model, trainable_only=True)
     tokens_per_step = args.per_device_batch_size * args.seq_len * args.gradient_accumulation_steps * world
     state.print(f"model: {model_path}, {n_params / 1e6:.2f}M parameters, attention {args.attn_implementation}, "
                 f"{what}: {trainable:,} trainable; precision {precision if precision != 'no' else 'fp32'}"
                 + (", gradient checkpointing" if args.gradient_checkpointing else ""))
+    models.note_float32_attention(state, model, args.attn_implementation, precision)
     state.print(f"data: {len(lm_datasets['train'])} training documents (pieces of <= {args.seq_len} tokens), "
                 f"{len(lm_datasets['validation'])} for evaluation; padding-free micro-batches of "
                 f"{args.per_device_batch_size} documents; {max_steps} steps ({steps_per_epoch} per epoch), at most "
@@ -373,6 +367,7 @@ def main(argv=None):
                       callbacks=[metrics_cb])
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(progress_cb)
+    training.keep_loss_float32(trainer.accelerator)   # FSDP2 with bf16: the logged losses stay float32
 
     sagebwd_hf.reset_attention_stats()            # what ran in this run (this process), evaluation included
     if resume_path is not None:
@@ -387,7 +382,7 @@ def main(argv=None):
 
     stats = sagebwd_hf.attention_stats()
     if trainer.is_world_process_zero():
-        rows = common.read_metrics(out / "metrics.csv")
+        rows = read_metrics(out / "metrics.csv")
         train_rows = [r for r in rows if r["loss"]]
         eval_rows = [r for r in rows if r["eval_loss"]]
         final_loss = float(train_rows[-1]["loss"]) if train_rows else None
@@ -417,8 +412,8 @@ def main(argv=None):
               + (f"{base_eval:.4f} -> " if base_eval is not None else "") + f"{final_eval:.4f}, "
               f"{args.attn_implementation} ({'LoRA' if args.lora else 'full'}), SageBwd attention calls: {paths}"
               f"{fallback}; {wall:.0f} s; saved {save_dir}, summary {out / 'run_summary.json'}", flush=True)
-    del trainer, model                  # the DDP wrapper before the process group: see common.end_training
-    common.release_process_group()
+    del trainer, model                  # the DDP wrapper before the process group: see training.end_training
+    training.release_process_group()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@
 # run_summary.json, each mode's summary.md/json) to redraw or re-summarise anywhere with
 # `python examples/compare_runs.py --metrics`. Knobs: STEPS (300), SEEDS ("0 1": one sdpa and one sagebwd run
 # per seed; the verdict needs two or more), BATCH (global sequences per step, 8),
-# SEQ (1024); PRETRAIN_ARGS: more pretrain.py options, appended (they win). Carried wheels in .whl/ (e.g. datasets and its dependencies) are installed into /tmp/site first.
+# SEQ (1024); PRETRAIN_ARGS: more pretrain.py options, appended (they win). Wheels in .whl/ (e.g. datasets and its
+# dependencies, for a machine without a package index) are installed into /tmp/site first.
 # Every mode trains on the same global batch (BATCH x SEQ = 8,192 tokens per step): 2 GPUs take BATCH/2 each.
 # Needs torch, transformers and accelerate (and datasets with CORPUS=book); matplotlib is optional (without it the PNG is skipped
 # and can be drawn later from the CSVs: python examples/compare_runs.py --metrics A/metrics.csv B/metrics.csv).
@@ -47,7 +48,7 @@ LOG="$OUT/log.txt"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && echo "installed carried wheels: $(cd .whl && ls *.whl | tr '\n' ' ')" | tee -a "$LOG"
+    && echo "installed wheels from .whl/: $(cd .whl && ls *.whl | tr '\n' ' ')" | tee -a "$LOG"
 fi
 [ -d /tmp/site ] && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 
@@ -103,7 +104,7 @@ run_mode() {
   fi
   echo "=== $mode took $((SECONDS - start)) s" | tee -a "$LOG"
   [ -f "$WORK/$mode/comparison.png" ] && cp "$WORK/$mode/comparison.png" "$OUT/${mode}_comparison.png"
-  # Small files only (the device tool returns at most 8): the CSVs and summaries of every mode in one archive.
+  # A few small files in $OUT: the CSVs and summaries of every mode in one archive.
   (cd "$WORK" && tar czf "$OUT/metrics.tar.gz" */summary.* */*/*/metrics.csv */*/*/run_summary.json 2>/dev/null || true)
 }
 

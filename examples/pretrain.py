@@ -35,7 +35,7 @@ import torch
 from accelerate.utils import set_seed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as common  # noqa: E402
+from common import arguments, checkpoints, data, models, training  # noqa: E402
 
 import sagebwd_hf  # noqa: E402  (registers attn_implementation="sagebwd" with Transformers)
 
@@ -45,17 +45,17 @@ PRESET_LR = {"tiny": 3e-3, "60m": 1e-3, "1b": 3e-4}
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=arguments.HelpFormatter)
     model = parser.add_argument_group("model")
-    model.add_argument("--model_type", default="llama", choices=common.MODEL_TYPES,
+    model.add_argument("--model_type", default="llama", choices=models.MODEL_TYPES,
                        help="architecture of the size preset (qwen3 has QK-norm built in)")
-    model.add_argument("--size", default="tiny", choices=tuple(common.MODEL_PRESETS),
+    model.add_argument("--size", default="tiny", choices=tuple(models.MODEL_PRESETS),
                        help="size preset: tiny (~1M, CPU), 60m (~56M, GPU proof), 1b (Llama-3.2-1B shape)")
     model.add_argument("--config_name", default=None,
                        help="a config.json, a folder holding one, or a hub name: overrides --model_type/--size")
     model.add_argument("--tokenizer_name", default=None,
                        help="hub name or folder; default: a BPE trained offline on the embedded book")
-    model.add_argument("--attn_implementation", default="sagebwd", choices=common.ATTN_IMPLEMENTATIONS)
+    arguments.add_attn_implementation_argument(model)
     model.add_argument("--qk_norm", action="store_true",
                        help="add QK-norm (per-head RMSNorm on q and k, as Qwen3) with sagebwd_hf.add_qk_norm")
     model.add_argument("--no_k_smoothing", action="store_true", help="turn SageBwd's K-smoothing off")
@@ -63,27 +63,27 @@ def parse_args(argv=None):
     model.add_argument("--init_from", default=None, help="load the initial weights from this .safetensors file")
     model.add_argument("--save_init", default=None, help="save the initial weights to this .safetensors file")
     model.add_argument("--no_save_model", action="store_true", help="do not write OUTPUT_DIR/final_model")
-    common.add_data_arguments(parser)
+    arguments.add_data_arguments(parser)
     parser.add_argument("--padding_free", action="store_true",
                         help="padding-free rows (documents end to end, position_ids restarting, no attention "
                              "across documents) instead of fixed-length packed rows")
-    common.add_training_arguments(parser, output_dir="runs/pretrain", lr=None, max_steps=200, batch_size=8,
-                                  seq_len=128)
+    arguments.add_training_arguments(parser, output_dir="runs/pretrain", lr=None, max_steps=200, batch_size=8,
+                                     seq_len=128)
     parser.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine schedule ends at lr * this")
     parser.add_argument("--log_every", type=int, default=None,
                         help="print a metrics line every N steps (default: 10 lines per run)")
     parser.set_defaults(weight_decay=0.1)
     args = parser.parse_args(argv)
-    common.check_positive(args, "seq_len", "per_device_batch_size", "gradient_accumulation_steps", "max_steps",
-                          "learning_rate", "eval_steps", "checkpointing_steps", "log_every")
+    arguments.check_positive(args, "seq_len", "per_device_batch_size", "gradient_accumulation_steps", "max_steps",
+                             "learning_rate", "eval_steps", "checkpointing_steps", "log_every")
     if args.learning_rate is None:
         args.learning_rate = PRESET_LR[args.size]
     if args.warmup_steps is None:
         args.warmup_steps = max(1, args.max_steps // 20)
     if args.init_from and args.save_init:
         parser.error("--init_from and --save_init: give one of them")
-    common.check_files(args, "train_file", "validation_file", "init_from")
-    if common.is_token_file(args.train_file):
+    arguments.check_files(args, "train_file", "validation_file", "init_from")
+    if data.is_token_file(args.train_file):
         if args.padding_free:
             raise SystemExit("error: --padding_free needs documents; a token file (.npy --train_file) gives "
                              "packed rows only")
@@ -101,9 +101,9 @@ def build_model(args, tokenizer):
         if getattr(config, "vocab_size", 0) < len(tokenizer):
             raise SystemExit(f"error: --config_name vocab_size {config.vocab_size} is smaller than the "
                              f"tokenizer's {len(tokenizer)} tokens")
-        common.check_fits_positions(config, args.seq_len, "--config_name")
+        arguments.check_fits_positions(config, args.seq_len, "--config_name")
     else:
-        config = common.preset_config(args.model_type, args.size, tokenizer, args.seq_len)
+        config = models.preset_config(args.model_type, args.size, tokenizer, args.seq_len)
     # Same seed, same config -> same weights, whatever the attention implementation.
     set_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn_implementation)
@@ -125,7 +125,7 @@ def build_model(args, tokenizer):
                              f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]} (same --size, "
                              "--model_type and --qk_norm as the run that saved it?)")
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        models.enable_activation_checkpointing(model)
     return model
 
 
@@ -133,7 +133,7 @@ def main(argv=None):
     args = parse_args(argv)
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-    accelerator = common.make_accelerator(args)
+    accelerator = training.make_accelerator(args)
     set_seed(args.seed)
     out = Path(args.output_dir)
     if accelerator.is_main_process:
@@ -142,22 +142,22 @@ def main(argv=None):
     # Data: the main process tokenizes (and fills the datasets cache) first, the others then read its cache.
     mode = "padding_free" if args.padding_free else "packed"
     with accelerator.main_process_first():
-        tokenizer = common.load_tokenizer(args.tokenizer_name)
-        if common.is_token_file(args.train_file):      # pre-tokenized (code_corpus.py): no datasets needed
-            lm_datasets = common.token_file_datasets(args, tokenizer, args.seq_len)
+        tokenizer = data.load_tokenizer(args.tokenizer_name)
+        if data.is_token_file(args.train_file):      # pre-tokenized (code_corpus.py): no datasets needed
+            lm_datasets = data.token_file_datasets(args, tokenizer, args.seq_len)
         else:
-            raw = common.load_raw_datasets(args)
-            tokenized = common.tokenize_documents(raw, tokenizer, args.text_column)
-            lm_datasets = common.build_lm_dataset(tokenized, mode, args.seq_len, args.per_device_batch_size)
-    train_dataloader, eval_dataloader = common.make_dataloaders(lm_datasets, mode, tokenizer,
-                                                                args.per_device_batch_size)
+            raw = data.load_raw_datasets(args)
+            tokenized = data.tokenize_documents(raw, tokenizer, args.text_column)
+            lm_datasets = data.build_lm_dataset(tokenized, mode, args.seq_len, args.per_device_batch_size)
+    train_dataloader, eval_dataloader = data.make_dataloaders(lm_datasets, mode, tokenizer,
+                                                              args.per_device_batch_size)
 
     model = build_model(args, tokenizer)
     if args.save_init and accelerator.is_main_process:
         from safetensors.torch import save_model
         Path(args.save_init).parent.mkdir(parents=True, exist_ok=True)
         save_model(model, args.save_init)        # handles the tied embedding / lm_head weight
-    n_params = common.count_parameters(model)
+    n_params = models.count_parameters(model)
     n_params_body = n_params - model.get_input_embeddings().weight.numel()
 
     # Tokens per optimizer step, the quantity the paper's stability findings are stated in.
@@ -167,6 +167,7 @@ def main(argv=None):
                       f"({n_params_body / 1e6:.2f}M outside the embeddings), attention {args.attn_implementation}, "
                       f"QK-norm {'yes' if sagebwd_hf.has_qk_norm(model) else 'no'}"
                       + (f", {sagebwd_hf.get_options(model)}" if args.attn_implementation == "sagebwd" else ""))
+    models.note_float32_attention(accelerator, model, args.attn_implementation, accelerator.mixed_precision)
     accelerator.print(f"data: {len(lm_datasets['train'])} training rows ({mode}), "
                       f"{len(lm_datasets['validation'])} validation rows")
     accelerator.print(f"tokens per optimizer step: {tokens_per_step:,} = {args.per_device_batch_size} sequences x "
@@ -177,7 +178,7 @@ def main(argv=None):
         accelerator.print("check_training_setup: " + ("; ".join(f"{f.code}: {f.message}" for f in findings)
                                                       if findings else "ok"))
 
-    optimizer = common.adamw(model, args.learning_rate, args.weight_decay)
+    optimizer = training.adamw(model, args.learning_rate, args.weight_decay)
     # The scheduler is stepped once per process by Accelerate's wrapper (it assumes per-process batches):
     # hence the step counts times num_processes, as in Accelerate's own examples.
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
@@ -190,10 +191,10 @@ def main(argv=None):
         accelerator.init_trackers("sagebwd_pretrain", config={k: v for k, v in vars(args).items()
                                                              if isinstance(v, (int, float, str, bool))})
 
-    state, metrics, _ = common.resume(accelerator, args, out)
+    state, metrics, _ = checkpoints.resume(accelerator, args, out)
     log_every = args.log_every or max(1, args.max_steps // 10)
-    end = common.train(accelerator, args, model, optimizer, scheduler, train_dataloader, eval_dataloader, out,
-                       state, metrics, args.max_steps, log_every, desc="pretrain")
+    end = training.train(accelerator, args, model, optimizer, scheduler, train_dataloader, eval_dataloader, out,
+                         state, metrics, args.max_steps, log_every, desc="pretrain")
 
     if not args.no_save_model:
         final = out / "final_model"
@@ -216,7 +217,7 @@ def main(argv=None):
                        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
         (out / "run_summary.json").write_text(json.dumps(summary, indent=1))
     del model, optimizer, scheduler, train_dataloader, eval_dataloader   # before the process group: see end_training
-    common.end_training(accelerator)
+    training.end_training(accelerator)
 
 
 if __name__ == "__main__":

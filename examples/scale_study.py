@@ -23,9 +23,9 @@ Each cell (regime, arm, seed) is one examples/pretrain.py run; within a seed eve
 weights (same seed, same config; QK-norm gains start at 1) and sees the same batches in the same order. A
 cell's metrics.csv, run_summary.json and cell.json (its command and the plan it ran under) go to
 ``--results/REGIME/ARM/seedN/``. A cell is done when its run_summary.json is there and its plan matches: the
-script skips done cells and any cell that would not end by --deadline_s (a GPU call lasts at most 10
-minutes here; a later, shorter cell may still fit), so calling it again resumes the study. --report draws each regime with
-examples/compare_runs.py (loss curves, the reference's seed-to-seed band, the gaps with their 95% interval, a
+script skips done cells and any cell that would not end by --deadline_s (e.g. a time limit on each use of a
+GPU machine; a later, shorter cell may still fit), so calling it again resumes the study. --report draws each regime
+with examples/compare_runs.py (loss curves, the reference's seed-to-seed band, the gaps with their 95% interval, a
 verdict per arm) and writes the table to ``--docs``.
 """
 import argparse
@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common.arguments import HelpFormatter  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN = Path(__file__).resolve().parent / "pretrain.py"
@@ -66,7 +67,7 @@ OVERHEAD_S = 45.0
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--corpus", default="runs/code_corpus", help="examples/code_corpus.py's output folder")
     parser.add_argument("--results", default=str(ROOT / "docs" / "fidelity" / "study"),
                         help="where each cell's metrics go (kept in the repository: the study resumes from it)")

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import statistics
 import subprocess
@@ -16,9 +17,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
+FAULT_INJECTION = ROOT / "tests" / "fault_injection.py"
 sys.path.insert(0, str(EXAMPLES))
 
-import _common as common  # noqa: E402
+import common.arguments  # noqa: E402
+import common.data  # noqa: E402
+import common.metrics  # noqa: E402
+import common.models  # noqa: E402
+import common.training  # noqa: E402
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
           "--mixed_precision", "no", "--dynamo_backend", "no"]
@@ -52,7 +58,7 @@ def launch(script, args, env, cwd):
 
 
 def metrics(path):
-    return common.read_metrics(Path(path) / "metrics.csv")
+    return common.metrics.read_metrics(Path(path) / "metrics.csv")
 
 
 def train_rows(path):
@@ -67,9 +73,13 @@ def test_pretrain_checkpoint_and_resume(tmp_path, env):
     args = SMALL + ["--max_steps", "6", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "3",
                     "--eval_steps", "3", "--max_eval_batches", "2"]
     first = tmp_path / "first"
-    out = launch("pretrain.py", args + ["--output_dir", first], env, tmp_path).stdout
+    result = launch("pretrain.py", args + ["--output_dir", first], env, tmp_path)
+    out = result.stdout
     assert "tokens per optimizer step: 512 = 4 sequences x 64 tokens x 2 accumulation x 1 processes" in out
     assert "check_training_setup: ok" in out
+    # A float32 model on the CPU: the example says once, in its own log, that the attention runs in bfloat16,
+    # and the library's warning of the same fact is not shown.
+    assert out.count(common.models.FLOAT32_ATTENTION_NOTE) == 1 and "sagebwd: float32" not in result.stderr
 
     rows = train_rows(first)
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -104,7 +114,7 @@ def test_pretrain_checkpoint_and_resume(tmp_path, env):
 
 
 def test_pretrain_survives_sigkill_while_saving_and_mid_step(tmp_path, env):
-    """Killed (SIGKILL, at chosen moments through the examples' fault hook) while saving checkpoint 4 and
+    """Killed (SIGKILL, at chosen moments, by tests/fault_injection.py) while saving checkpoint 4 and
     later in the middle of step 7, then resumed with --resume_from_checkpoint latest: each resume starts from
     the last complete checkpoint (2, then 6), never from the half-written one, and the losses of the whole run
     match an uninterrupted run's."""
@@ -116,13 +126,19 @@ def test_pretrain_survives_sigkill_while_saving_and_mid_step(tmp_path, env):
 
     run_dir = tmp_path / "killed"
     cmd = LAUNCH + [EXAMPLES / "pretrain.py"] + args + ["--output_dir", run_dir]
-    killed = run(cmd, dict(env, **{common.FAULT_ENV: "save:4"}), tmp_path, expect_ok=False)
+
+    def killed_at(moment, argv):
+        return LAUNCH + [FAULT_INJECTION, moment, EXAMPLES / "pretrain.py"] + argv + ["--output_dir", run_dir]
+
+    killed = run(killed_at("save:4", args), env, tmp_path, expect_ok=False)
     assert killed.returncode != 0
     assert (run_dir / "checkpoint-2" / "training_state.json").exists()
-    assert not (run_dir / "checkpoint-4").exists() and (run_dir / ".checkpoint-4.partial").exists()
+    partial = run_dir / ".checkpoint-4.partial"
+    assert not (run_dir / "checkpoint-4").exists() and (partial / "model.safetensors").exists()
+    assert not (partial / "training_state.json").exists()
 
     resume = ["--resume_from_checkpoint", "latest"]
-    killed = run(cmd + resume, dict(env, **{common.FAULT_ENV: "step:7"}), tmp_path, expect_ok=False)
+    killed = run(killed_at("step:7", args + resume), env, tmp_path, expect_ok=False)
     assert killed.returncode != 0 and "resumed from" in killed.stdout and "at step 2" in killed.stdout
     assert not (run_dir / ".checkpoint-4.partial").exists()          # replaced by the complete checkpoint-4
     assert [int(r["step"]) for r in train_rows(run_dir)] == list(range(1, 7))
@@ -185,10 +201,13 @@ def test_pretrain_padding_free_qk_norm_smoothing(tmp_path, env):
 
 def test_pretrain_qwen3_eager_checkpointing(tmp_path, env):
     out_dir = tmp_path / "run"
-    out = launch("pretrain.py", SMALL + ["--max_steps", "2", "--model_type", "qwen3", "--attn_implementation",
-                                         "eager", "--gradient_checkpointing", "--no_save_model", "--output_dir",
-                                         out_dir], env, tmp_path).stdout
+    result = launch("pretrain.py", SMALL + ["--max_steps", "2", "--model_type", "qwen3", "--attn_implementation",
+                                            "eager", "--gradient_checkpointing", "--no_save_model", "--output_dir",
+                                            out_dir], env, tmp_path)
+    out = result.stdout
     assert "Qwen3ForCausalLM" in out and "attention eager" in out
+    assert "checkpointing_enable` is deprecated" not in result.stderr          # the current Transformers API
+    assert common.models.FLOAT32_ATTENTION_NOTE not in out                      # eager has a float32 path
     assert len(train_rows(out_dir)) == 2
     assert not (out_dir / "final_model").exists()
 
@@ -206,8 +225,11 @@ def test_finetune_lora_demo_base_and_resume(tmp_path, env):
     args = SMALL + ["--demo_base_steps", "20", "--max_steps", "4", "--checkpointing_steps", "2", "--eval_steps", "2",
                     "--max_eval_batches", "3", "--lora_dropout", "0"]
     first = tmp_path / "first"
-    out = launch("finetune_lora.py", args + ["--output_dir", first], env, tmp_path).stdout
+    result = launch("finetune_lora.py", args + ["--output_dir", first], env, tmp_path)
+    out = result.stdout
     assert "demo base model: pre-training a tiny Llama for 20 steps" in out
+    assert "is_gradient_checkpointing" not in result.stderr and "sagebwd: float32" not in result.stderr
+    assert out.count(common.models.FLOAT32_ATTENTION_NOTE) == 1
     rows = metrics(first)
     assert rows[0]["step"] == "0" and rows[0]["eval_loss"] and not rows[0]["loss"]     # the base model's eval
     train = [r for r in rows if r["loss"]]
@@ -245,13 +267,13 @@ def test_finetune_lora_local_qk_norm_model_padding_free_jsonl(tmp_path, env, mon
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("SAGEBWD_EXAMPLES_CACHE", env["SAGEBWD_EXAMPLES_CACHE"])
-    tokenizer = common.train_embedded_tokenizer()
-    config = common.preset_config("llama", "tiny", tokenizer, 64)
+    tokenizer = common.data.train_embedded_tokenizer()
+    config = common.models.preset_config("llama", "tiny", tokenizer, 64)
     torch.manual_seed(0)
     base = sagebwd_hf.add_qk_norm(AutoModelForCausalLM.from_config(config))
     base.save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
-    paragraphs = [p for p in common.EMBEDDED_TEXT.read_text().split("\n\n") if p.strip()]
+    paragraphs = [p for p in common.data.EMBEDDED_TEXT.read_text().split("\n\n") if p.strip()]
     with open(tmp_path / "train.jsonl", "w") as f:
         for p in paragraphs[:120]:
             f.write(json.dumps({"content": p}) + "\n")
@@ -348,7 +370,7 @@ def test_code_corpus_then_pretrain_on_its_token_files(tmp_path, env):
     assert tokenizer.decode(first.tolist()).startswith("def f")                    # byte-level: exact text back
     # no held-out text in training: every eval file's first line is absent from the training text
     text = tokenizer.decode(ids["train"].tolist())
-    eval_docs = tokenizer.decode(ids["eval"].tolist()).split(common.EOS_TOKEN)
+    eval_docs = tokenizer.decode(ids["eval"].tolist()).split(common.data.EOS_TOKEN)
     assert all(doc.splitlines()[0] not in text for doc in eval_docs if doc.strip())
     # the same sources give the same bytes
     run([sys.executable, EXAMPLES / "code_corpus.py", "--roots", tmp_path / "src", "--output_dir", tmp_path / "again",
@@ -431,7 +453,7 @@ def test_scale_study_runs_cells_resumes_and_reports(tmp_path, env, monkeypatch):
 
 def _synthetic_run(path, offset, step_time_s=0.5):
     """A metrics.csv of 40 steps: a falling loss moved by ``offset``."""
-    logger = common.CSVLogger(path / "metrics.csv")
+    logger = common.metrics.CSVLogger(path / "metrics.csv")
     for step in range(1, 41):
         logger.log(step=step, loss=5.0 - step / 40 + offset, tokens=100 * step, step_time_s=step_time_s)
     logger.close()
@@ -493,6 +515,90 @@ def test_compare_runs_pairs_runs_by_seed(tmp_path, capsys):
     assert b["gap_per_seed"] == pytest.approx([0.05, 0.05]) and c["mean_gap"] == pytest.approx(-0.01)
     assert b["relative_gap"] == pytest.approx(0.05 / (5.0 - 35.5 / 40 + 0.05))
     assert ref["final_loss_sd"] == pytest.approx(statistics.stdev([0.0, 0.3, -0.2]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Losses are logged in float32 under every launcher
+# ---------------------------------------------------------------------------------------------------------
+
+def test_losses_that_differ_in_the_fourth_digit_are_printed_and_saved_apart(tmp_path):
+    """One step's loss goes through the loop's reduction (mean over micro-batches and processes, here Accelerate
+    on one CPU process), its printed line and metrics.csv: 6.3047 and 6.3051 stay apart everywhere (as bf16 numbers
+    both would be 6.3125). 16-bit micro-batch losses are upcast before the mean: the mean of bf16 6.28125 and 6.3125
+    is 6.296875, which bf16 arithmetic would round to one of them."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    training = common.training
+    accelerator = Accelerator(cpu=True)
+    try:
+        losses = [training.mean_loss(accelerator, [torch.tensor(x)]) for x in (6.3047, 6.3051)]
+        half = [torch.tensor(6.28125, dtype=torch.bfloat16), torch.tensor(6.3125, dtype=torch.bfloat16)]
+        assert training.mean_loss(accelerator, half) == 6.296875
+    finally:
+        AcceleratorState._reset_state(True)
+    assert [training.step_line(1, 2, x, 1e-3, 1000.0).split()[3] for x in losses] == ["6.3047", "6.3051"]
+    line = training.step_line(2, 2, losses[0], 1e-3, 1000.0, eval_loss=losses[1], eval_ppl=math.exp(losses[1]))
+    assert "loss 6.3047" in line and "eval loss 6.3051" in line
+    logger = common.metrics.CSVLogger(tmp_path / "metrics.csv")
+    for step, x in enumerate(losses, 1):
+        logger.log(step=step, loss=x, eval_loss=x)
+    logger.close()
+    rows = common.metrics.read_metrics(tmp_path / "metrics.csv")
+    assert [(r["loss"], r["eval_loss"]) for r in rows] == [("6.3047", "6.3047"), ("6.3051", "6.3051")]
+
+
+FSDP2_LOSS_DTYPE = """
+import json, sys, types
+import torch, torch.distributed as dist
+from accelerate.utils import FullyShardedDataParallelPlugin
+from torch.distributed.fsdp import fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM
+import common.training
+
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="file://" + sys.argv[1])
+results = {}
+for policy in ("accelerate", "kept"):
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    plugin.set_mixed_precision("bf16")                  # what Accelerate sets up for --mixed_precision bf16
+    if policy == "kept":
+        common.training.keep_loss_float32(types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin)))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    fully_shard(model, mp_policy=plugin.mixed_precision_policy)
+    ids = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    logits = out.logits.detach().float()
+    reference = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    mp = plugin.mixed_precision_policy
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    results[policy] = dict(loss=out.loss.item(), loss_dtype=str(out.loss.dtype), logits_dtype=str(out.logits.dtype),
+                           reference=reference.item(), param_dtype=str(mp.param_dtype),
+                           reduce_dtype=str(mp.reduce_dtype), grads=[g.double().sum().item() for g in grads])
+dist.destroy_process_group()
+print(json.dumps(results))
+"""
+
+
+def test_fsdp2_with_bf16_mixed_precision_returns_the_loss_in_float32(tmp_path, env):
+    """Accelerate's FSDP2 policy for --mixed_precision bf16 casts the model's outputs to bf16, the loss included, so
+    every process logged a bf16 loss. With keep_loss_float32 (what make_accelerator applies) the loss is the
+    float32 cross-entropy of the model's bf16 logits; parameters and gradient reduction stay bf16, logits stay bf16
+    and the gradients are the same. FSDP2 itself (fully_shard on one gloo process on the CPU): Accelerate uses
+    FSDP on GPUs only."""
+    script = tmp_path / "fsdp2_loss.py"
+    script.write_text(FSDP2_LOSS_DTYPE)
+    out = run([sys.executable, script, tmp_path / "store"], dict(env, PYTHONPATH=str(EXAMPLES)), tmp_path).stdout
+    results = json.loads(out.strip().splitlines()[-1])
+    accelerate, kept = results["accelerate"], results["kept"]
+    assert accelerate["loss_dtype"] == "torch.bfloat16"
+    assert kept["loss_dtype"] == "torch.float32" and kept["loss"] == pytest.approx(kept["reference"], abs=1e-6)
+    assert accelerate["loss"] == float(torch.tensor(kept["loss"]).bfloat16())    # the same loss, rounded
+    for result in (accelerate, kept):
+        assert result["logits_dtype"] == result["param_dtype"] == result["reduce_dtype"] == "torch.bfloat16"
+    assert kept["grads"] == accelerate["grads"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -560,3 +666,31 @@ def test_bad_flags(script, argv, expected, capsys):
     assert exc.value.code != 0
     for text in expected:
         assert text in message, message
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --help: each default said once
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", ["pretrain", "finetune_lora", "finetune_trainer", "compare_runs", "code_corpus",
+                                    "scale_study"])
+def test_help_says_each_default_once(script, capsys):
+    module = __import__(script)
+    with pytest.raises(SystemExit) as exc:
+        module.parse_args(["--help"])
+    assert exc.value.code == 0
+    flags, current = {}, None
+    for line in capsys.readouterr().out.splitlines():
+        option = re.match(r"\s{2}(-{1,2}[\w-]+)", line)
+        if option:
+            current = option.group(1)
+            flags[current] = ""
+        elif not line.startswith(" "):         # a group's title or a blank line ends the flag's text
+            current = None
+        if current is not None and line.strip():
+            flags[current] += " " + line.strip()
+    assert len(flags) > 4 and "-h" in flags
+    for flag, text in flags.items():
+        assert text.count("default") <= 1, (flag, text)
+    if "--attn_implementation" in flags:
+        assert all(f"{name} (" in flags["--attn_implementation"] for name in common.arguments.ATTN_IMPLEMENTATIONS)

@@ -15,7 +15,10 @@ import torch
 
 from test_examples import EXAMPLES, LAUNCH, _fails_before_training, env, run  # noqa: F401  (env: a fixture)
 
-import _common as common  # noqa: E402  (examples/ is on sys.path through test_examples)
+import common.checkpoints  # noqa: E402  (examples/ is on sys.path through test_examples)
+import common.data  # noqa: E402
+import common.metrics  # noqa: E402
+import common.models  # noqa: E402
 
 SCRIPT = EXAMPLES / "finetune_trainer.py"
 BASE_STEPS = 60
@@ -23,11 +26,11 @@ STEPS, CHECKPOINT, EVAL_BATCHES = 6, 3, 3
 ARGS = ["--seq_len", "64", "--per_device_batch_size", "4", "--demo_base_steps", str(BASE_STEPS),
         "--max_steps", str(STEPS), "--eval_steps", str(CHECKPOINT), "--checkpointing_steps", str(CHECKPOINT),
         "--max_eval_batches", str(EVAL_BATCHES)]
-LAYERS = common.MODEL_PRESETS["tiny"]["num_hidden_layers"]
+LAYERS = common.models.MODEL_PRESETS["tiny"]["num_hidden_layers"]
 
 # Per-step training loss, sagebwd vs sdpa, same base model, same seed, same batches (SageBwd computes attention in
-# bf16 with INT8 QK^T and PV; SDPA in fp32). Measured on this CPU: with exactly these flags, seeds 42 and 1-5, at
-# most 2.8e-4 (train, 36 steps) and 1.8e-4 (eval); with 8 steps, seeds 42 and 1-7, at most 4e-4 over 64 steps;
+# bf16 with INT8 QK^T and PV; SDPA in fp32). Measured on a CPU (2026-11): with exactly these flags, seeds 42 and 1-5,
+# at most 2.8e-4 (train, 36 steps) and 1.8e-4 (eval); with 8 steps, seeds 42 and 1-7, at most 4e-4 over 64 steps;
 # the default run (153 steps on the 300-step base model) at most 1.6e-3, mean |gap| 3e-4. The bound leaves 7.5x
 # the short runs' worst. A broken attention is far outside it: the same runs with the attention output zeroed
 # differ from sdpa by 0.11-0.38 at step 1 and by at least 0.009 at every step (full fine-tuning learns around the
@@ -41,11 +44,11 @@ RESUME_BOUND = 1e-5
 
 
 def train_losses(folder):
-    return {int(r["step"]): float(r["loss"]) for r in common.read_metrics(folder / "metrics.csv") if r["loss"]}
+    return {int(r["step"]): float(r["loss"]) for r in common.metrics.read_metrics(folder / "metrics.csv") if r["loss"]}
 
 
 def eval_losses(folder):
-    return {int(r["step"]): float(r["eval_loss"]) for r in common.read_metrics(folder / "metrics.csv")
+    return {int(r["step"]): float(r["eval_loss"]) for r in common.metrics.read_metrics(folder / "metrics.csv")
             if r["eval_loss"]}
 
 
@@ -84,8 +87,8 @@ def test_sagebwd_follows_sdpa(runs, env, monkeypatch):
     monkeypatch.setenv("SAGEBWD_EXAMPLES_CACHE", env["SAGEBWD_EXAMPLES_CACHE"])
     from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
-    tokenizer = common.train_embedded_tokenizer()
-    paragraphs = [p for p in common.EMBEDDED_TEXT.read_text().split("\n\n") if len(p.split()) > 20][200:206]
+    tokenizer = common.data.train_embedded_tokenizer()
+    paragraphs = [p for p in common.data.EMBEDDED_TEXT.read_text().split("\n\n") if len(p.split()) > 20][200:206]
     batch = DataCollatorWithFlattening()([{"input_ids": tokenizer(p)["input_ids"][:64]} for p in paragraphs],
                                          return_tensors="pt")
     model = AutoModelForCausalLM.from_pretrained(summary(sdpa)["model"], attn_implementation="sdpa").eval()
@@ -162,8 +165,8 @@ def test_ddp_two_processes_match_one(runs, env, tmp_path):
               timeout=300).stdout
     assert "2 x 64 x 1 accumulation x 2 processes" in out
     assert summary(tmp_path / "ddp")["num_processes"] == 2
-    one = {int(r["step"]): r for r in common.read_metrics(sage / "metrics.csv")}
-    two = {int(r["step"]): r for r in common.read_metrics(tmp_path / "ddp" / "metrics.csv")}
+    one = {int(r["step"]): r for r in common.metrics.read_metrics(sage / "metrics.csv")}
+    two = {int(r["step"]): r for r in common.metrics.read_metrics(tmp_path / "ddp" / "metrics.csv")}
     assert sorted(one) == sorted(two) == list(range(STEPS + 1))
     for step in range(1, STEPS + 1):
         a, b = one[step], two[step]
@@ -219,7 +222,7 @@ def test_bad_input_one_error_line(tmp_path, env, capsys):
         with pytest.raises(SystemExit) as exc:
             args = finetune_trainer.parse_args(argv)
             if args.resume_from_checkpoint:                # what main() checks first, before loading anything
-                common.find_checkpoint(args.resume_from_checkpoint, tmp_path, finetune_trainer.TRAINER_STATE)
+                common.checkpoints.find_checkpoint(args.resume_from_checkpoint, tmp_path, finetune_trainer.TRAINER_STATE)
         message = str(exc.value.code)
         assert message.startswith(expected) and "\n" not in message, (argv, message)
     with pytest.raises(SystemExit) as exc:                 # argparse: names the flag and the allowed values

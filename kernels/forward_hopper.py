@@ -26,10 +26,11 @@ Gluon's API moves between Triton releases: tested on ``constants.TESTED_TRITON``
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .hopper_common import (as_operand, claim_item, inside_sequences, key_band_mask, key_tiles, named_barrier,
-                            next_item, post_item, round_to_int8, split_item, tanh_scores, tma_load, wgmma_layout)
+from .hopper_common import (ItemMailbox, Scalar, aggregate, as_operand, claim_item, inside_sequences, key_band_mask,
+                            key_tiles, named_barrier, round_to_int8, split_item, tanh_scores, tma_load,
+                            wgmma_layout)
 
 HALF_M = gl.constexpr(64)     # query rows per consumer warpgroup (one wgmma M)
 BLOCK_M = gl.constexpr(128)   # query rows per program: two consumers (three: 192, the ``consumers`` option)
@@ -43,120 +44,289 @@ RELEASE_BARRIER = gl.constexpr(10)
 LOG2_127 = gl.constexpr(6.988684686772166)
 
 
-@gluon.jit
-def _work_item(t, num_items, num_m, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, group, window_left, window_right,
-               IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, ROWS: gl.constexpr):
-    """Work item ``t``: ``ROWS`` query rows of one (sequence, head). Items are numbered query tile fastest, so the
-    programs running at once share a few heads' K and V in L2; with a causal (right) mask the last query tiles,
-    which see the most keys, come first (FlashAttention 3's order: handed out in order, the long items start
-    early and the short ones fill the tail). Returns its sequence, head, token starts, lengths and key-tile
-    bounds (forward._key_tiles)."""
-    valid = t < num_items
-    pid_m, b, h = split_item(t, num_m, num_heads, MASK_RIGHT)
-    if IS_VARLEN:
-        bc = gl.where(valid, b, 0)
-        q0 = gl.load(CU_Q + bc)
-        seqlen_q = gl.load(CU_Q + bc + 1) - q0
-        k0 = gl.load(CU_K + bc)
-        seqlen_k = gl.load(CU_K + bc + 1) - k0
-        v0 = gl.load(CU_VT + bc)        # V^T's own, 16-aligned, sequence starts (quantize.aligned_starts)
-        bq = b * 0
-        bk = b * 0
-    else:
-        q0 = b * 0            # tensors, not constants: both branches must give one type
-        seqlen_q = n_q + q0
-        k0 = b * 0
-        seqlen_k = n_k + k0
-        v0 = k0
-        bq = b
-        bk = b
-    start_m = pid_m * ROWS
-    lo, full_lo, full_hi, hi = key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                          ROWS, MASK_LEFT, MASK_RIGHT, BLOCK_N)
-    # An item past the end of its sequence (packed batches) runs no tiles. All four bounds go to 0: with a
-    # window, such an item's lo can pass its hi, and then the loader (lo..hi) and the consumers' loops disagreed:
-    # a hang.
-    has_rows = (start_m < seqlen_q).to(gl.int32)
-    return (b, h, h // group, bq, bk, q0, k0, v0, seqlen_q, seqlen_k, start_m,
-            lo * has_rows, full_lo * has_rows, full_hi * has_rows, hi * has_rows)
+@aggregate
+class ForwardDescriptors:
+    """The TMA descriptors the loader reads: Q8, K8 and V8^T, and (``QK_SPLIT``) Q8's and K8's channels past the
+    first block as descriptors of their own (``q2``, ``k2``)."""
+    q: tma.tensor_descriptor
+    k: tma.tensor_descriptor
+    vt: tma.tensor_descriptor
+    q2: tma.tensor_descriptor
+    k2: tma.tensor_descriptor
 
 
+
+@aggregate
+class QBuffers:
+    """Each consumer's Q rows in shared memory (``q2``: the channels past the first block with ``QK_SPLIT``, else
+    ``q`` again), ``ready`` once the loader's bytes landed, ``empty`` once every consumer is done with them."""
+    q: gl.shared_memory_descriptor
+    q2: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+
+
+
+@aggregate
+class KVRing:
+    """The ``STAGES`` shared-memory buffers of K tiles (``k2``: the channels past the first block with ``QK_SPLIT``,
+    else ``k`` again) and V^T tiles, each stage ``ready`` once the loader's bytes landed and ``empty`` once every
+    consumer is done with it (or, with ``NAMED_BARRIERS``, released at a hardware barrier instead)."""
+    k: gl.shared_memory_descriptor
+    k2: gl.shared_memory_descriptor
+    vt: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+
+
+
+@aggregate
+class ForwardOptions:
+    """The compile-time options every partition reads (the module docstring says what each does)."""
+    HEAD_DIM_V: gl.constexpr
+    QK_SPLIT: gl.constexpr
+    CONSUMERS: gl.constexpr
+    PINGPONG: gl.constexpr
+    NAMED_BARRIERS: gl.constexpr
+    V_ORDER: gl.constexpr
+    SOFTCAP: gl.constexpr
+    SINK_MODE: gl.constexpr
+    DYNAMIC: gl.constexpr
+
+
+
+@aggregate
+class WorkItem:
+    """One work item: query rows ``[start_m, start_m + ROWS)`` of sequence ``b``, head ``h`` (KV head ``hk``);
+    ``bq`` / ``bk`` its batch index in the [B, H, N] tensors (0 in a packed batch), ``q0`` / ``k0`` / ``v0`` its
+    first query, key and V^T column, its lengths, and its key tiles: ``[lo, full_lo)`` and ``[full_hi, hi)``
+    masked, ``[full_lo, full_hi)`` not."""
+    b: gl.tensor
+    h: gl.tensor
+    hk: gl.tensor
+    bq: gl.tensor
+    bk: gl.tensor
+    q0: gl.tensor
+    k0: gl.tensor
+    v0: gl.tensor
+    seqlen_q: gl.tensor
+    seqlen_k: gl.tensor
+    start_m: gl.tensor
+    lo: gl.tensor
+    full_lo: gl.tensor
+    full_hi: gl.tensor
+    hi: gl.tensor
+
+
+
+@aggregate
+class Sequences:
+    """The batch as the work items see it: padded lengths ``n_q`` / ``n_k``, or (``IS_VARLEN``) the packed
+    sequences' token starts ``CU_Q`` / ``CU_K`` and V^T's 16-aligned ones ``CU_VT``; the query and KV heads
+    (``group`` query heads a KV head); the window (``MASK_LEFT`` / ``MASK_RIGHT``: which sides bound it); and the
+    ``num_items`` work items, ``num_m`` query tiles a (sequence, head)."""
+    CU_Q: gl.tensor
+    CU_K: gl.tensor
+    CU_VT: gl.tensor
+    n_q: Scalar
+    n_k: Scalar
+    num_heads: Scalar
+    num_kv_heads: Scalar
+    group: Scalar
+    window_left: Scalar
+    window_right: Scalar
+    num_items: Scalar
+    num_m: Scalar
+    IS_VARLEN: gl.constexpr
+    MASK_LEFT: gl.constexpr
+    MASK_RIGHT: gl.constexpr
+
+
+    @gluon.jit
+    def work_item(self, t, ROWS: gl.constexpr):
+        """Work item ``t``: ``ROWS`` query rows of one (sequence, head). Items are numbered query tile fastest, so
+        the programs running at once share a few heads' K and V in L2; with a causal (right) mask the last query
+        tiles, which see the most keys, come first (FlashAttention 3's order: handed out in order, the long items
+        start early and the short ones fill the tail). Key-tile bounds: forward._key_tiles."""
+        valid = t < self.num_items
+        pid_m, b, h = split_item(t, self.num_m, self.num_heads, self.MASK_RIGHT)
+        if self.IS_VARLEN:
+            bc = gl.where(valid, b, 0)
+            q0 = gl.load(self.CU_Q + bc)
+            seqlen_q = gl.load(self.CU_Q + bc + 1) - q0
+            k0 = gl.load(self.CU_K + bc)
+            seqlen_k = gl.load(self.CU_K + bc + 1) - k0
+            v0 = gl.load(self.CU_VT + bc)        # V^T's own, 16-aligned, sequence starts (quantize.aligned_starts)
+            bq = b * 0
+            bk = b * 0
+        else:
+            q0 = b * 0            # tensors, not constants: both branches must give one type
+            seqlen_q = self.n_q + q0
+            k0 = b * 0
+            seqlen_k = self.n_k + k0
+            v0 = k0
+            bq = b
+            bk = b
+        start_m = pid_m * ROWS
+        lo, full_lo, full_hi, hi = key_tiles(start_m, seqlen_q, seqlen_k, self.window_left, self.window_right,
+                                              ROWS, self.MASK_LEFT, self.MASK_RIGHT, BLOCK_N)
+        # An item past the end of its sequence (packed batches) runs no tiles. All four bounds go to 0: with a
+        # window, such an item's lo can pass its hi, and then the loader (lo..hi) and the consumers' loops
+        # disagreed: a hang.
+        has_rows = (start_m < seqlen_q).to(gl.int32)
+        return WorkItem(b, h, h // self.group, bq, bk, q0, k0, v0, seqlen_q, seqlen_k, start_m,
+                        lo * has_rows, full_lo * has_rows, full_hi * has_rows, hi * has_rows)
+
+
+@aggregate
+class ForwardScales:
+    """The dequantization scales: Q's per token (``QS``), K's one a key tile (``KS``), V's per channel (``VS``),
+    with their batch and head strides (``s_qsb``, ``s_qsh``, ...)."""
+    QS: gl.tensor
+    KS: gl.tensor
+    VS: gl.tensor
+    s_qsb: Scalar
+    s_qsh: Scalar
+    s_ksb: Scalar
+    s_ksh: Scalar
+    s_vsb: Scalar
+    s_vsh: Scalar
+
+
+
+@aggregate
+class ForwardOutputs:
+    """What the kernel writes: the output ``O`` [B, H, N, Dv] and the rows' base-2 log-sum-exps ``LSE`` [B, H, N],
+    with their strides (batch, head, and token for O)."""
+    O: gl.tensor
+    LSE: gl.tensor
+    s_ob: Scalar
+    s_oh: Scalar
+    s_ot: Scalar
+    s_lb: Scalar
+    s_lh: Scalar
+
+
+
+@aggregate
+class ScoreTerms:
+    """What the options add to the scores: with ``SOFTCAP`` the cap (``softcap2``, in log2 units) and the caller's
+    per-row score shift ``SHIFT``; with ``SINK_MODE`` the heads' sinks ``SINKS`` and (mode 2) their per-row shift
+    ``SINK_SHIFT`` (unused pointers stand in for absent ones)."""
+    softcap2: gl.tensor
+    SHIFT: gl.tensor
+    SINKS: gl.tensor
+    SINK_SHIFT: gl.tensor
+
+
+
+@aggregate
+class Turns:
+    """A consumer's ping-pong turns (``PINGPONG``): the barrier it waits at for its turn to issue S (``mine``), the
+    one it passes the turn on by (``other``), and whether it goes first (``FIRST``; with ``NAMED_BARRIERS``
+    hardware barriers ``TURN_BARRIER + FIRST`` and ``+ 1 - FIRST`` instead)."""
+    mine: gl.shared_memory_descriptor
+    other: gl.shared_memory_descriptor
+    FIRST: gl.constexpr
+
+
+
+@aggregate
+class RowConstants:
+    """One warpgroup's 64 rows of a work item (``rows``) and what stays fixed over its key tiles: the scores' row
+    scale ``q_scale`` (the cap with ``SOFTCAP``, then ``cap_a`` and ``cap_b`` scale and shift the cap's argument)
+    and where the item's K scales start (``KS + ks_off``)."""
+    rows: gl.tensor
+    q_scale: gl.tensor
+    cap_a: gl.tensor
+    cap_b: gl.tensor
+    KS: gl.tensor
+    ks_off: gl.tensor
+
+
+
 @gluon.jit
-def _loader(q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_ready, q_empty,
-            ready, empty, item_smem, item_bar, COUNTER, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, num_kv_heads, group,
-            window_left, window_right, num_items, num_m, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr,
-            MASK_RIGHT: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
-            NAMED_BARRIERS: gl.constexpr, DYNAMIC: gl.constexpr):
+def _loader(descs, q_bufs, ring, mailbox, COUNTER, seqs, opts):
     """One warp: picks the program's work items (its program id first, then the next from ``COUNTER``, an atomic
     count of items handed out, with ``DYNAMIC``; else every ``num_programs``-th), tells the consumers which
-    (``item_smem``, ``item_bar``), loads every consumer's Q rows once they are done with the last item's (the
-    next Q lands while their epilogue runs), then every K / V^T tile of the item's ``[lo, hi)`` into the ring,
-    whose count runs on across items (with ``QK_SPLIT``, Q's and K's channels past the first block as tiles of
-    their own: qk_blocks). An item index past the last tells the consumers to stop. One Q buffer, indexed by
-    constants: with two, picked by the item's parity, wgmma read the wrong Q rows on Triton 3.6 (a run-time index
-    of the A operand's shared memory; masked calls gave relative L2 0.5 on an H100)."""
-    CONSUMERS: gl.constexpr = q_smem.shape[0]
+    (``mailbox``), loads every consumer's Q rows once they are done with the last item's (the next Q lands while
+    their epilogue runs), then every K / V^T tile of the item's ``[lo, hi)`` into the ring, whose count runs on
+    across items (with ``QK_SPLIT``, Q's and K's channels past the first block as tiles of their own:
+    qk_blocks). An item index past the last tells the consumers to stop. One Q buffer, indexed by constants: with
+    two, picked by the item's parity, wgmma read the wrong Q rows on Triton 3.6 (a run-time index of the A
+    operand's shared memory; masked calls gave relative L2 0.5 on an H100)."""
+    CONSUMERS: gl.constexpr = opts.CONSUMERS
+    QK_SPLIT: gl.constexpr = opts.QK_SPLIT
     ROWS: gl.constexpr = CONSUMERS * HALF_M
-    D1: gl.constexpr = q_desc.block_type.shape[1]
-    q_bytes: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if QK_SPLIT else 0)
-    nbytes: gl.constexpr = (k_desc.block_type.nbytes + vt_desc.block_type.nbytes
-                            + (k2_desc.block_type.nbytes if QK_SPLIT else 0))
+    D1: gl.constexpr = descs.q.block_type.shape[1]
+    q_bytes: gl.constexpr = descs.q.block_type.nbytes + (descs.q2.block_type.nbytes if QK_SPLIT else 0)
+    nbytes: gl.constexpr = (descs.k.block_type.nbytes + descs.vt.block_type.nbytes
+                            + (descs.k2.block_type.nbytes if QK_SPLIT else 0))
+    num_items = seqs.num_items
     i = num_items * 0
     j = num_items * 0
     t = gl.program_id(0) + j
     while t < num_items:
-        (b, h, hk, bq, bk, q0, k0, v0, seqlen_q, seqlen_k, start_m, lo, full_lo, full_hi,
-         hi) = _work_item(t, num_items, num_m, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, group, window_left,
-                          window_right, IS_VARLEN, MASK_LEFT, MASK_RIGHT, ROWS)
+        item = seqs.work_item(t, ROWS)
         # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], K8 [B*Hk*Nk, D], V8T [B*Hk*D, Nk_pad]
-        q_row = (bq * num_heads + h) * n_q + q0 + start_m
-        k_row = (bk * num_kv_heads + hk) * n_k + k0
-        v_row = (bk * num_kv_heads + hk) * HEAD_DIM_V
-        mbarrier.wait(q_empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
-        post_item(item_smem, item_bar, t)
-        mbarrier.expect(q_ready, CONSUMERS * q_bytes)
+        q_row = (item.bq * seqs.num_heads + item.h) * seqs.n_q + item.q0 + item.start_m
+        k_row = (item.bk * seqs.num_kv_heads + item.hk) * seqs.n_k + item.k0
+        v_row = (item.bk * seqs.num_kv_heads + item.hk) * opts.HEAD_DIM_V
+        mbarrier.wait(q_bufs.empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
+        mailbox.post(t)
+        mbarrier.expect(q_bufs.ready, CONSUMERS * q_bytes)
         for c in gl.static_range(CONSUMERS):
-            tma_load(q_desc, [q_row + c * HALF_M, 0], q_ready, q_smem.index(c))
+            tma_load(descs.q, [q_row + c * HALF_M, 0], q_bufs.ready, q_bufs.q.index(c))
             if QK_SPLIT:
-                tma_load(q2_desc, [q_row + c * HALF_M, D1], q_ready, q2_smem.index(c))
-        for start_n in range(lo, hi, BLOCK_N):
+                tma_load(descs.q2, [q_row + c * HALF_M, D1], q_bufs.ready, q_bufs.q2.index(c))
+        for start_n in range(item.lo, item.hi, BLOCK_N):
             s = i % STAGES
-            if NAMED_BARRIERS:   # every consumer thread arrived when done with the buffer's last contents
+            if opts.NAMED_BARRIERS:   # every consumer thread arrived when done with the buffer's last contents
                 if i >= STAGES:
                     named_barrier(False, RELEASE_BARRIER + s, 32 + CONSUMERS * 128, 1)
             else:   # a fresh barrier's "previous phase" counts as complete: the first STAGES waits pass at once
-                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), nbytes)
-            tma_load(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
+                mbarrier.wait(ring.empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(ring.ready.index(s), nbytes)
+            tma_load(descs.k, [k_row + start_n, 0], ring.ready.index(s), ring.k.index(s))
             if QK_SPLIT:
-                tma_load(k2_desc, [k_row + start_n, D1], ready.index(s), k2_smem.index(s))
-            tma_load(vt_desc, [v_row, v0 + start_n], ready.index(s), v_smem.index(s))
+                tma_load(descs.k2, [k_row + start_n, D1], ring.ready.index(s), ring.k2.index(s))
+            tma_load(descs.vt, [v_row, item.v0 + start_n], ring.ready.index(s), ring.vt.index(s))
             i += 1
         j += 1
-        t = claim_item(t, COUNTER, DYNAMIC)
-    mbarrier.wait(q_empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
-    post_item(item_smem, item_bar, t)
+        t = claim_item(t, COUNTER, opts.DYNAMIC)
+    mbarrier.wait(q_bufs.empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
+    mailbox.post(t)
 
 
 @gluon.jit
-def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty, turn_me, turn_other, KS, ks_off,
-             rows, q_scale, cap_a, cap_b, lo, hi, seqlen_q, seqlen_k, window_left, window_right,
-             MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-             PINGPONG: gl.constexpr, FIRST: gl.constexpr, V_ORDER: gl.constexpr,
-             SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr, NAMED_BARRIERS: gl.constexpr, CONSUMERS: gl.constexpr,
-             IS_VARLEN: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+def _consume(acc, m_i, l_i, it, ks, q, q2, ring, turns, row_consts, lo, hi, item, seqs, MASKED: gl.constexpr,
+             opts):
     """Key tiles ``[lo, hi)`` for one warpgroup's 64 rows, each S = Q K^T waited for before its softmax.
     ``ks``: this tile's K scale, read a tile ahead (global-load latency stalled the loop when read after S).
 
-    PINGPONG: the two warpgroups take turns to issue S (``turn_me`` / ``turn_other``), FlashAttention 3's
+    PINGPONG: the two warpgroups take turns to issue S (``turns``), FlashAttention 3's
     scheduler barrier, so one's softmax tends to run under the other's products. (FlashAttention 3's
     in-warpgroup overlap, the next tile's S issued before this tile's softmax or once its P V is issued,
     measured 0.49-0.94x on an H100: unrolled by two so each in-flight S keeps its registers, the
     loop each warpgroup runs doubles and the instruction cache misses; docs/history.md.)"""
+    MASK_LEFT: gl.constexpr = seqs.MASK_LEFT
+    MASK_RIGHT: gl.constexpr = seqs.MASK_RIGHT
+    IS_VARLEN: gl.constexpr = seqs.IS_VARLEN
+    PINGPONG: gl.constexpr = opts.PINGPONG
+    NAMED_BARRIERS: gl.constexpr = opts.NAMED_BARRIERS
+    FIRST: gl.constexpr = turns.FIRST
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N, 32)
+    o_layout: gl.constexpr = wgmma_layout(opts.HEAD_DIM_V, 32)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    KS = row_consts.KS
+    ks_off = row_consts.ks_off
+    rows = row_consts.rows
+    q_scale = row_consts.q_scale
+    seqlen_k = item.seqlen_k
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.int32, s_layout)
     o_zero = gl.zeros(acc.shape, gl.int32, o_layout)
-    diag = seqlen_k - seqlen_q
+    diag = seqlen_k - item.seqlen_q
     # In band-masked loops the next tile's K scale comes through a pointer of its own: with start_n in the
     # address, LLVM widened the loop counter to 64 bits, and every key index and mask compare with it (a masked
     # tile at D=64 causal: 1,039 instructions a thread, 945 without the widening, 842 with key_band_mask).
@@ -169,20 +339,20 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
         ks_ptr = KS + ks_off + lo + BLOCK_N
     for start_n in range(lo, hi, BLOCK_N):
         s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        mbarrier.wait(ring.ready.index(s), (it // STAGES) & 1)
         if PINGPONG:
             if NAMED_BARRIERS:
                 named_barrier(False, TURN_BARRIER + FIRST, 256, 4)
             else:
-                mbarrier.wait(turn_me, (it & 1) ^ FIRST)
-        s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if QK_SPLIT:    # the channels past the first power-of-two block, into the same int32 scores
-            s_tok = warpgroup_mma(q2, k2_smem.index(s).permute((1, 0)), s_tok, is_async=True)
+                mbarrier.wait(turns.mine, (it & 1) ^ FIRST)
+        s_tok = warpgroup_mma(q, ring.k.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if opts.QK_SPLIT:    # the channels past the first power-of-two block, into the same int32 scores
+            s_tok = warpgroup_mma(q2, ring.k2.index(s).permute((1, 0)), s_tok, is_async=True)
         if PINGPONG:
             if NAMED_BARRIERS:
                 named_barrier(True, TURN_BARRIER + 1 - FIRST, 256, 4)
             else:
-                mbarrier.arrive(turn_other, count=1)
+                mbarrier.arrive(turns.other, count=1)
         if KS_PTR:
             ks_next = gl.load(ks_ptr, mask=start_n + BLOCK_N < seqlen_k, other=0.0)
             ks_ptr += BLOCK_N
@@ -193,19 +363,19 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
         # scale is one number a tile, so it joins the row's Q scale (a per-key scale cost one FMA a score).
         s_int = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
         t = (s_int + 0x4B400000).to(gl.float32, bitcast=True)
-        if SOFTCAP:   # tanh((s + shift) / cap), s = ks * (x - 1.5 * 2^23): q_scale is the cap then (forward._fwd_tile)
-            t_mul = cap_a * ks
-            t = tanh_scores(gl.fma(t, t_mul[:, None], (cap_b - t_mul * 12582912.0)[:, None]))
+        if opts.SOFTCAP:   # tanh((s + shift) / cap), s = ks * (x - 1.5 * 2^23): q_scale is the cap then (forward._fwd_tile)
+            t_mul = row_consts.cap_a * ks
+            t = tanh_scores(gl.fma(t, t_mul[:, None], (row_consts.cap_b - t_mul * 12582912.0)[:, None]))
             row_mul = q_scale
             row_add = q_scale * 0.0
         else:   # floored: with an all-zero K tile (scale 0) a masked score would be -inf * 0
             row_mul = gl.maximum(q_scale * ks, 1e-37)
             row_add = row_mul * -12582912.0
         if BAND or (MASKED and IS_VARLEN):
-            t = gl.where(key_band_mask(offs_n, rows, start_n, seqlen_k, diag, window_left, window_right, MASK_LEFT,
-                                         MASK_RIGHT), t, float("-inf"))
+            t = gl.where(key_band_mask(offs_n, rows, start_n, seqlen_k, diag, seqs.window_left, seqs.window_right,
+                                         MASK_LEFT, MASK_RIGHT), t, float("-inf"))
         elif MASKED:
-            t = gl.where(inside_sequences(rows[:, None], cols[None, :], seqlen_q, seqlen_k), t, float("-inf"))
+            t = gl.where(inside_sequences(rows[:, None], cols[None, :], item.seqlen_q, seqlen_k), t, float("-inf"))
         tile_max = gl.fma(gl.max(t, 1), row_mul, row_add)
         m_new = gl.maximum(m_i, tile_max)
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -213,8 +383,8 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
         e_ref = gl.where(tile_max == float("-inf"), 0.0, tile_max - LOG2_127)
         e = gl.exp2(gl.fma(t, row_mul[:, None], (row_add - e_ref)[:, None]))
         p_scale = gl.exp2(tile_max - m_ref) * (1.0 / 127.0)
-        p8 = as_operand(round_to_int8(e), V_ORDER, p_layout)
-        pv_tok = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+        p8 = as_operand(round_to_int8(e), opts.V_ORDER, p_layout)
+        pv_tok = warpgroup_mma(p8, ring.vt.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
         # while P V runs: the row sum, and the rescaled accumulator less the int32_times offset
         l_i = l_i * alpha + gl.sum(e, 1) * p_scale
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
@@ -222,9 +392,9 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
         acc = gl.fma(acc, alpha_o[:, None], (p_scale_o * -12582912.0)[:, None])
         pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok, ))
         if NAMED_BARRIERS:
-            named_barrier(True, RELEASE_BARRIER + s, 32 + CONSUMERS * 128, 4)
+            named_barrier(True, RELEASE_BARRIER + s, 32 + opts.CONSUMERS * 128, 4)
         else:
-            mbarrier.arrive(empty.index(s), count=1)
+            mbarrier.arrive(ring.empty.index(s), count=1)
         it += 1
         acc = gl.fma((pv + 0x4B400000).to(gl.float32, bitcast=True), p_scale_o[:, None], acc)
         m_i = m_new
@@ -233,96 +403,88 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty
 
 
 @gluon.jit
-def _consumer(q_smem, q2_smem, C: gl.constexpr, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
-              item_bar, turn_me, turn_other, QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS, SINK_SHIFT, SHIFT,
-              s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
-              n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
-              IS_VARLEN: gl.constexpr, HEAD_DIM_V: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-              PINGPONG: gl.constexpr, FIRST: gl.constexpr, SINK_MODE: gl.constexpr,
-              V_ORDER: gl.constexpr, SOFTCAP: gl.constexpr, QK_SPLIT: gl.constexpr, NAMED_BARRIERS: gl.constexpr,
-              CONSUMERS: gl.constexpr):
+def _consumer(C: gl.constexpr, turns, q_bufs, ring, mailbox, seqs, scales, outputs, terms, opts):
     """One warpgroup: rows ``[C * 64, C * 64 + 64)`` of each of the program's work items against all their key
     tiles, then the item's epilogue (its Q buffer released first, so the loader refills it meanwhile)."""
+    HEAD_DIM_V: gl.constexpr = opts.HEAD_DIM_V
+    SOFTCAP: gl.constexpr = opts.SOFTCAP
+    SINK_MODE: gl.constexpr = opts.SINK_MODE
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N, 32)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V, 32)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    ROWS: gl.constexpr = CONSUMERS * HALF_M
+    ROWS: gl.constexpr = opts.CONSUMERS * HALF_M
+    O = outputs.O
+    num_items = seqs.num_items
 
-    if PINGPONG and NAMED_BARRIERS and FIRST == 0:   # the other warpgroup's first turn
+    if opts.PINGPONG and opts.NAMED_BARRIERS and turns.FIRST == 0:   # the other warpgroup's first turn
         named_barrier(True, TURN_BARRIER + 1, 256, 4)
     it = num_items * 0      # the ring's tile count, run on across items as the loader's
     j = num_items * 0
-    t = next_item(item_smem, item_bar, j)      # the loader's pick: past the last item means stop
+    t = mailbox.next(j)      # the loader's pick: past the last item means stop
     while t < num_items:
-        (b, h, hk, bq, bk, q0, k0, v0, seqlen_q, seqlen_k, start_m, lo, full_lo, full_hi,
-         hi) = _work_item(t, num_items, num_m, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, group, window_left,
-                          window_right, IS_VARLEN, MASK_LEFT, MASK_RIGHT, ROWS)
-        qs_off = bq.to(gl.int64) * s_qsb + h * s_qsh + q0
-        ks_off = bk.to(gl.int64) * s_ksb + hk * s_ksh + k0
-        vs_off = b.to(gl.int64) * s_vsb + hk * s_vsh
-        o_off = bq.to(gl.int64) * s_ob + h.to(gl.int64) * s_oh + q0.to(gl.int64) * s_ot
-        lse_off = bq.to(gl.int64) * s_lb + h * s_lh + q0
-        rows = start_m + C * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
-        m_ok = rows < seqlen_q
+        item = seqs.work_item(t, ROWS)
+        bq = item.bq
+        h = item.h
+        q0 = item.q0
+        qs_off = bq.to(gl.int64) * scales.s_qsb + h * scales.s_qsh + q0
+        ks_off = item.bk.to(gl.int64) * scales.s_ksb + item.hk * scales.s_ksh + item.k0
+        vs_off = item.b.to(gl.int64) * scales.s_vsb + item.hk * scales.s_vsh
+        o_off = bq.to(gl.int64) * outputs.s_ob + h.to(gl.int64) * outputs.s_oh + q0.to(gl.int64) * outputs.s_ot
+        lse_off = bq.to(gl.int64) * outputs.s_lb + h * outputs.s_lh + q0
+        rows = item.start_m + C * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
+        m_ok = rows < item.seqlen_q
         # kept above zero: masked (-inf) scores are scaled by it, and an all-zero row has scale 0
-        q_scale = gl.maximum(gl.load(QS + qs_off + rows, mask=m_ok, other=0.0), 1e-30)
+        q_scale = gl.maximum(gl.load(scales.QS + qs_off + rows, mask=m_ok, other=0.0), 1e-30)
         cap_a = q_scale     # unused unless SOFTCAP
         cap_b = q_scale
         if SOFTCAP:   # the score's dequantization and the shift back to the caller's scores, both over the cap
-            inv_cap = 1.0 / softcap2
+            inv_cap = 1.0 / terms.softcap2
             cap_a = q_scale * inv_cap
-            cap_b = gl.load(SHIFT + lse_off + rows, mask=m_ok, other=0.0) * inv_cap
-            q_scale = gl.full([HALF_M], 0.0, gl.float32, row_layout) + softcap2
+            cap_b = gl.load(terms.SHIFT + lse_off + rows, mask=m_ok, other=0.0) * inv_cap
+            q_scale = gl.full([HALF_M], 0.0, gl.float32, row_layout) + terms.softcap2
         m_i = gl.full([HALF_M], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([HALF_M], gl.float32, row_layout)
         acc = gl.zeros([HALF_M, HEAD_DIM_V], gl.float32, o_layout)
-        ks = gl.load(KS + ks_off + lo, mask=lo < hi, other=0.0)
+        lo = item.lo
+        hi = item.hi
+        ks = gl.load(scales.KS + ks_off + lo, mask=lo < hi, other=0.0)
 
-        mbarrier.wait(q_ready, j & 1)
-        q = q_smem.index(C)
-        q2 = q2_smem.index(C)
+        mbarrier.wait(q_bufs.ready, j & 1)
+        q = q_bufs.q.index(C)
+        q2 = q_bufs.q2.index(C)
+        row_consts = RowConstants(rows, q_scale, cap_a, cap_b, scales.KS, ks_off)
         # masked left edge, unmasked middle, masked right edge
-        acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
-                                         turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, lo,
-                                         full_lo, seqlen_q, seqlen_k, window_left, window_right, True,
-                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, V_ORDER, SOFTCAP,
-                                         QK_SPLIT, NAMED_BARRIERS, CONSUMERS, IS_VARLEN, s_layout, o_layout, p_layout)
-        acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
-                                         turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_lo,
-                                         full_hi, seqlen_q, seqlen_k, window_left, window_right, False,
-                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, V_ORDER, SOFTCAP,
-                                         QK_SPLIT, NAMED_BARRIERS, CONSUMERS, IS_VARLEN, s_layout, o_layout, p_layout)
-        acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, k_smem, k2_smem, v_smem, ready, empty,
-                                         turn_me, turn_other, KS, ks_off, rows, q_scale, cap_a, cap_b, full_hi,
-                                         hi, seqlen_q, seqlen_k, window_left, window_right, True,
-                                         MASK_LEFT, MASK_RIGHT, PINGPONG, FIRST, V_ORDER, SOFTCAP,
-                                         QK_SPLIT, NAMED_BARRIERS, CONSUMERS, IS_VARLEN, s_layout, o_layout, p_layout)
-        mbarrier.arrive(q_empty, count=1)     # every S of the item was waited for: the next Q may land
+        acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, ring, turns, row_consts, lo, item.full_lo,
+                                         item, seqs, True, opts)
+        acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, ring, turns, row_consts, item.full_lo,
+                                         item.full_hi, item, seqs, False, opts)
+        acc, m_i, l_i, it, ks = _consume(acc, m_i, l_i, it, ks, q, q2, ring, turns, row_consts, item.full_hi, hi,
+                                         item, seqs, True, opts)
+        mbarrier.arrive(q_bufs.empty, count=1)     # every S of the item was waited for: the next Q may land
 
         has_keys = l_i > 0
         lse = gl.where(has_keys, m_i + gl.log2(l_i), float("inf"))   # +inf: the backward's exp2(s - lse) is 0
         inv_l = gl.where(has_keys, 1.0 / l_i, 0.0)
         if SINK_MODE > 0:   # the head's sink joins the denominator, as in forward.py's epilogue
-            sink_row = gl.full([HALF_M], 0.0, gl.float32, row_layout) + gl.load(SINKS + h).to(gl.float32)
+            sink_row = gl.full([HALF_M], 0.0, gl.float32, row_layout) + gl.load(terms.SINKS + h).to(gl.float32)
             if SINK_MODE == 2:
-                sink_row = sink_row - gl.load(SINK_SHIFT + lse_off + rows, mask=m_ok, other=0.0)
+                sink_row = sink_row - gl.load(terms.SINK_SHIFT + lse_off + rows, mask=m_ok, other=0.0)
             sink2 = sink_row * 1.4426950408889634
             top = gl.maximum(lse, sink2)
             new_lse = top + gl.log2(gl.exp2(lse - top) + gl.exp2(sink2 - top))
             inv_l = gl.where(has_keys, gl.exp2(lse - new_lse) / l_i, 0.0)
             lse = gl.where(has_keys, new_lse, lse)
-        gl.store(LSE + lse_off + rows, lse, mask=m_ok)
+        gl.store(outputs.LSE + lse_off + rows, lse, mask=m_ok)
         inv_l = gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
-        v_scale = gl.load(VS + vs_off + offs_d)
+        v_scale = gl.load(scales.VS + vs_off + offs_d)
         out = acc * inv_l[:, None] * v_scale[None, :]
         rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
         # 64-bit token offsets: a [B, H, N, D] output can pass 2^31 elements
-        ptrs = O + o_off + rows_o.to(gl.int64)[:, None] * s_ot + offs_d[None, :]
-        gl.store(ptrs, out.to(O.dtype.element_ty), mask=(rows_o < seqlen_q)[:, None])
+        ptrs = O + o_off + rows_o.to(gl.int64)[:, None] * outputs.s_ot + offs_d[None, :]
+        gl.store(ptrs, out.to(O.dtype.element_ty), mask=(rows_o < item.seqlen_q)[:, None])
         j += 1
-        t = next_item(item_smem, item_bar, j)
+        t = mailbox.next(j)
 
 
 @gluon.jit
@@ -362,53 +524,38 @@ def _attn_fwd_hopper_kernel(
         mbarrier.init(ready.index(i), count=1)      # the TMA bytes
         mbarrier.init(empty.index(i), count=CONSUMERS)     # every consumer releases a buffer
 
-    # (constexprs go into each tuple literally: a tuple built beforehand turns them into tensors; and the partition
-    # list must be written in the call: one built beforehand and extended for a third consumer does not compile
-    # on Triton 3.6, "cannot convert JITFunction to tensor", hence one call per consumer count)
+    descs = ForwardDescriptors(q_desc, k_desc, vt_desc, q2_desc, k2_desc)
+    q_bufs = QBuffers(q_smem, q2_smem, q_ready, q_empty)
+    ring = KVRing(k_smem, k2_smem, v_smem, ready, empty)
+    mailbox = ItemMailbox(item_smem, item_bar)
+    seqs = Sequences(CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right,
+                     num_items, num_m, IS_VARLEN, MASK_LEFT, MASK_RIGHT)
+    scales = ForwardScales(QS, KS, VS, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh)
+    outputs = ForwardOutputs(O, LSE, s_ob, s_oh, s_ot, s_lb, s_lh)
+    terms = ScoreTerms(softcap2, SHIFT, SINKS, SINK_SHIFT)
+    opts = ForwardOptions(HEAD_DIM_V, QK_SPLIT, CONSUMERS, PINGPONG, NAMED_BARRIERS, V_ORDER, SOFTCAP, SINK_MODE,
+                          DYNAMIC)
+    # (the partition list must be written in the call: one built beforehand and extended for a third consumer
+    # does not compile on Triton 3.6, "cannot convert JITFunction to tensor", hence one call per consumer count;
+    # constexprs such as the consumer index go into each tuple literally)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (q_smem, q2_smem, 0, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
-                         item_bar, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
-                         SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
-                         n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
-                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 1, SINK_MODE, V_ORDER,
-                         SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 2)),
-            (_consumer, (q_smem, q2_smem, 1, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
-                         item_bar, turn.index(1), turn.index(0), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
-                         SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
-                         n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
-                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, PINGPONG, 0, SINK_MODE, V_ORDER,
-                         SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 2)),
-            (_loader, (q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_ready,
-                       q_empty, ready, empty, item_smem, item_bar, COUNTER, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads,
-                       num_kv_heads, group, window_left, window_right, num_items, num_m, IS_VARLEN, MASK_LEFT,
-                       MASK_RIGHT, HEAD_DIM_V, QK_SPLIT, NAMED_BARRIERS, DYNAMIC)),
+            (_consumer, (0, Turns(turn.index(0), turn.index(1), 1), q_bufs, ring, mailbox, seqs, scales, outputs,
+                         terms, opts)),
+            (_consumer, (1, Turns(turn.index(1), turn.index(0), 0), q_bufs, ring, mailbox, seqs, scales, outputs,
+                         terms, opts)),
+            (_loader, (descs, q_bufs, ring, mailbox, COUNTER, seqs, opts)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:   # three: 192 rows a program, no turns (FlashAttention 3's head-dim-64 tile)
         gl.static_assert(CONSUMERS == 3 and not PINGPONG, "2 consumer warpgroups, or 3 without ping-pong")
         gl.warp_specialize([
-            (_consumer, (q_smem, q2_smem, 0, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
-                         item_bar, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
-                         SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
-                         n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
-                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 1, SINK_MODE, V_ORDER,
-                         SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 3)),
-            (_consumer, (q_smem, q2_smem, 1, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
-                         item_bar, turn.index(1), turn.index(0), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
-                         SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
-                         n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
-                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE, V_ORDER,
-                         SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 3)),
-            (_consumer, (q_smem, q2_smem, 2, k_smem, k2_smem, v_smem, q_ready, q_empty, ready, empty, item_smem,
-                         item_bar, turn.index(0), turn.index(1), QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS,
-                         SINK_SHIFT, SHIFT, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
-                         n_q, n_k, num_heads, group, window_left, window_right, softcap2, num_items, num_m,
-                         IS_VARLEN, HEAD_DIM_V, MASK_LEFT, MASK_RIGHT, False, 0, SINK_MODE, V_ORDER,
-                         SOFTCAP, QK_SPLIT, NAMED_BARRIERS, 3)),
-            (_loader, (q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, q_ready,
-                       q_empty, ready, empty, item_smem, item_bar, COUNTER, CU_Q, CU_K, CU_VT, n_q, n_k, num_heads,
-                       num_kv_heads, group, window_left, window_right, num_items, num_m, IS_VARLEN, MASK_LEFT,
-                       MASK_RIGHT, HEAD_DIM_V, QK_SPLIT, NAMED_BARRIERS, DYNAMIC)),
+            (_consumer, (0, Turns(turn.index(0), turn.index(1), 1), q_bufs, ring, mailbox, seqs, scales, outputs,
+                         terms, opts)),
+            (_consumer, (1, Turns(turn.index(1), turn.index(0), 0), q_bufs, ring, mailbox, seqs, scales, outputs,
+                         terms, opts)),
+            (_consumer, (2, Turns(turn.index(0), turn.index(1), 0), q_bufs, ring, mailbox, seqs, scales, outputs,
+                         terms, opts)),
+            (_loader, (descs, q_bufs, ring, mailbox, COUNTER, seqs, opts)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 

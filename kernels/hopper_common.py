@@ -6,9 +6,32 @@ relabelling that feeds a wgmma accumulator to the next product as its A operand.
 Each is a ``@gluon.jit`` function inlined where it is called (a Gluon kernel cannot call ``@triton.jit`` ones, so
 the few lines that repeat quantize.py's and forward.py's arithmetic are written again here).
 """
+from typing import Union
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.language.core import _aggregate, base_value
+
+# A launch's integer argument as a kernel sees it: a run-time value, or the constant Triton specializes a 1 to
+Scalar = Union[gl.tensor, gl.constexpr]
+
+
+def aggregate(cls):
+    """Gluon's aggregate (a class of typed fields that @gluon.jit functions take and return as one value, as
+    Triton's Gluon attention tutorial groups its state), built from its fields given in order: ``X(a, b, ...)``.
+    Triton 3.9 writes that constructor itself; 3.6 wants one that runs at compile time (a constexpr function,
+    which receives constants unwrapped: they are wrapped again here)."""
+    names = tuple(cls.__annotations__)
+
+    def __init__(self, *values):
+        assert len(values) == len(names), f"{type(self).__name__} takes {len(names)} fields, got {len(values)}"
+        for name, value in zip(names, values):
+            setattr(self, name, value if isinstance(value, base_value) else gl.constexpr(value))
+
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    cls.__init__ = gluon.constexpr_function(__init__)
+    return _aggregate(cls)
 
 # The TMA load is ``async_load`` from Triton 3.8 on (3.9 removed the old name); 3.6 and 3.7 have only
 # ``async_copy_global_to_shared``. Same arguments in all four.
@@ -135,6 +158,27 @@ def split_item(t, num_tiles, num_heads, LONGEST_FIRST: gl.constexpr):
         tile = num_tiles - 1 - tile
     bh = t // num_tiles
     return tile, bh // num_heads, bh % num_heads
+
+
+@aggregate
+class ItemMailbox:
+    """The loader's hand-off of the next work item to the consumers: a one-slot mailbox in shared memory (``slot``)
+    and the barrier that says an index was posted (``posted``)."""
+    slot: gl.shared_memory_descriptor
+    posted: gl.shared_memory_descriptor
+
+    @gluon.jit
+    def post(self, t):
+        """The loader tells the consumers which work item comes next (past the last: stop)."""
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        self.slot.store(gl.full([1], 0, gl.int32, one) + t)
+        mbarrier.arrive(self.posted, count=1)
+
+    @gluon.jit
+    def next(self, j):
+        """A consumer warpgroup waits for the loader's ``j``-th posted item and reads its index."""
+        mbarrier.wait(self.posted, j & 1)
+        return gl.max(self.slot.load(gl.BlockedLayout([1], [32], [4], [0])), 0)
 
 
 @gluon.jit

@@ -12,7 +12,7 @@ from .interface import sagebwd_attn_func, sagebwd_attn_varlen_func  # noqa: E402
 from .transformers_integration import attention_stats, reset_attention_stats  # noqa: E402,F401  (registers "sagebwd")
 
 __all__ = ["sagebwd_attn_func", "sagebwd_attn_varlen_func"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 from .config import (SageBwdOptions, clear_options, configure, get_global_options, get_options,  # noqa: E402,F401
                      options_for, reset_global_options, set_global_options)
 __all__ += ["SageBwdOptions", "configure", "get_options", "options_for", "set_global_options",

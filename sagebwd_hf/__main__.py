@@ -42,7 +42,7 @@ def _kernel_path(device) -> str:
         elif dispatch.requested() == "triton":
             reason = f"off ({dispatch.ENV_VAR}=triton)"
         else:
-            reason = "off by default (dispatch.GLUON_BY_DEFAULT / GLUON_BWD_BY_DEFAULT)"
+            reason = "off (no Gluon kernel takes a head-dim-128 call here)"
     return f"portable Triton kernels (tl.dot); Gluon: {reason}"
 
 

@@ -34,7 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from . import context_parallel, sdpa_flash
 from .config import options_for
 from .kernels import dispatch
-from .interface import MAX_HEAD_DIM, sagebwd_attn_func, sagebwd_attn_varlen_func
+from .interface import MAX_HEAD_DIM, _first_frame_outside_package, sagebwd_attn_func, sagebwd_attn_varlen_func
 from .segments import per_tensor, segmented_attention
 from .sinks import check_sinks, check_softcap
 
@@ -99,7 +99,7 @@ def _warn_once(key: str, message: str) -> None:
         if _comptime is not None:
             _comptime(_warn_traced)
     else:
-        _warn_first(key, message, stacklevel=4)
+        _warn_first(key, message)
 
 
 def _count(counter: str, key: str) -> None:
@@ -116,10 +116,12 @@ def _bump(counter: str, key: str) -> None:
     (_kernel_calls if counter == "kernel" else _fallback_calls)[key] += 1
 
 
-def _warn_first(key: str, message: str, stacklevel: int) -> None:
+def _warn_first(key: str, message: str, stacklevel: Optional[int] = None) -> None:
+    """Warn once per key; the warning names the first frame outside this package (the model's attention call),
+    or the caller ``stacklevel`` frames up."""
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, stacklevel=stacklevel)
+        warnings.warn(message, stacklevel=stacklevel or _first_frame_outside_package())
 
 
 # What the two above do under torch.compile runs while dynamo traces them (torch._dynamo.comptime), not in the

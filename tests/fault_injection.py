@@ -35,7 +35,7 @@ def kill_while_saving(step):
 
 
 def kill_in_step(step):
-    import torch
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     def before_update(optimizer, args, kwargs):
         done = 0
@@ -46,7 +46,7 @@ def kill_in_step(step):
         if done + 1 == step:
             _kill()
 
-    torch.optim.Optimizer.register_optimizer_step_pre_hook(before_update)
+    register_optimizer_step_pre_hook(before_update)
 
 
 def main():

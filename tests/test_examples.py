@@ -216,6 +216,8 @@ def test_pretrain_qwen3_eager_checkpointing(tmp_path, env):
 # finetune_lora.py
 # ---------------------------------------------------------------------------------------------------------
 
+# PeftModel.from_pretrained below asks the model for is_gradient_checkpointing, deprecated in Transformers 5.24.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_finetune_lora_demo_base_and_resume(tmp_path, env):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -43,9 +43,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .hopper_common import (as_operand, ceil_to, claim_item, floor_to, inside_sequences, key_band_mask, key_tiles,
-                            named_barrier, next_item, post_item, round_to_int8, split_item, tanh_scores, tma_load,
-                            wgmma_layout)
+from .hopper_common import (ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand, ceil_to, claim_item,
+                            floor_to, inside_sequences, key_band_mask, key_tiles, named_barrier, round_to_int8,
+                            split_item, tanh_scores, tma_load, wgmma_layout)
 
 
 @gl_builtin
@@ -68,6 +68,147 @@ VQS, VLSE, VDOS, VDELTA, VQSR, VSHIFT, NVEC = (gl.constexpr(i) for i in range(7)
 # (_k_operand) on 9 + C; consumer C announces its dS^T tile of parity p on 11 + 2C + p (_dq_signal)
 K_OPERAND_BARRIER = gl.constexpr(9)
 DQ_SIGNALS = gl.constexpr(11)
+
+
+@aggregate
+class KeyTileDescriptors:
+    """The TMA descriptors the key-tile launches' loader reads: Q8 (S^T's operand), Q8^T (dK's), dO (dP^T's),
+    dO8^T (dV's), K8 and V (the item's own), and with ``QK_SPLIT`` Q8's, Q8^T's and K8's channels past the first
+    block as descriptors of their own (``q2``, ``qt2``, ``k2``)."""
+    q: tma.tensor_descriptor
+    qt: tma.tensor_descriptor
+    do: tma.tensor_descriptor
+    dot: tma.tensor_descriptor
+    k: tma.tensor_descriptor
+    v: tma.tensor_descriptor
+    q2: tma.tensor_descriptor
+    qt2: tma.tensor_descriptor
+    k2: tma.tensor_descriptor
+
+
+@aggregate
+class QueryRing:
+    """The ``STAGES`` shared-memory buffers the key-tile launches stream a query tile through: Q8, Q8^T, dO, dO8^T
+    (``q2`` / ``qt2``: the channels past the first block; a buffer a launch does not need is another one standing
+    in), and the per-query vectors (``vec``: ``NVEC`` rows a stage); each stage ``ready`` once the loader's bytes
+    and vectors landed, ``empty`` once both consumers are done with it."""
+    q: gl.shared_memory_descriptor
+    q2: gl.shared_memory_descriptor
+    qt: gl.shared_memory_descriptor
+    qt2: gl.shared_memory_descriptor
+    do: gl.shared_memory_descriptor
+    dot: gl.shared_memory_descriptor
+    vec: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+
+
+@aggregate
+class ItemKV:
+    """A key-tile work item's own tiles in shared memory, loaded once an item, both 64-key halves: K8 (``k2``: the
+    channels past the first block) and V (dK's dP^T); ``ready`` once the loader's bytes landed, ``empty`` once both
+    consumers are done with them."""
+    k: gl.shared_memory_descriptor
+    k2: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+
+
+@aggregate
+class QueryVectors:
+    """The per-query inputs [B, H, N] the key-tile launches' loader stages beside each query tile: Q's scale
+    (``QS``), lse, dO's scale (``DOS``), delta, Q's raw scale (``QSR``), the row shift under a cap (``SHIFT``),
+    their batch and head strides, and ``1 / cap`` (``inv_cap``)."""
+    QS: gl.tensor
+    LSE: gl.tensor
+    DOS: gl.tensor
+    DELTA: gl.tensor
+    QSR: gl.tensor
+    SHIFT: gl.tensor
+    s_qsb: Scalar
+    s_qsh: Scalar
+    inv_cap: gl.tensor
+
+
+@aggregate
+class KeyScales:
+    """K's scales ``KS`` [B, Hk, N] (one a ``K_SCALE_BLOCK`` keys) and their batch and head strides."""
+    KS: gl.tensor
+    s_ksb: Scalar
+    s_ksh: Scalar
+
+
+@aggregate
+class CallerRows:
+    """Where dO and V lie in the caller's memory (hopper_launch.token_rows: token ``n`` of head ``h`` in sequence
+    ``b`` is row ``b * rb + h * rh + n``, its channels from column ``h * ch``)."""
+    do_rb: Scalar
+    do_rh: Scalar
+    do_ch: Scalar
+    v_rb: Scalar
+    v_rh: Scalar
+    v_ch: Scalar
+
+
+@aggregate
+class KeyGradients:
+    """What the key-tile launches write: dV and dK [B, Hk, N, D] with their batch, head and token strides, and the
+    softmax scale dK is multiplied by."""
+    DV: gl.tensor
+    s_dvb: Scalar
+    s_dvh: Scalar
+    s_dvt: Scalar
+    DK: gl.tensor
+    s_dkb: Scalar
+    s_dkh: Scalar
+    s_dkt: Scalar
+    softmax_scale: gl.tensor
+
+
+@aggregate
+class DqExchange:
+    """The one launch's dQ (``DO_DQ``; otherwise buffers that exist stand in): the consumers' dS^T tiles (``ds``,
+    two per consumer), dQ's B operand (``kb``: K as bf16 integers, by 64 keys and half the channels), the fp32
+    buffers of the reduce-adds (``dq``) and the accumulator's descriptor (``desc``)."""
+    ds: gl.shared_memory_descriptor
+    kb: gl.shared_memory_descriptor
+    dq: gl.shared_memory_descriptor
+    desc: tma.tensor_descriptor
+
+
+@aggregate
+class KeyTileOptions:
+    """The key-tile launches' compile-time options (the module docstring says what each does); ``D1`` / ``D2``:
+    Q's and K's two channel blocks (``QK_SPLIT``; else ``D2`` is ``D1``, unused)."""
+    HEAD_DIM: gl.constexpr
+    HEAD_DIM_V: gl.constexpr
+    D1: gl.constexpr
+    D2: gl.constexpr
+    QK_SPLIT: gl.constexpr
+    DO_DK: gl.constexpr
+    DO_DV: gl.constexpr
+    DO_DQ: gl.constexpr
+    FOLD: gl.constexpr
+    SOFTCAP: gl.constexpr
+    BLOCK_Q: gl.constexpr
+    ORDER: gl.constexpr
+    TILE_KS: gl.constexpr
+    DYNAMIC: gl.constexpr
+
+
+@aggregate
+class KeyOperands:
+    """Consumer ``C``'s 64 keys of a work item (``keys``): their int8 K as wgmma operands (``k8``, and ``k8b``
+    past the first channel block), V (``v16``), and their K scales with the add trick's offset (``k_scale``,
+    ``k_bias``)."""
+    k8: gl.shared_memory_descriptor
+    k8b: gl.shared_memory_descriptor
+    v16: gl.shared_memory_descriptor
+    k_scale: gl.tensor
+    k_bias: gl.tensor
+    keys: gl.tensor
+    C: gl.constexpr
 
 
 @gluon.jit
@@ -94,23 +235,23 @@ def _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @gluon.jit
-def _sequence(b, n_q, n_k, CU_Q, CU_K, CU_T, IS_VARLEN: gl.constexpr):
+def _sequence(b, seqs):
     """Sequence ``b``'s place in the tensors: (batch index of the [B, H, N, D] tensors, first query, first key,
     first column of the token-major copy (Q^T and dO^T, or K^T), query and key counts). Packed batches are one
     [1, H, T, D] batch with the sequences' token starts ``CU_Q`` / ``CU_K`` and their token-major copies'
     16-aligned starts ``CU_T`` (quantize.aligned_starts: TMA wants 16-byte aligned tile columns)."""
-    if IS_VARLEN:
-        q0 = gl.load(CU_Q + b)
-        seqlen_q = gl.load(CU_Q + b + 1) - q0
-        k0 = gl.load(CU_K + b)
-        seqlen_k = gl.load(CU_K + b + 1) - k0
-        t0 = gl.load(CU_T + b)
+    if seqs.IS_VARLEN:
+        q0 = gl.load(seqs.CU_Q + b)
+        seqlen_q = gl.load(seqs.CU_Q + b + 1) - q0
+        k0 = gl.load(seqs.CU_K + b)
+        seqlen_k = gl.load(seqs.CU_K + b + 1) - k0
+        t0 = gl.load(seqs.CU_T + b)
         bt = b * 0
     else:
         q0 = b * 0            # tensors, not constants: both branches must give one type
-        seqlen_q = n_q + q0
+        seqlen_q = seqs.n_q + q0
         k0 = q0
-        seqlen_k = n_k + q0
+        seqlen_k = seqs.n_k + q0
         t0 = q0
         bt = b
     return bt, q0, k0, t0, seqlen_q, seqlen_k
@@ -125,32 +266,23 @@ def _no_tiles_unless(inside, lo, full_lo, full_hi, hi):
 
 
 @gluon.jit
-def _dkdv_item(t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, CU_Q, CU_K, CU_QT,
-               IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, BLOCK_Q: gl.constexpr):
+def _dkdv_item(seqs, t, BLOCK_Q: gl.constexpr):
     """Work item ``t`` of the key-tile launches: 128 keys of one (sequence, KV head), key tile fastest (with a
-    causal mask the first key tiles, which the most queries see, come first: the longest items start early).
-    Returns its sequence, its batch index in the tensors, KV head, first key of the item, the sequence's starts
-    (_sequence: queries, keys, Q^T/dO^T columns), lengths and query-tile bounds (_query_tiles). An item past its
+    causal mask the first key tiles, which the most queries see, come first: the longest items start early); its
+    query-tile bounds: _query_tiles (``h`` is the KV head too; ``t0``: Q^T's and dO^T's column). An item past its
     sequence's keys (packed batches) runs no tiles."""
-    pid_n, b, hk = split_item(t, num_n, num_kv_heads, False)
-    bt, q0, k0, qt0, seqlen_q, seqlen_k = _sequence(b, n_q, n_k, CU_Q, CU_K, CU_QT, IS_VARLEN)
+    pid_n, b, hk = split_item(t, seqs.num_tiles, seqs.num_kv_heads, False)
+    bt, q0, k0, qt0, seqlen_q, seqlen_k = _sequence(b, seqs)
     start_n = pid_n * BLOCK_N
-    lo, full_lo, full_hi, hi = _query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
-                                            MASK_LEFT, MASK_RIGHT, BLOCK_Q)
-    if IS_VARLEN:
+    lo, full_lo, full_hi, hi = _query_tiles(start_n, seqlen_q, seqlen_k, seqs.window_left, seqs.window_right,
+                                            seqs.MASK_LEFT, seqs.MASK_RIGHT, BLOCK_Q)
+    if seqs.IS_VARLEN:
         lo, full_lo, full_hi, hi = _no_tiles_unless(start_n < seqlen_k, lo, full_lo, full_hi, hi)
-    return b, bt, hk, start_n, q0, k0, qt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi
+    return WorkItem(b, bt, hk, hk, start_n, q0, k0, qt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi)
 
 
 @gluon.jit
-def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, q_smem, qt_smem, do_smem,
-            dot_smem, k_smem, v_smem, q2_smem, qt2_smem, k2_smem, vec_smem, k_ready, k_empty, ready, empty,
-            item_smem, item_bar, COUNTER, QS, LSE, DOS, DELTA, QSR, SHIFT, KS, CU_Q, CU_K, CU_QT, inv_cap, s_qsb,
-            s_qsh, s_ksb, s_ksh, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group,
-            window_left, window_right, num_items, num_n, IS_VARLEN: gl.constexpr,
-            MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
-            FOLD: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr,
-            HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, DYNAMIC: gl.constexpr, TILE_KS: gl.constexpr):
+def _loader(descs, ring, own, mailbox, COUNTER, seqs, vectors, key_scales, caller, opts):
     """One warp, per work item (its program id first, then the next from ``COUNTER``, an atomic count of items
     handed out, with ``DYNAMIC``; else every ``num_programs``-th): posts the item to the consumers, loads K (and
     V for dK) once they are done with the last item's; then per query head of the group and query tile in
@@ -160,98 +292,108 @@ def _loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_des
     ``SOFTCAP`` q_scale and the row shift over the cap). ``QK_SPLIT``: Q's and K's channels past the first
     block (``D1``) as tiles of their own (Q8, K8 and Q8^T alike; hopper_launch.qk_blocks). ``TILE_KS``: the
     item's one K scale folded into those vectors (_key_tiles_bwd)."""
-    D1: gl.constexpr = q_desc.block_type.shape[1]
-    k_bytes: gl.constexpr = k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if QK_SPLIT else 0)
-    kv_bytes: gl.constexpr = k_bytes + (v_desc.block_type.nbytes if DO_DK else 0)
-    q_bytes: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if QK_SPLIT else 0)
-    qt_bytes: gl.constexpr = qt_desc.block_type.nbytes + (qt2_desc.block_type.nbytes if QK_SPLIT else 0)
-    nbytes: gl.constexpr = (q_bytes + (dot_desc.block_type.nbytes if DO_DV else 0)
-                            + (do_desc.block_type.nbytes + qt_bytes if DO_DK else 0))
+    QK_SPLIT: gl.constexpr = opts.QK_SPLIT
+    DO_DK: gl.constexpr = opts.DO_DK
+    DO_DV: gl.constexpr = opts.DO_DV
+    FOLD: gl.constexpr = opts.FOLD
+    SOFTCAP: gl.constexpr = opts.SOFTCAP
+    TILE_KS: gl.constexpr = opts.TILE_KS
+    BLOCK_Q: gl.constexpr = opts.BLOCK_Q
+    D1: gl.constexpr = descs.q.block_type.shape[1]
+    k_bytes: gl.constexpr = descs.k.block_type.nbytes + (descs.k2.block_type.nbytes if QK_SPLIT else 0)
+    kv_bytes: gl.constexpr = k_bytes + (descs.v.block_type.nbytes if DO_DK else 0)
+    q_bytes: gl.constexpr = descs.q.block_type.nbytes + (descs.q2.block_type.nbytes if QK_SPLIT else 0)
+    qt_bytes: gl.constexpr = descs.qt.block_type.nbytes + (descs.qt2.block_type.nbytes if QK_SPLIT else 0)
+    nbytes: gl.constexpr = (q_bytes + (descs.dot.block_type.nbytes if DO_DV else 0)
+                            + (descs.do.block_type.nbytes + qt_bytes if DO_DK else 0))
     vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_Q // 32], [32], [1], [0])
     offs = gl.arange(0, BLOCK_Q, layout=vec_layout)
-    i = num_items * 0
-    j = num_items * 0
+    i = seqs.num_items * 0
+    j = seqs.num_items * 0
     t = gl.program_id(0) + j
-    while t < num_items:
-        b, bt, hk, start_n, q0, k0, qt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dkdv_item(
-            t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, CU_Q, CU_K, CU_QT, IS_VARLEN, MASK_LEFT,
-            MASK_RIGHT, BLOCK_Q)
+    while t < seqs.num_items:
+        item = _dkdv_item(seqs, t, BLOCK_Q)
+        bt = item.bt
+        hk = item.hk
+        q0 = item.q0
+        k0 = item.k0
+        start_n = item.start
         # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], Q8^T [B*H*D, Nq_pad], dO8^T [B*H*Dv, Nq_pad],
         # K8 [B*Hk*Nk, D]; dO and V in the caller's memory (token_rows: row b*rb + h*rh + n, column h*ch)
-        q_head0 = bt * num_heads + hk * group
-        k_row = (bt * num_kv_heads + hk) * n_k + k0 + start_n
-        do_row0 = bt * do_rb + (hk * group) * do_rh + q0
-        do_col0 = (hk * group) * do_ch
-        v_row = bt * v_rb + hk * v_rh + k0 + start_n
-        v_col = hk * v_ch
-        vec_head0 = bt.to(gl.int64) * s_qsb + (hk * group) * s_qsh + q0
+        q_head0 = bt * seqs.num_heads + hk * seqs.group
+        k_row = (bt * seqs.num_kv_heads + hk) * seqs.n_k + k0 + start_n
+        do_row0 = bt * caller.do_rb + (hk * seqs.group) * caller.do_rh + q0
+        do_col0 = (hk * seqs.group) * caller.do_ch
+        v_row = bt * caller.v_rb + hk * caller.v_rh + k0 + start_n
+        v_col = hk * caller.v_ch
+        vec_head0 = bt.to(gl.int64) * vectors.s_qsb + (hk * seqs.group) * vectors.s_qsh + q0
         if TILE_KS:   # the item's keys share one K scale (quantize.K_SCALE_BLOCK keys from the sequence's start)
-            k_scale = gl.load(KS + bt.to(gl.int64) * s_ksb + hk * s_ksh + k0 + start_n, mask=start_n < seqlen_k,
-                              other=0.0)
-        mbarrier.wait(k_empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
-        post_item(item_smem, item_bar, t)
-        mbarrier.expect(k_ready, 2 * kv_bytes)
+            k_scale = gl.load(key_scales.KS + bt.to(gl.int64) * key_scales.s_ksb + hk * key_scales.s_ksh + k0
+                              + start_n, mask=start_n < item.seqlen_k, other=0.0)
+        mbarrier.wait(own.empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
+        mailbox.post(t)
+        mbarrier.expect(own.ready, 2 * kv_bytes)
         for c in gl.static_range(2):
-            tma_load(k_desc, [k_row + c * HALF_N, 0], k_ready, k_smem.index(c))
+            tma_load(descs.k, [k_row + c * HALF_N, 0], own.ready, own.k.index(c))
             if QK_SPLIT:
-                tma_load(k2_desc, [k_row + c * HALF_N, D1], k_ready, k2_smem.index(c))
+                tma_load(descs.k2, [k_row + c * HALF_N, D1], own.ready, own.k2.index(c))
             if DO_DK:
-                tma_load(v_desc, [v_row + c * HALF_N, v_col], k_ready, v_smem.index(c))
-        for g in range(group):
-            for start_m in range(lo, hi, BLOCK_Q):
+                tma_load(descs.v, [v_row + c * HALF_N, v_col], own.ready, own.v.index(c))
+        for g in range(seqs.group):
+            for start_m in range(item.lo, item.hi, BLOCK_Q):
                 s = i % STAGES
-                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), nbytes)
-                q_row = (q_head0 + g) * n_q + q0 + start_m
-                t_row = (q_head0 + g) * HEAD_DIM    # Q8^T's rows: [B*H*D, Nq_pad]; dO8^T's: [B*H*Dv, Nq_pad]
-                tma_load(q_desc, [q_row, 0], ready.index(s), q_smem.index(s))
+                mbarrier.wait(ring.empty.index(s), ((i // STAGES) & 1) ^ 1)
+                mbarrier.expect(ring.ready.index(s), nbytes)
+                q_row = (q_head0 + g) * seqs.n_q + q0 + start_m
+                t_row = (q_head0 + g) * opts.HEAD_DIM    # Q8^T's rows: [B*H*D, Nq_pad]; dO8^T's: [B*H*Dv, Nq_pad]
+                tma_load(descs.q, [q_row, 0], ring.ready.index(s), ring.q.index(s))
                 if QK_SPLIT:
-                    tma_load(q2_desc, [q_row, D1], ready.index(s), q2_smem.index(s))
+                    tma_load(descs.q2, [q_row, D1], ring.ready.index(s), ring.q2.index(s))
                 if DO_DV:
-                    tma_load(dot_desc, [(q_head0 + g) * HEAD_DIM_V, qt0 + start_m], ready.index(s),
-                             dot_smem.index(s))
+                    tma_load(descs.dot, [(q_head0 + g) * opts.HEAD_DIM_V, item.t0 + start_m], ring.ready.index(s),
+                             ring.dot.index(s))
                 if DO_DK:
-                    tma_load(do_desc, [do_row0 + g * do_rh + start_m, do_col0 + g * do_ch], ready.index(s),
-                             do_smem.index(s))
-                    tma_load(qt_desc, [t_row, qt0 + start_m], ready.index(s), qt_smem.index(s))
+                    tma_load(descs.do, [do_row0 + g * caller.do_rh + start_m, do_col0 + g * caller.do_ch],
+                             ring.ready.index(s), ring.do.index(s))
+                    tma_load(descs.qt, [t_row, item.t0 + start_m], ring.ready.index(s), ring.qt.index(s))
                     if QK_SPLIT:
-                        tma_load(qt2_desc, [t_row + D1, qt0 + start_m], ready.index(s), qt2_smem.index(s))
+                        tma_load(descs.qt2, [t_row + D1, item.t0 + start_m], ring.ready.index(s), ring.qt2.index(s))
                 rows = start_m + offs
-                ok = rows < seqlen_q
-                base = vec_head0 + g * s_qsh + rows
-                q_scale = gl.load(QS + base, mask=ok, other=0.0)
+                ok = rows < item.seqlen_q
+                base = vec_head0 + g * vectors.s_qsh + rows
+                q_scale = gl.load(vectors.QS + base, mask=ok, other=0.0)
                 if SOFTCAP:   # the cap's argument: (s + shift) / cap, both terms over the cap
-                    q_scale = q_scale * inv_cap
-                    shift = gl.load(SHIFT + base, mask=ok, other=0.0) * inv_cap
+                    q_scale = q_scale * vectors.inv_cap
+                    shift = gl.load(vectors.SHIFT + base, mask=ok, other=0.0) * vectors.inv_cap
                 if TILE_KS:
                     q_scale = q_scale * k_scale
                 if SOFTCAP:
                     if TILE_KS:   # the add trick's offset joins the shift: the cap's argument is one FMA
                         shift = gl.fma(q_scale, -12582912.0, shift)
-                    vec_smem.index(NVEC * s + VSHIFT).store(shift)
-                vec_smem.index(NVEC * s + VQS).store(q_scale)
-                lse = gl.load(LSE + base, mask=ok, other=float("inf"))
+                    ring.vec.index(NVEC * s + VSHIFT).store(shift)
+                ring.vec.index(NVEC * s + VQS).store(q_scale)
+                lse = gl.load(vectors.LSE + base, mask=ok, other=float("inf"))
                 if DO_DV:
-                    do_scale = gl.load(DOS + base, mask=ok, other=0.0)
-                    vec_smem.index(NVEC * s + VDOS).store(do_scale)
+                    do_scale = gl.load(vectors.DOS + base, mask=ok, other=0.0)
+                    ring.vec.index(NVEC * s + VDOS).store(do_scale)
                     if FOLD:    # log2 of dO's scale folded into P^T's exponent (log2(0) - lse = -inf: P^T 0)
                         lse = lse - gl.log2(do_scale)
                 if DO_DK:
-                    vec_smem.index(NVEC * s + VDELTA).store(gl.load(DELTA + base, mask=ok, other=0.0))
-                    qr_scale = gl.load(QSR + base, mask=ok, other=0.0)
+                    ring.vec.index(NVEC * s + VDELTA).store(gl.load(vectors.DELTA + base, mask=ok, other=0.0))
+                    qr_scale = gl.load(vectors.QSR + base, mask=ok, other=0.0)
                     if FOLD:    # dK alone: Q's scale into the exponent instead (dS^T = P^T (dP^T - delta) * it)
                         lse = lse - gl.log2(qr_scale)
                     else:
-                        vec_smem.index(NVEC * s + VQSR).store(qr_scale)
+                        ring.vec.index(NVEC * s + VQSR).store(qr_scale)
                 if TILE_KS and not SOFTCAP:   # P^T's exponent offset: the add trick's, less lse
                     lse = gl.fma(q_scale, -12582912.0, -lse)
-                vec_smem.index(NVEC * s + VLSE).store(lse)
-                mbarrier.arrive(ready.index(s), count=1)     # the second of ready's two arrivals
+                ring.vec.index(NVEC * s + VLSE).store(lse)
+                mbarrier.arrive(ring.ready.index(s), count=1)     # the second of ready's two arrivals
                 i += 1
         j += 1
-        t = claim_item(t, COUNTER, DYNAMIC)
-    mbarrier.wait(k_empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
-    post_item(item_smem, item_bar, t)
+        t = claim_item(t, COUNTER, opts.DYNAMIC)
+    mbarrier.wait(own.empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
+    mailbox.post(t)
 
 
 @gluon.jit
@@ -307,61 +449,76 @@ def _quantized_product(acc, acc2, x, x_max, factor, b_smem, b2_smem, empty_bar, 
 
 
 @gluon.jit
-def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem,
-                   do_smem, dot_smem, vec_smem, ready, empty, keys, lo, hi, seqlen_q, seqlen_k, window_left,
-                   window_right, softcap2, MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                   DO_DK: gl.constexpr, DO_DV: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr,
-                   BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr, ORDER: gl.constexpr, TILE_KS: gl.constexpr,
-                   s_layout: gl.constexpr, dp_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                   DO_DQ: gl.constexpr, C: gl.constexpr, ds_smem, kb_smem, dq_smem, dq_desc, dq_row, dq_scale):
+def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, lo, hi, item, seqs, softcap2, MASKED: gl.constexpr,
+                   opts, dq_x, dq_row, dq_scale):
     """Query tiles ``[lo, hi)`` of one head for one warpgroup's 64 keys: dV += P^T dO and/or dK += dS^T Q
     (``QK_SPLIT``: Q's channels past the first block into ``dk2_acc``). ``TILE_KS``: the item's keys share one K
     scale, which the loader folded into the per-query vectors with the add trick's offset (q_scale * k_scale and
     that times -1.5 * 2^23 less lse), so S^T's dequantization and P^T's exponent are one FMA a score.
     ``DO_DQ``: also dQ += dS K in the input dtype (_dq_signal, _dq_issue), reduce-added to an fp32 accumulator
     (_reduce_dq)."""
+    BLOCK_Q: gl.constexpr = opts.BLOCK_Q
+    QK_SPLIT: gl.constexpr = opts.QK_SPLIT
+    DO_DK: gl.constexpr = opts.DO_DK
+    DO_DV: gl.constexpr = opts.DO_DV
+    DO_DQ: gl.constexpr = opts.DO_DQ
+    FOLD: gl.constexpr = opts.FOLD
+    SOFTCAP: gl.constexpr = opts.SOFTCAP
+    TILE_KS: gl.constexpr = opts.TILE_KS
+    ORDER: gl.constexpr = opts.ORDER
+    MASK_LEFT: gl.constexpr = seqs.MASK_LEFT
+    MASK_RIGHT: gl.constexpr = seqs.MASK_RIGHT
+    C: gl.constexpr = key_ops.C
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_Q, 32)
+    dp_layout: gl.constexpr = wgmma_layout(BLOCK_Q, 16)
+    o_layout: gl.constexpr = wgmma_layout(opts.D1, 32)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    keys = key_ops.keys
+    seqlen_k = item.seqlen_k
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     offs_m = gl.arange(0, BLOCK_Q, layout=col_layout)
     s_zero = gl.zeros([HALF_N, BLOCK_Q], gl.int32, s_layout)
     dp_zero = gl.zeros([HALF_N, BLOCK_Q], gl.float32, dp_layout)
-    DQ_COLS: gl.constexpr = kb_smem.shape[2]   # (a consumer's half of dQ's channels)
+    DQ_COLS: gl.constexpr = dq_x.kb.shape[2]   # (a consumer's half of dQ's channels)
     dq_layout: gl.constexpr = wgmma_layout(DQ_COLS, 16)
     dq_zero = gl.zeros([BLOCK_Q, DQ_COLS], gl.float32, dq_layout)
-    diag = seqlen_k - seqlen_q
+    diag = seqlen_k - item.seqlen_q
     for start_m in range(lo, hi, BLOCK_Q):
         s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        st_tok = warpgroup_mma(k8, q_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(ring.ready.index(s), (it // STAGES) & 1)
+        st_tok = warpgroup_mma(key_ops.k8, ring.q.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if QK_SPLIT:    # the channels past the first block, into the same int32 scores
-            st_tok = warpgroup_mma(k8b, q2_smem.index(s).permute((1, 0)), st_tok, is_async=True)
+            st_tok = warpgroup_mma(key_ops.k8b, ring.q2.index(s).permute((1, 0)), st_tok, is_async=True)
         if DO_DK:   # dP^T = V dO^T in the input dtype (quantizing it would feed error into dS), beside S^T
-            dpt_tok = warpgroup_mma(v16, do_smem.index(s).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
+            dpt_tok = warpgroup_mma(key_ops.v16, ring.do.index(s).permute((1, 0)), dp_zero, use_acc=False,
+                                    is_async=True)
             st_int = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))   # P^T's math under dP^T's product
         else:
             st_int = warpgroup_mma_wait(num_outstanding=0, deps=(st_tok, ))
-        q_scale = vec_smem.index(NVEC * s + VQS).load(col_layout)
-        lse = vec_smem.index(NVEC * s + VLSE).load(col_layout)
+        q_scale = ring.vec.index(NVEC * s + VQS).load(col_layout)
+        lse = ring.vec.index(NVEC * s + VLSE).load(col_layout)
         bits = (st_int + 0x4B400000).to(gl.float32, bitcast=True)
         if SOFTCAP:   # capped scores as in the forward; tanh kept for the cap's derivative in dS^T
-            shift = vec_smem.index(NVEC * s + VSHIFT).load(col_layout)
+            shift = ring.vec.index(NVEC * s + VSHIFT).load(col_layout)
             if TILE_KS:   # (q_scale and shift hold the K scale and the add trick's offset: see the loader)
                 tht = tanh_scores(gl.fma(bits, q_scale[None, :], shift[None, :]))
             else:
-                tht = tanh_scores(gl.fma(gl.fma(bits, k_scale[:, None], k_bias[:, None]), q_scale[None, :],
-                                          shift[None, :]))
+                tht = tanh_scores(gl.fma(gl.fma(bits, key_ops.k_scale[:, None], key_ops.k_bias[:, None]),
+                                         q_scale[None, :], shift[None, :]))
             pt = gl.exp2(gl.fma(tht, softcap2, -lse[None, :]))
         elif TILE_KS:   # (q_scale holds q_scale * k_scale, lse the exponent's offset: see the loader)
             pt = gl.exp2(gl.fma(bits, q_scale[None, :], lse[None, :]))   # the offset is -inf past the end: 0
         else:
-            st = gl.fma(bits, k_scale[:, None], k_bias[:, None])
+            st = gl.fma(bits, key_ops.k_scale[:, None], key_ops.k_bias[:, None])
             pt = gl.exp2(gl.fma(st, q_scale[None, :], -lse[None, :]))   # lse is +inf past the end: 0
         if DO_DQ:   # keys past the sequence's end: their dK and dV rows are never stored, but dQ sums over keys
             pt = gl.where((keys < seqlen_k)[:, None], pt, 0.0)
         if MASKED and (MASK_LEFT or MASK_RIGHT):   # (the sequences' ends: _query_band_mask)
-            pt = gl.where(_query_band_mask(offs_m, keys, start_m, diag, window_left, window_right, MASK_LEFT,
-                                           MASK_RIGHT), pt, 0.0)
+            pt = gl.where(_query_band_mask(offs_m, keys, start_m, diag, seqs.window_left, seqs.window_right,
+                                           MASK_LEFT, MASK_RIGHT), pt, 0.0)
         elif MASKED:   # no band: as before _query_band_mask (hopper_common.inside_sequences)
-            pt = gl.where(inside_sequences((start_m + offs_m)[None, :], keys[:, None], seqlen_q, seqlen_k), pt, 0.0)
+            pt = gl.where(inside_sequences((start_m + offs_m)[None, :], keys[:, None], item.seqlen_q, seqlen_k), pt,
+                          0.0)
         # Each product's operand: the other operand's per-token scale folded in, then one scale per key over the
         # tile (backward._quantize_rows: unsigned for P^T, signed for dS^T). Both operands are quantized before
         # either product runs, so P^T, dP^T and dS^T in fp32 are dead by then. (Each per-query vector costs
@@ -369,42 +526,42 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q
         if DO_DV:
             xv = pt
             if not FOLD:
-                xv = xv * vec_smem.index(NVEC * s + VDOS).load(col_layout)[None, :]
+                xv = xv * ring.vec.index(NVEC * s + VDOS).load(col_layout)[None, :]
             pv8, pv_scale = _quantize_rows(xv, gl.max(xv, 1), ORDER, p_layout, o_layout)
         if DO_DK:
             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_tok, ))
-            delta = vec_smem.index(NVEC * s + VDELTA).load(col_layout)
+            delta = ring.vec.index(NVEC * s + VDELTA).load(col_layout)
             xk = pt * (gl.convert_layout(dpt, s_layout) - delta[None, :])
             if DO_DQ:   # dS^T itself (no FOLD, no cap here): stored and announced now, multiplied after dV's product
                 if it % 2 == 0:   # (constant buffer indices: see _dq_issue)
-                    _dq_signal(xk, ds_smem.index(C), C, it)
+                    _dq_signal(xk, dq_x.ds.index(C), C, it)
                 else:
-                    _dq_signal(xk, ds_smem.index(2 + C), C, it)
-                xk = xk * vec_smem.index(NVEC * s + VQSR).load(col_layout)[None, :]
+                    _dq_signal(xk, dq_x.ds.index(2 + C), C, it)
+                xk = xk * ring.vec.index(NVEC * s + VQSR).load(col_layout)[None, :]
             else:
                 if not FOLD:   # (FOLD: Q's scale already sits in P^T's exponent)
-                    xk = xk * vec_smem.index(NVEC * s + VQSR).load(col_layout)[None, :]
+                    xk = xk * ring.vec.index(NVEC * s + VQSR).load(col_layout)[None, :]
                 if SOFTCAP:   # dS^T with respect to the uncapped score: times 1 - tanh^2
                     xk = xk * (1.0 - tht * tht)
             ds8, ds_scale = _quantize_rows(xk, gl.max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
         if DO_DV:
-            dv_acc = _accumulate_product(dv_acc, pv8, pv_scale, dot_smem.index(s))
+            dv_acc = _accumulate_product(dv_acc, pv8, pv_scale, ring.dot.index(s))
         if DO_DQ:   # the other consumer's dS^T of this tile is stored by now, or soon
             named_barrier(False, DQ_SIGNALS + 2 * (1 - C) + it % 2, 256, 4)
             if it % 2 == 0:
-                dq_tok = _dq_issue(ds_smem.index(0), ds_smem.index(1), kb_smem.index(C), kb_smem.index(2 + C),
+                dq_tok = _dq_issue(dq_x.ds.index(0), dq_x.ds.index(1), dq_x.kb.index(C), dq_x.kb.index(2 + C),
                                    dq_zero)
             else:
-                dq_tok = _dq_issue(ds_smem.index(2), ds_smem.index(3), kb_smem.index(C), kb_smem.index(2 + C),
+                dq_tok = _dq_issue(dq_x.ds.index(2), dq_x.ds.index(3), dq_x.kb.index(C), dq_x.kb.index(2 + C),
                                    dq_zero)
         if DO_DK:
-            dk_acc = _accumulate_product(dk_acc, ds8, ds_scale, qt_smem.index(s))
+            dk_acc = _accumulate_product(dk_acc, ds8, ds_scale, ring.qt.index(s))
             if QK_SPLIT:
-                dk2_acc = _accumulate_product(dk2_acc, ds8, ds_scale, qt2_smem.index(s))
-        mbarrier.arrive(empty.index(s), count=1)
+                dk2_acc = _accumulate_product(dk2_acc, ds8, ds_scale, ring.qt2.index(s))
+        mbarrier.arrive(ring.empty.index(s), count=1)
         if DO_DQ:
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, )) * dq_scale
-            _reduce_dq(dq, it, C, dq_smem, dq_desc, dq_row + start_m)
+            _reduce_dq(dq, it, C, dq_x.dq, dq_x.desc, dq_row + start_m)
         it += 1
     return dv_acc, dk_acc, dk2_acc, it
 
@@ -479,77 +636,69 @@ def _store_rows(acc, rows, seqlen, OUT, out_off, s_ot, out_scale, COL0: gl.const
 
 
 @gluon.jit
-def _bwd_consumer(k8, k8b, v16, C: gl.constexpr, q_smem, q2_smem, qt_smem, qt2_smem, do_smem, dot_smem, vec_smem,
-                  k_ready, k_empty, ready, empty, item_smem, item_bar, KS, DV, DK, CU_Q, CU_K, CU_QT, s_ksb, s_ksh,
-                  s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, n_q, n_k, num_kv_heads, window_left, window_right, group,
-                  num_items, num_n, softmax_scale, softcap2, D1: gl.constexpr, D2: gl.constexpr,
-                  HEAD_DIM_V: gl.constexpr, IS_VARLEN: gl.constexpr,
-                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
-                  FOLD: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_Q: gl.constexpr, QK_SPLIT: gl.constexpr,
-                  ORDER: gl.constexpr, TILE_KS: gl.constexpr, DO_DQ: gl.constexpr, k_smem, ds_smem, kb_smem, dq_smem,
-                  dq_desc):
+def _bwd_consumer(C: gl.constexpr, k8, k8b, v16, own, ring, mailbox, seqs, key_scales, grads, softcap2, dq_x, opts):
     """One warpgroup, per work item the loader posts: keys ``[start_n + C * 64, ... + 64)`` (their int8 K in
     ``k8``, and ``k8b`` past the first ``D1`` channels with ``QK_SPLIT``; V in ``v16``) against every query tile
     of every query head of the group; writes their dV and/or dK rows (K released first, so the loader brings the
     next item's meanwhile)."""
-    s_layout: gl.constexpr = wgmma_layout(BLOCK_Q, 32)
-    dp_layout: gl.constexpr = wgmma_layout(BLOCK_Q, 16)
-    dv_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V, 32)
+    D1: gl.constexpr = opts.D1
+    D2: gl.constexpr = opts.D2
+    QK_SPLIT: gl.constexpr = opts.QK_SPLIT
+    s_layout: gl.constexpr = wgmma_layout(opts.BLOCK_Q, 32)
+    dv_layout: gl.constexpr = wgmma_layout(opts.HEAD_DIM_V, 32)
     dk_layout: gl.constexpr = wgmma_layout(D1, 32)
     dk2_layout: gl.constexpr = wgmma_layout(D2, 32)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=4)
+    num_items = seqs.num_items
+    KS = key_scales.KS
+    softmax_scale = grads.softmax_scale
     it = num_items * 0      # the ring's tile count, run on across items as the loader's
     j = num_items * 0
-    t = next_item(item_smem, item_bar, j)
+    t = mailbox.next(j)
     while t < num_items:
-        b, bt, hk, start_n, q0, k0, qt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dkdv_item(
-            t, num_n, n_q, n_k, num_kv_heads, window_left, window_right, CU_Q, CU_K, CU_QT, IS_VARLEN, MASK_LEFT,
-            MASK_RIGHT, BLOCK_Q)
-        ks_off = bt.to(gl.int64) * s_ksb + hk * s_ksh + k0
+        item = _dkdv_item(seqs, t, opts.BLOCK_Q)
+        bt = item.bt
+        hk = item.hk
+        k0 = item.k0
+        start_n = item.start
+        seqlen_k = item.seqlen_k
+        ks_off = bt.to(gl.int64) * key_scales.s_ksb + hk * key_scales.s_ksh + k0
         keys = start_n + C * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
         k_scale = gl.load(KS + ks_off + keys, mask=keys < seqlen_k, other=0.0)
         k_bias = k_scale * -12582912.0
-        dv_acc = gl.zeros([HALF_N, HEAD_DIM_V], gl.float32, dv_layout)
+        dv_acc = gl.zeros([HALF_N, opts.HEAD_DIM_V], gl.float32, dv_layout)
         dk_acc = gl.zeros([HALF_N, D1], gl.float32, dk_layout)
         dk2_acc = gl.zeros([HALF_N, D2], gl.float32, dk2_layout)
-        mbarrier.wait(k_ready, j & 1)
+        mbarrier.wait(own.ready, j & 1)
         # the item's one K scale (TILE_KS) and the softmax scale, on both consumers' dQ products: from its first key,
         # not this consumer's (whose keys may all lie past the sequence's end)
         dq_scale = gl.load(KS + ks_off + start_n, mask=start_n < seqlen_k, other=0.0) * softmax_scale
-        if DO_DQ:
-            _k_operand(k_smem, kb_smem, C)
+        if opts.DO_DQ:
+            _k_operand(own.k, dq_x.kb, C)
+        key_ops = KeyOperands(k8, k8b, v16, k_scale, k_bias, keys, C)
+        group = seqs.group
         for g in range(group):
-            dq_row = (bt * num_kv_heads * group + hk * group + g) * n_q + q0    # (DO_DQ: the accumulator's rows)
-            dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
-                dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem,
-                do_smem, dot_smem, vec_smem, ready, empty, keys, lo, full_lo, seqlen_q, seqlen_k, window_left,
-                window_right, softcap2, True, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT,
-                ORDER, TILE_KS, s_layout, dp_layout, dk_layout, p_layout, DO_DQ, C, ds_smem, kb_smem, dq_smem,
-                dq_desc, dq_row, dq_scale)
-            dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
-                dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem,
-                do_smem, dot_smem, vec_smem, ready, empty, keys, full_lo, full_hi, seqlen_q, seqlen_k, window_left,
-                window_right, softcap2, False, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT,
-                ORDER, TILE_KS, s_layout, dp_layout, dk_layout, p_layout, DO_DQ, C, ds_smem, kb_smem, dq_smem,
-                dq_desc, dq_row, dq_scale)
-            dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(
-                dv_acc, dk_acc, dk2_acc, it, k8, k8b, v16, k_scale, k_bias, q_smem, q2_smem, qt_smem, qt2_smem,
-                do_smem, dot_smem, vec_smem, ready, empty, keys, full_hi, hi, seqlen_q, seqlen_k, window_left,
-                window_right, softcap2, True, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT,
-                ORDER, TILE_KS, s_layout, dp_layout, dk_layout, p_layout, DO_DQ, C, ds_smem, kb_smem, dq_smem,
-                dq_desc, dq_row, dq_scale)
-        mbarrier.arrive(k_empty, count=1)     # every product with this item's K and V was waited for
-        if DO_DV:
-            dv_off = bt.to(gl.int64) * s_dvb + hk.to(gl.int64) * s_dvh + k0.to(gl.int64) * s_dvt
-            _store_rows(dv_acc, keys, seqlen_k, DV, dv_off, s_dvt, 1.0, 0)
-        if DO_DK:
-            dk_off = bt.to(gl.int64) * s_dkb + hk.to(gl.int64) * s_dkh + k0.to(gl.int64) * s_dkt
-            _store_rows(dk_acc, keys, seqlen_k, DK, dk_off, s_dkt, softmax_scale, 0)
+            dq_row = (bt * seqs.num_kv_heads * group + hk * group + g) * seqs.n_q + item.q0   # (DO_DQ: dQ's rows)
+            dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, item.lo,
+                                                         item.full_lo, item, seqs, softcap2, True, opts, dq_x, dq_row,
+                                                         dq_scale)
+            dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, item.full_lo,
+                                                         item.full_hi, item, seqs, softcap2, False, opts, dq_x,
+                                                         dq_row, dq_scale)
+            dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, item.full_hi,
+                                                         item.hi, item, seqs, softcap2, True, opts, dq_x, dq_row,
+                                                         dq_scale)
+        mbarrier.arrive(own.empty, count=1)     # every product with this item's K and V was waited for
+        if opts.DO_DV:
+            dv_off = bt.to(gl.int64) * grads.s_dvb + hk.to(gl.int64) * grads.s_dvh + k0.to(gl.int64) * grads.s_dvt
+            _store_rows(dv_acc, keys, seqlen_k, grads.DV, dv_off, grads.s_dvt, 1.0, 0)
+        if opts.DO_DK:
+            dk_off = bt.to(gl.int64) * grads.s_dkb + hk.to(gl.int64) * grads.s_dkh + k0.to(gl.int64) * grads.s_dkt
+            _store_rows(dk_acc, keys, seqlen_k, grads.DK, dk_off, grads.s_dkt, softmax_scale, 0)
             if QK_SPLIT:
-                _store_rows(dk2_acc, keys, seqlen_k, DK, dk_off, s_dkt, softmax_scale, D1)
+                _store_rows(dk2_acc, keys, seqlen_k, grads.DK, dk_off, grads.s_dkt, softmax_scale, D1)
         j += 1
-        t = next_item(item_smem, item_bar, j)
-    if DO_DQ:   # the last reduce-adds read their buffers before the program's memory goes
+        t = mailbox.next(j)
+    if opts.DO_DQ:   # the last reduce-adds read their buffers before the program's memory goes
         tma.store_wait(0)
 
 
@@ -621,28 +770,27 @@ def _attn_bwd_dkdv_hopper_kernel(
         mbarrier.init(ready.index(i), count=2)      # the TMA bytes and the per-query vectors
         mbarrier.init(empty.index(i), count=2)      # both consumers release a buffer
 
-    # (each argument written out: a tuple built with + would turn the constexprs into runtime values; K and V
-    # by constant indices: a run-time index of a wgmma operand's shared memory read wrong rows, forward_hopper)
+    descs = KeyTileDescriptors(q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc)
+    ring = QueryRing(q_smem, q2_smem, qt_smem, qt2_smem, do_smem, dot_smem, vec_smem, ready, empty)
+    own = ItemKV(k_smem, k2_smem, v_smem, k_ready, k_empty)
+    mailbox = ItemMailbox(item_smem, item_bar)
+    seqs = Sequences(CU_Q, CU_K, CU_QT, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right,
+                     num_items, num_n, IS_VARLEN, MASK_LEFT, MASK_RIGHT)
+    key_scales = KeyScales(KS, s_ksb, s_ksh)
+    grads = KeyGradients(DV, s_dvb, s_dvh, s_dvt, DK, s_dkb, s_dkh, s_dkt, softmax_scale)
+    dq_x = DqExchange(ds_smem, kb_smem, dq_smem, dq_desc)
+    opts = KeyTileOptions(HEAD_DIM, HEAD_DIM_V, D1, D2, QK_SPLIT, DO_DK, DO_DV, DO_DQ, FOLD, SOFTCAP, BLOCK_Q, ORDER,
+                          TILE_KS, DYNAMIC)
+    # (K and V by constant indices: a run-time index of a wgmma operand's shared memory read wrong rows,
+    # forward_hopper)
     gl.warp_specialize([
-        (_bwd_consumer, (k_smem.index(0), k2_smem.index(0), v_smem.index(0), 0, q_smem, q2_smem, qt_smem, qt2_smem,
-                         do_smem, dot_smem, vec_smem, k_ready, k_empty, ready, empty, item_smem, item_bar, KS, DV, DK,
-                         CU_Q, CU_K, CU_QT, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, n_q, n_k,
-                         num_kv_heads, window_left, window_right, group, num_items, num_n, softmax_scale, softcap2,
-                         D1, D2, HEAD_DIM_V, IS_VARLEN, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q,
-                         QK_SPLIT, ORDER, TILE_KS, DO_DQ, k_smem, ds_smem, kb_smem, dq_smem, dq_desc)),
-        (_bwd_consumer, (k_smem.index(1), k2_smem.index(1), v_smem.index(1), 1, q_smem, q2_smem, qt_smem, qt2_smem,
-                         do_smem, dot_smem, vec_smem, k_ready, k_empty, ready, empty, item_smem, item_bar, KS, DV, DK,
-                         CU_Q, CU_K, CU_QT, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt, n_q, n_k,
-                         num_kv_heads, window_left, window_right, group, num_items, num_n, softmax_scale, softcap2,
-                         D1, D2, HEAD_DIM_V, IS_VARLEN, MASK_LEFT, MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q,
-                         QK_SPLIT, ORDER, TILE_KS, DO_DQ, k_smem, ds_smem, kb_smem, dq_smem, dq_desc)),
-        (_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, q_smem, qt_smem,
-                   do_smem, dot_smem, k_smem, v_smem, q2_smem, qt2_smem, k2_smem, vec_smem, k_ready, k_empty, ready,
-                   empty, item_smem, item_bar, COUNTER, QS, LSE, DOS, DELTA, QSR, SHIFT, KS, CU_Q, CU_K, CU_QT,
-                   1.0 / softcap2, s_qsb, s_qsh, s_ksb, s_ksh, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, n_q, n_k,
-                   num_heads, num_kv_heads, group, window_left, window_right, num_items, num_n, IS_VARLEN, MASK_LEFT,
-                   MASK_RIGHT, DO_DK, DO_DV, FOLD, SOFTCAP, BLOCK_Q, QK_SPLIT, HEAD_DIM, HEAD_DIM_V, DYNAMIC,
-                   TILE_KS)),
+        (_bwd_consumer, (0, k_smem.index(0), k2_smem.index(0), v_smem.index(0), own, ring, mailbox, seqs, key_scales,
+                         grads, softcap2, dq_x, opts)),
+        (_bwd_consumer, (1, k_smem.index(1), k2_smem.index(1), v_smem.index(1), own, ring, mailbox, seqs, key_scales,
+                         grads, softcap2, dq_x, opts)),
+        (_loader, (descs, ring, own, mailbox, COUNTER, seqs,
+                   QueryVectors(QS, LSE, DOS, DELTA, QSR, SHIFT, s_qsb, s_qsh, 1.0 / softcap2), key_scales,
+                   CallerRows(do_rb, do_rh, do_ch, v_rb, v_rh, v_ch), opts)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -650,97 +798,203 @@ def _attn_bwd_dkdv_hopper_kernel(
 # dQ: one program per 128 queries of one (batch, head), walking the key tiles, as the forward does
 # ---------------------------------------------------------------------------------------------------
 
+@aggregate
+class DqDescriptors:
+    """The TMA descriptors the dQ launch's loader reads: Q8 and dO (the item's own), K8 (S's operand), V (dP's) and
+    K8^T (dQ's), and with ``QK_SPLIT`` Q8's, K8's and K8^T's channels past the first block (``q2``, ``k2``,
+    ``kt2``)."""
+    q: tma.tensor_descriptor
+    do: tma.tensor_descriptor
+    k: tma.tensor_descriptor
+    v: tma.tensor_descriptor
+    kt: tma.tensor_descriptor
+    q2: tma.tensor_descriptor
+    k2: tma.tensor_descriptor
+    kt2: tma.tensor_descriptor
+
+
+@aggregate
+class ItemQueries:
+    """A dQ work item's own tiles in shared memory, loaded once an item, both 64-query halves: Q8 (``q2``: the
+    channels past the first block) and dO; ``ready`` once the loader's bytes landed, ``empty`` once both consumers
+    are done with them."""
+    q: gl.shared_memory_descriptor
+    q2: gl.shared_memory_descriptor
+    do: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+
+
+@aggregate
+class KeyRing:
+    """The ``STAGES`` shared-memory buffers the dQ launch streams a key tile through: K8, V and K8^T (``k2`` /
+    ``kt2``: the channels past the first block, else ``k`` / ``kt`` again), each stage ``ready`` once the loader's
+    bytes landed, ``empty`` once both consumers are done with it."""
+    k: gl.shared_memory_descriptor
+    k2: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    kt: gl.shared_memory_descriptor
+    kt2: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+
+
+@aggregate
+class DqRowInputs:
+    """The per-query inputs [B, H, N] the dQ consumers read once an item: Q's scale (``QS``), lse, delta, the row
+    shift under a cap (``SHIFT``) and the sinks' rowsum(dS) (``ROW_DS``), with their batch and head strides."""
+    QS: gl.tensor
+    LSE: gl.tensor
+    DELTA: gl.tensor
+    SHIFT: gl.tensor
+    ROW_DS: gl.tensor
+    s_qsb: Scalar
+    s_qsh: Scalar
+
+
+@aggregate
+class DqOutput:
+    """What the dQ launch writes: dQ [B, H, N, D] with its batch, head and token strides and the scale it is
+    multiplied by (``out_scale``); and K's channel means ``KMEAN`` (head and batch strides) for ``ROW_TERM``."""
+    DQ: gl.tensor
+    s_dqb: Scalar
+    s_dqh: Scalar
+    s_dqt: Scalar
+    out_scale: gl.tensor
+    KMEAN: gl.tensor
+    s_kmh: Scalar
+    s_kmb: Scalar
+
+
+@aggregate
+class DqOptions:
+    """The dQ launch's compile-time options (the module docstring says what each does); ``D1`` / ``D2``: Q's and K's
+    two channel blocks (``QK_SPLIT``; else ``D2`` is ``D1``, unused)."""
+    HEAD_DIM: gl.constexpr
+    D1: gl.constexpr
+    D2: gl.constexpr
+    QK_SPLIT: gl.constexpr
+    SOFTCAP: gl.constexpr
+    ROW_TERM: gl.constexpr
+    ORDER: gl.constexpr
+    DYNAMIC: gl.constexpr
+
+
+@aggregate
+class QueryOperands:
+    """Consumer's 64 queries of a dQ work item (``rows``) and what stays fixed over its key tiles: Q8 and dO as
+    wgmma operands (``q8``, ``q8b`` past the first channel block, ``do16``), Q's scale (``q_scale``; with a cap
+    ``cap_a`` and ``cap_b`` scale and shift the cap's argument), lse, delta, and where the item's K scales start
+    (``KS + ks_off``)."""
+    q8: gl.shared_memory_descriptor
+    q8b: gl.shared_memory_descriptor
+    do16: gl.shared_memory_descriptor
+    rows: gl.tensor
+    q_scale: gl.tensor
+    cap_a: gl.tensor
+    cap_b: gl.tensor
+    lse: gl.tensor
+    delta: gl.tensor
+    KS: gl.tensor
+    ks_off: gl.tensor
+
+
 @gluon.jit
-def _dq_item(t, num_m, n_q, n_k, num_heads, group, window_left, window_right, CU_Q, CU_K, CU_KT,
-             IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, BLOCK_K: gl.constexpr):
+def _dq_item(seqs, t, BLOCK_K: gl.constexpr):
     """Work item ``t`` of the dQ launch: 128 queries of one (sequence, head), query tile fastest; with a causal
-    mask the last query tiles, which see the most keys, come first (forward_hopper._work_item's order). Returns
-    its sequence, its batch index in the tensors, head, KV head, first query of the item, the sequence's starts
-    (_sequence: queries, keys, K^T columns), lengths and key-tile bounds (hopper_common.key_tiles). An item
-    past its sequence's queries (packed batches) runs no tiles."""
-    pid_m, b, h = split_item(t, num_m, num_heads, MASK_RIGHT)
-    bt, q0, k0, kt0, seqlen_q, seqlen_k = _sequence(b, n_q, n_k, CU_Q, CU_K, CU_KT, IS_VARLEN)
+    mask the last query tiles, which see the most keys, come first (forward_hopper._work_item's order); its
+    key-tile bounds: hopper_common.key_tiles (``t0``: K^T's column). An item past its sequence's queries (packed
+    batches) runs no tiles."""
+    pid_m, b, h = split_item(t, seqs.num_tiles, seqs.num_heads, seqs.MASK_RIGHT)
+    bt, q0, k0, kt0, seqlen_q, seqlen_k = _sequence(b, seqs)
     start_m = pid_m * BLOCK_M
-    lo, full_lo, full_hi, hi = key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                          BLOCK_M, MASK_LEFT, MASK_RIGHT, BLOCK_K)
-    if IS_VARLEN:
+    lo, full_lo, full_hi, hi = key_tiles(start_m, seqlen_q, seqlen_k, seqs.window_left, seqs.window_right,
+                                          BLOCK_M, seqs.MASK_LEFT, seqs.MASK_RIGHT, BLOCK_K)
+    if seqs.IS_VARLEN:
         lo, full_lo, full_hi, hi = _no_tiles_unless(start_m < seqlen_q, lo, full_lo, full_hi, hi)
-    return b, bt, h, h // group, start_m, q0, k0, kt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi
+    return WorkItem(b, bt, h, h // seqs.group, start_m, q0, k0, kt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi)
 
 
 @gluon.jit
-def _dq_loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, q_smem, do_smem, k_smem, v_smem,
-               kt_smem, q2_smem, k2_smem, kt2_smem, q_ready, q_empty, ready, empty, item_smem, item_bar, COUNTER,
-               CU_Q, CU_K, CU_KT, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, do_rb, do_rh,
-               do_ch, v_rb, v_rh, v_ch, num_items, num_m, HEAD_DIM: gl.constexpr, IS_VARLEN: gl.constexpr,
-               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-               QK_SPLIT: gl.constexpr, DYNAMIC: gl.constexpr):
+def _dq_loader(descs, own, ring, mailbox, COUNTER, seqs, caller, opts):
     """One warp, per work item (picked as the key-tile launches' loader picks them): posts it to the consumers,
     loads Q8 and dO (both halves) once they are done with the last item's; then per key tile of ``[lo, hi)``,
     through the ring whose count runs on across items: K8 (for S), V (for dP) and K8^T (dQ's B operand,
     token-contiguous as 8-bit wgmma wants it); ``QK_SPLIT``: Q8's, K8's and K8^T's channels past the first block
     as tiles of their own."""
-    BLOCK_K: gl.constexpr = k_desc.block_type.shape[0]
-    D1: gl.constexpr = q_desc.block_type.shape[1]
-    q_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                             + (q2_desc.block_type.nbytes if QK_SPLIT else 0))
-    nbytes: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes
-                            + (k2_desc.block_type.nbytes + kt2_desc.block_type.nbytes if QK_SPLIT else 0))
-    i = num_items * 0
-    j = num_items * 0
+    QK_SPLIT: gl.constexpr = opts.QK_SPLIT
+    BLOCK_K: gl.constexpr = descs.k.block_type.shape[0]
+    D1: gl.constexpr = descs.q.block_type.shape[1]
+    q_bytes: gl.constexpr = (descs.q.block_type.nbytes + descs.do.block_type.nbytes
+                             + (descs.q2.block_type.nbytes if QK_SPLIT else 0))
+    nbytes: gl.constexpr = (descs.k.block_type.nbytes + descs.v.block_type.nbytes + descs.kt.block_type.nbytes
+                            + (descs.k2.block_type.nbytes + descs.kt2.block_type.nbytes if QK_SPLIT else 0))
+    i = seqs.num_items * 0
+    j = seqs.num_items * 0
     t = gl.program_id(0) + j
-    while t < num_items:
-        b, bt, h, hk, start_m, q0, k0, kt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dq_item(
-            t, num_m, n_q, n_k, num_heads, group, window_left, window_right, CU_Q, CU_K, CU_KT, IS_VARLEN, MASK_LEFT,
-            MASK_RIGHT, BLOCK_K)
+    while t < seqs.num_items:
+        item = _dq_item(seqs, t, BLOCK_K)
+        bt = item.bt
+        h = item.h
+        hk = item.hk
+        q0 = item.q0
+        k0 = item.k0
+        start_m = item.start
         # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], K8 [B*Hk*Nk, D], K8^T [B*Hk*D, Nk_pad];
         # dO and V in the caller's memory (token_rows: row b*rb + h*rh + n, column h*ch)
-        q_row = (bt * num_heads + h) * n_q + q0 + start_m
-        k_row = (bt * num_kv_heads + hk) * n_k + k0
-        kt_row = (bt * num_kv_heads + hk) * HEAD_DIM
-        do_row = bt * do_rb + h * do_rh + q0 + start_m
-        v_row = bt * v_rb + hk * v_rh + k0
-        mbarrier.wait(q_empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
-        post_item(item_smem, item_bar, t)
-        mbarrier.expect(q_ready, 2 * q_bytes)
+        q_row = (bt * seqs.num_heads + h) * seqs.n_q + q0 + start_m
+        k_row = (bt * seqs.num_kv_heads + hk) * seqs.n_k + k0
+        kt_row = (bt * seqs.num_kv_heads + hk) * opts.HEAD_DIM
+        do_row = bt * caller.do_rb + h * caller.do_rh + q0 + start_m
+        v_row = bt * caller.v_rb + hk * caller.v_rh + k0
+        mbarrier.wait(own.empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
+        mailbox.post(t)
+        mbarrier.expect(own.ready, 2 * q_bytes)
         for c in gl.static_range(2):
-            tma_load(q_desc, [q_row + c * HALF_N, 0], q_ready, q_smem.index(c))
+            tma_load(descs.q, [q_row + c * HALF_N, 0], own.ready, own.q.index(c))
             if QK_SPLIT:
-                tma_load(q2_desc, [q_row + c * HALF_N, D1], q_ready, q2_smem.index(c))
-            tma_load(do_desc, [do_row + c * HALF_N, h * do_ch], q_ready, do_smem.index(c))
-        for start_n in range(lo, hi, BLOCK_K):
+                tma_load(descs.q2, [q_row + c * HALF_N, D1], own.ready, own.q2.index(c))
+            tma_load(descs.do, [do_row + c * HALF_N, h * caller.do_ch], own.ready, own.do.index(c))
+        for start_n in range(item.lo, item.hi, BLOCK_K):
             s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), nbytes)
-            tma_load(k_desc, [k_row + start_n, 0], ready.index(s), k_smem.index(s))
-            tma_load(v_desc, [v_row + start_n, hk * v_ch], ready.index(s), v_smem.index(s))
-            tma_load(kt_desc, [kt_row, kt0 + start_n], ready.index(s), kt_smem.index(s))
+            mbarrier.wait(ring.empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(ring.ready.index(s), nbytes)
+            tma_load(descs.k, [k_row + start_n, 0], ring.ready.index(s), ring.k.index(s))
+            tma_load(descs.v, [v_row + start_n, hk * caller.v_ch], ring.ready.index(s), ring.v.index(s))
+            tma_load(descs.kt, [kt_row, item.t0 + start_n], ring.ready.index(s), ring.kt.index(s))
             if QK_SPLIT:
-                tma_load(k2_desc, [k_row + start_n, D1], ready.index(s), k2_smem.index(s))
-                tma_load(kt2_desc, [kt_row + D1, kt0 + start_n], ready.index(s), kt2_smem.index(s))
+                tma_load(descs.k2, [k_row + start_n, D1], ring.ready.index(s), ring.k2.index(s))
+                tma_load(descs.kt2, [kt_row + D1, item.t0 + start_n], ring.ready.index(s), ring.kt2.index(s))
             i += 1
         j += 1
-        t = claim_item(t, COUNTER, DYNAMIC)
-    mbarrier.wait(q_empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
-    post_item(item_smem, item_bar, t)
+        t = claim_item(t, COUNTER, opts.DYNAMIC)
+    mbarrier.wait(own.empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
+    mailbox.post(t)
 
 
 @gluon.jit
-def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, softcap2, lse, delta, rows, k_smem,
-              k2_smem, v_smem, kt_smem, kt2_smem, KS, ks_off, ready, empty, lo, hi, seqlen_q, seqlen_k, window_left,
-              window_right, MASKED: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-              SOFTCAP: gl.constexpr, ROW_TERM: gl.constexpr, QK_SPLIT: gl.constexpr, ORDER: gl.constexpr,
-              IS_VARLEN: gl.constexpr, s_layout: gl.constexpr,
-              dp_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+def _dq_tiles(acc, acc2, row_ds, it, ks, query_ops, ring, lo, hi, item, seqs, softcap2, MASKED: gl.constexpr, opts):
     """Key tiles ``[lo, hi)`` for one warpgroup's 64 queries: ``dQ += dS K`` (backward._dq_tile's numerics;
     ``QK_SPLIT``: K's channels past the first block into ``acc2``); with ``SOFTCAP`` and ``ROW_TERM`` also
     ``row_ds += rowsum(dS)``. ``ks``: this tile's K scale, read a tile ahead (one per K_SCALE_BLOCK keys: a 64-key tile
     reads its block's)."""
-    BLOCK_K: gl.constexpr = k_smem.shape[1]
+    MASK_LEFT: gl.constexpr = seqs.MASK_LEFT
+    MASK_RIGHT: gl.constexpr = seqs.MASK_RIGHT
+    IS_VARLEN: gl.constexpr = seqs.IS_VARLEN
+    SOFTCAP: gl.constexpr = opts.SOFTCAP
+    BLOCK_K: gl.constexpr = ring.k.shape[1]
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_K, 32)
+    dp_layout: gl.constexpr = wgmma_layout(BLOCK_K, 16)
+    o_layout: gl.constexpr = wgmma_layout(opts.D1, 32)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    KS = query_ops.KS
+    ks_off = query_ops.ks_off
+    rows = query_ops.rows
+    seqlen_k = item.seqlen_k
     offs_n = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([HALF_N, BLOCK_K], gl.int32, s_layout)
     dp_zero = gl.zeros([HALF_N, BLOCK_K], gl.float32, dp_layout)
-    diag = seqlen_k - seqlen_q
+    diag = seqlen_k - item.seqlen_q
     BAND: gl.constexpr = MASKED and (MASK_LEFT or MASK_RIGHT)
     # band-masked and packed loops: 32-bit key indices (forward_hopper._consume; packed masked loops took 1,043
     # instructions a tile at D=128 without, 911 padded)
@@ -748,12 +1002,13 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, s
     ks_ptr = KS + ks_off + lo + BLOCK_K
     for start_n in range(lo, hi, BLOCK_K):
         s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        s_tok = warpgroup_mma(q8, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if QK_SPLIT:    # the channels past the first block, into the same int32 scores
-            s_tok = warpgroup_mma(q8b, k2_smem.index(s).permute((1, 0)), s_tok, is_async=True)
+        mbarrier.wait(ring.ready.index(s), (it // STAGES) & 1)
+        s_tok = warpgroup_mma(query_ops.q8, ring.k.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if opts.QK_SPLIT:    # the channels past the first block, into the same int32 scores
+            s_tok = warpgroup_mma(query_ops.q8b, ring.k2.index(s).permute((1, 0)), s_tok, is_async=True)
         # dP = dO V^T in the input dtype (quantizing it would feed error into dS), beside S
-        dp_tok = warpgroup_mma(do16, v_smem.index(s).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(query_ops.do16, ring.v.index(s).permute((1, 0)), dp_zero, use_acc=False,
+                               is_async=True)
         if KS_PTR:
             ks_next = gl.load(ks_ptr, mask=start_n + BLOCK_K < seqlen_k, other=0.0)
             ks_ptr += BLOCK_K
@@ -764,26 +1019,27 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b, s
         # constants (per-key scales cost an FMA a score and 64 registers, which spilled at D=128)
         t = (s_int + 0x4B400000).to(gl.float32, bitcast=True)
         if SOFTCAP:   # capped scores as in the forward; tanh kept for the cap's derivative in dS
-            t_mul = cap_a * ks
-            th = tanh_scores(gl.fma(t, t_mul[:, None], (cap_b - t_mul * 12582912.0)[:, None]))
-            p = gl.exp2(gl.fma(th, softcap2, -lse[:, None]))
+            t_mul = query_ops.cap_a * ks
+            th = tanh_scores(gl.fma(t, t_mul[:, None], (query_ops.cap_b - t_mul * 12582912.0)[:, None]))
+            p = gl.exp2(gl.fma(th, softcap2, -query_ops.lse[:, None]))
         else:   # lse is +inf past the end: 0
-            row_mul = q_scale * ks
-            p = gl.exp2(gl.fma(t, row_mul[:, None], (row_mul * -12582912.0 - lse)[:, None]))
+            row_mul = query_ops.q_scale * ks
+            p = gl.exp2(gl.fma(t, row_mul[:, None], (row_mul * -12582912.0 - query_ops.lse)[:, None]))
         if BAND or (MASKED and IS_VARLEN):
-            p = gl.where(key_band_mask(offs_n, rows, start_n, seqlen_k, diag, window_left, window_right, MASK_LEFT,
-                                         MASK_RIGHT), p, 0.0)
+            p = gl.where(key_band_mask(offs_n, rows, start_n, seqlen_k, diag, seqs.window_left, seqs.window_right,
+                                         MASK_LEFT, MASK_RIGHT), p, 0.0)
         elif MASKED:
-            p = gl.where(inside_sequences(rows[:, None], (start_n + offs_n)[None, :], seqlen_q, seqlen_k), p, 0.0)
+            p = gl.where(inside_sequences(rows[:, None], (start_n + offs_n)[None, :], item.seqlen_q, seqlen_k), p,
+                         0.0)
         # dS, one scale per query over the tile (signed), times the tile's K scale
-        x = p * (gl.convert_layout(dp, s_layout) - delta[:, None])
+        x = p * (gl.convert_layout(dp, s_layout) - query_ops.delta[:, None])
         if SOFTCAP:   # dS with respect to the uncapped score; its row sums for K-smoothing's term
             x = x * (1.0 - th * th)
-            if ROW_TERM:   # (no key past the end here: P is masked to 0 or the tile is inside the sequence)
+            if opts.ROW_TERM:   # (no key past the end here: P is masked to 0 or the tile is inside the sequence)
                 row_ds += gl.sum(x, 1)
         x_max = gl.max(gl.abs(x), 1)
-        acc, acc2 = _quantized_product(acc, acc2, x, x_max, ks, kt_smem.index(s), kt2_smem.index(s), empty.index(s),
-                                       QK_SPLIT, ORDER, p_layout, o_layout)
+        acc, acc2 = _quantized_product(acc, acc2, x, x_max, ks, ring.kt.index(s), ring.kt2.index(s),
+                                       ring.empty.index(s), opts.QK_SPLIT, opts.ORDER, p_layout, o_layout)
         it += 1
         ks = ks_next
     return acc, acc2, row_ds, it, ks
@@ -798,77 +1054,72 @@ def _add_row_term(acc, row_ds, KMEAN, COL0: gl.constexpr):
 
 
 @gluon.jit
-def _dq_consumer(q8, q8b, do16, C: gl.constexpr, k_smem, k2_smem, v_smem, kt_smem, kt2_smem, q_ready, q_empty, ready,
-                 empty, item_smem, item_bar, QS, LSE, DELTA, SHIFT, ROW_DS, KMEAN, KS, DQ, CU_Q, CU_K, CU_KT, s_qsb,
-                 s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh, s_dqt, n_q, n_k, num_heads, group, window_left,
-                 window_right, num_items, num_m, out_scale, softcap2, D1: gl.constexpr, D2: gl.constexpr,
-                 IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr,
-                 MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ROW_TERM: gl.constexpr, QK_SPLIT: gl.constexpr,
-                 ORDER: gl.constexpr):
+def _dq_consumer(C: gl.constexpr, q8, q8b, do16, own, ring, mailbox, seqs, row_inputs, key_scales, out, softcap2,
+                 opts):
     """One warpgroup, per work item the loader posts: queries ``[start_m + C * 64, ... + 64)`` against every key
     tile; writes their dQ rows (Q and dO released first, so the loader brings the next item's meanwhile)."""
-    BLOCK_K: gl.constexpr = k_smem.shape[1]
+    D1: gl.constexpr = opts.D1
+    D2: gl.constexpr = opts.D2
+    QK_SPLIT: gl.constexpr = opts.QK_SPLIT
+    SOFTCAP: gl.constexpr = opts.SOFTCAP
+    BLOCK_K: gl.constexpr = ring.k.shape[1]
     s_layout: gl.constexpr = wgmma_layout(BLOCK_K, 32)
-    dp_layout: gl.constexpr = wgmma_layout(BLOCK_K, 16)
     o_layout: gl.constexpr = wgmma_layout(D1, 32)
     o2_layout: gl.constexpr = wgmma_layout(D2, 32)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    num_items = seqs.num_items
+    KS = key_scales.KS
     it = num_items * 0      # the ring's tile count, run on across items as the loader's
     j = num_items * 0
-    t = next_item(item_smem, item_bar, j)
+    t = mailbox.next(j)
     while t < num_items:
-        b, bt, h, hk, start_m, q0, k0, kt0, seqlen_q, seqlen_k, lo, full_lo, full_hi, hi = _dq_item(
-            t, num_m, n_q, n_k, num_heads, group, window_left, window_right, CU_Q, CU_K, CU_KT, IS_VARLEN, MASK_LEFT,
-            MASK_RIGHT, BLOCK_K)
-        vec_off = bt.to(gl.int64) * s_qsb + h * s_qsh + q0
-        ks_off = bt.to(gl.int64) * s_ksb + hk * s_ksh + k0
-        rows = start_m + C * HALF_N + gl.arange(0, HALF_N, layout=row_layout)
+        item = _dq_item(seqs, t, BLOCK_K)
+        bt = item.bt
+        h = item.h
+        hk = item.hk
+        q0 = item.q0
+        seqlen_q = item.seqlen_q
+        lo = item.lo
+        hi = item.hi
+        vec_off = bt.to(gl.int64) * row_inputs.s_qsb + h * row_inputs.s_qsh + q0
+        ks_off = bt.to(gl.int64) * key_scales.s_ksb + hk * key_scales.s_ksh + item.k0
+        rows = item.start + C * HALF_N + gl.arange(0, HALF_N, layout=row_layout)
         m_ok = rows < seqlen_q
-        q_scale = gl.load(QS + vec_off + rows, mask=m_ok, other=0.0)
-        lse = gl.load(LSE + vec_off + rows, mask=m_ok, other=float("inf"))
-        delta = gl.load(DELTA + vec_off + rows, mask=m_ok, other=0.0)
+        q_scale = gl.load(row_inputs.QS + vec_off + rows, mask=m_ok, other=0.0)
+        lse = gl.load(row_inputs.LSE + vec_off + rows, mask=m_ok, other=float("inf"))
+        delta = gl.load(row_inputs.DELTA + vec_off + rows, mask=m_ok, other=0.0)
         cap_a = q_scale     # unused unless SOFTCAP
         cap_b = q_scale
         if SOFTCAP:
             inv_cap = 1.0 / softcap2
             cap_a = q_scale * inv_cap
-            cap_b = gl.load(SHIFT + vec_off + rows, mask=m_ok, other=0.0) * inv_cap
+            cap_b = gl.load(row_inputs.SHIFT + vec_off + rows, mask=m_ok, other=0.0) * inv_cap
         row_ds = gl.zeros([HALF_N], gl.float32, row_layout)
         acc = gl.zeros([HALF_N, D1], gl.float32, o_layout)
         acc2 = gl.zeros([HALF_N, D2], gl.float32, o2_layout)
         ks = gl.load(KS + ks_off + lo, mask=lo < hi, other=0.0)
-        mbarrier.wait(q_ready, j & 1)
-        acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b,
-                                              softcap2, lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem,
-                                              KS, ks_off, ready, empty, lo, full_lo, seqlen_q, seqlen_k, window_left,
-                                              window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT,
-                                              ORDER, IS_VARLEN, s_layout, dp_layout, o_layout, p_layout)
-        acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b,
-                                              softcap2, lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem,
-                                              KS, ks_off, ready, empty, full_lo, full_hi, seqlen_q, seqlen_k,
-                                              window_left, window_right, False, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                              ROW_TERM, QK_SPLIT, ORDER, IS_VARLEN, s_layout, dp_layout, o_layout,
-                                              p_layout)
-        acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, q8, q8b, do16, q_scale, cap_a, cap_b,
-                                              softcap2, lse, delta, rows, k_smem, k2_smem, v_smem, kt_smem, kt2_smem,
-                                              KS, ks_off, ready, empty, full_hi, hi, seqlen_q, seqlen_k, window_left,
-                                              window_right, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT,
-                                              ORDER, IS_VARLEN, s_layout, dp_layout, o_layout, p_layout)
-        mbarrier.arrive(q_empty, count=1)     # every product with this item's Q and dO was waited for
-        if ROW_TERM:   # dQ += rowsum(dS) mean(k): the kernel's own row sums with a cap, else the sinks' (given)
+        mbarrier.wait(own.ready, j & 1)
+        query_ops = QueryOperands(q8, q8b, do16, rows, q_scale, cap_a, cap_b, lse, delta, KS, ks_off)
+        acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, query_ops, ring, lo, item.full_lo, item,
+                                              seqs, softcap2, True, opts)
+        acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, query_ops, ring, item.full_lo,
+                                              item.full_hi, item, seqs, softcap2, False, opts)
+        acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, query_ops, ring, item.full_hi, hi, item,
+                                              seqs, softcap2, True, opts)
+        mbarrier.arrive(own.empty, count=1)     # every product with this item's Q and dO was waited for
+        if opts.ROW_TERM:   # dQ += rowsum(dS) mean(k): the kernel's own row sums with a cap, else the sinks' (given)
             if not SOFTCAP:
-                row_ds = gl.load(ROW_DS + vec_off + rows, mask=m_ok, other=0.0)
-            km_off = hk * s_kmh + b * s_kmb
-            acc = _add_row_term(acc, row_ds, KMEAN + km_off, 0)
+                row_ds = gl.load(row_inputs.ROW_DS + vec_off + rows, mask=m_ok, other=0.0)
+            km_off = hk * out.s_kmh + item.b * out.s_kmb
+            acc = _add_row_term(acc, row_ds, out.KMEAN + km_off, 0)
             if QK_SPLIT:
-                acc2 = _add_row_term(acc2, row_ds, KMEAN + km_off, D1)
-        dq_off = bt.to(gl.int64) * s_dqb + h.to(gl.int64) * s_dqh + q0.to(gl.int64) * s_dqt
-        _store_rows(acc, rows, seqlen_q, DQ, dq_off, s_dqt, out_scale, 0)
+                acc2 = _add_row_term(acc2, row_ds, out.KMEAN + km_off, D1)
+        dq_off = bt.to(gl.int64) * out.s_dqb + h.to(gl.int64) * out.s_dqh + q0.to(gl.int64) * out.s_dqt
+        _store_rows(acc, rows, seqlen_q, out.DQ, dq_off, out.s_dqt, out.out_scale, 0)
         if QK_SPLIT:
-            _store_rows(acc2, rows, seqlen_q, DQ, dq_off, s_dqt, out_scale, D1)
+            _store_rows(acc2, rows, seqlen_q, out.DQ, dq_off, out.s_dqt, out.out_scale, D1)
         j += 1
-        t = next_item(item_smem, item_bar, j)
+        t = mailbox.next(j)
 
 
 @gluon.jit
@@ -876,7 +1127,8 @@ def _attn_bwd_dq_hopper_kernel(
     q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, QS, LSE, DELTA, SHIFT, ROW_DS, KMEAN, KS,
     DQ, COUNTER, CU_Q, CU_K, CU_KT, s_qsb, s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh, s_dqt, do_rb, do_rh, do_ch,
     v_rb, v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, out_scale, softcap2,
-    num_items, num_m, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr, QK_SPLIT: gl.constexpr,
+    num_items, num_m, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+    HEAD_DIM: gl.constexpr, QK_SPLIT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, SOFTCAP: gl.constexpr, ROW_TERM: gl.constexpr,
     DYNAMIC: gl.constexpr, ORDER: gl.constexpr,
 ):
@@ -908,22 +1160,23 @@ def _attn_bwd_dq_hopper_kernel(
         mbarrier.init(ready.index(i), count=1)      # the TMA bytes
         mbarrier.init(empty.index(i), count=2)      # both consumers release a buffer
 
+    descs = DqDescriptors(q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc)
+    own = ItemQueries(q_smem, q2_smem, do_smem, q_ready, q_empty)
+    ring = KeyRing(k_smem, k2_smem, v_smem, kt_smem, kt2_smem, ready, empty)
+    mailbox = ItemMailbox(item_smem, item_bar)
+    seqs = Sequences(CU_Q, CU_K, CU_KT, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right,
+                     num_items, num_m, IS_VARLEN, MASK_LEFT, MASK_RIGHT)
+    row_inputs = DqRowInputs(QS, LSE, DELTA, SHIFT, ROW_DS, s_qsb, s_qsh)
+    key_scales = KeyScales(KS, s_ksb, s_ksh)
+    out = DqOutput(DQ, s_dqb, s_dqh, s_dqt, out_scale, KMEAN, s_kmh, s_kmb)
+    opts = DqOptions(HEAD_DIM, D1, D2, QK_SPLIT, SOFTCAP, ROW_TERM, ORDER, DYNAMIC)
     gl.warp_specialize([
-        (_dq_consumer, (q_smem.index(0), q2_smem.index(0), do_smem.index(0), 0, k_smem, k2_smem, v_smem, kt_smem,
-                        kt2_smem, q_ready, q_empty, ready, empty, item_smem, item_bar, QS, LSE, DELTA, SHIFT, ROW_DS,
-                        KMEAN, KS, DQ, CU_Q, CU_K, CU_KT, s_qsb, s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh,
-                        s_dqt, n_q, n_k, num_heads, group, window_left, window_right, num_items, num_m, out_scale,
-                        softcap2, D1, D2, IS_VARLEN, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT, ORDER)),
-        (_dq_consumer, (q_smem.index(1), q2_smem.index(1), do_smem.index(1), 1, k_smem, k2_smem, v_smem, kt_smem,
-                        kt2_smem, q_ready, q_empty, ready, empty, item_smem, item_bar, QS, LSE, DELTA, SHIFT, ROW_DS,
-                        KMEAN, KS, DQ, CU_Q, CU_K, CU_KT, s_qsb, s_qsh, s_ksb, s_ksh, s_kmh, s_kmb, s_dqb, s_dqh,
-                        s_dqt, n_q, n_k, num_heads, group, window_left, window_right, num_items, num_m, out_scale,
-                        softcap2, D1, D2, IS_VARLEN, MASK_LEFT, MASK_RIGHT, SOFTCAP, ROW_TERM, QK_SPLIT, ORDER)),
-        (_dq_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, q_smem, do_smem, k_smem,
-                      v_smem, kt_smem, q2_smem, k2_smem, kt2_smem, q_ready, q_empty, ready, empty, item_smem,
-                      item_bar, COUNTER, CU_Q, CU_K, CU_KT, n_q, n_k, num_heads, num_kv_heads, group, window_left,
-                      window_right, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, num_items, num_m, HEAD_DIM, IS_VARLEN,
-                      MASK_LEFT, MASK_RIGHT, QK_SPLIT, DYNAMIC)),
+        (_dq_consumer, (0, q_smem.index(0), q2_smem.index(0), do_smem.index(0), own, ring, mailbox, seqs, row_inputs,
+                        key_scales, out, softcap2, opts)),
+        (_dq_consumer, (1, q_smem.index(1), q2_smem.index(1), do_smem.index(1), own, ring, mailbox, seqs, row_inputs,
+                        key_scales, out, softcap2, opts)),
+        (_dq_loader, (descs, own, ring, mailbox, COUNTER, seqs, CallerRows(do_rb, do_rh, do_ch, v_rb, v_rh, v_ch),
+                      opts)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 

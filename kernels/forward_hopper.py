@@ -28,9 +28,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .hopper_common import (ItemMailbox, Scalar, aggregate, as_operand, claim_item, inside_sequences, key_band_mask,
-                            key_tiles, named_barrier, round_to_int8, split_item, tanh_scores, tma_load,
-                            wgmma_layout)
+from .hopper_common import (ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand, claim_item,
+                            inside_sequences, key_band_mask, key_tiles, named_barrier, round_to_int8, split_item,
+                            tanh_scores, tma_load, wgmma_layout)
 
 HALF_M = gl.constexpr(64)     # query rows per consumer warpgroup (one wgmma M)
 BLOCK_M = gl.constexpr(128)   # query rows per program: two consumers (three: 192, the ``consumers`` option)
@@ -55,7 +55,6 @@ class ForwardDescriptors:
     k2: tma.tensor_descriptor
 
 
-
 @aggregate
 class QBuffers:
     """Each consumer's Q rows in shared memory (``q2``: the channels past the first block with ``QK_SPLIT``, else
@@ -64,7 +63,6 @@ class QBuffers:
     q2: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
-
 
 
 @aggregate
@@ -77,7 +75,6 @@ class KVRing:
     vt: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
-
 
 
 @aggregate
@@ -94,88 +91,38 @@ class ForwardOptions:
     DYNAMIC: gl.constexpr
 
 
-
-@aggregate
-class WorkItem:
-    """One work item: query rows ``[start_m, start_m + ROWS)`` of sequence ``b``, head ``h`` (KV head ``hk``);
-    ``bq`` / ``bk`` its batch index in the [B, H, N] tensors (0 in a packed batch), ``q0`` / ``k0`` / ``v0`` its
-    first query, key and V^T column, its lengths, and its key tiles: ``[lo, full_lo)`` and ``[full_hi, hi)``
-    masked, ``[full_lo, full_hi)`` not."""
-    b: gl.tensor
-    h: gl.tensor
-    hk: gl.tensor
-    bq: gl.tensor
-    bk: gl.tensor
-    q0: gl.tensor
-    k0: gl.tensor
-    v0: gl.tensor
-    seqlen_q: gl.tensor
-    seqlen_k: gl.tensor
-    start_m: gl.tensor
-    lo: gl.tensor
-    full_lo: gl.tensor
-    full_hi: gl.tensor
-    hi: gl.tensor
-
-
-
-@aggregate
-class Sequences:
-    """The batch as the work items see it: padded lengths ``n_q`` / ``n_k``, or (``IS_VARLEN``) the packed
-    sequences' token starts ``CU_Q`` / ``CU_K`` and V^T's 16-aligned ones ``CU_VT``; the query and KV heads
-    (``group`` query heads a KV head); the window (``MASK_LEFT`` / ``MASK_RIGHT``: which sides bound it); and the
-    ``num_items`` work items, ``num_m`` query tiles a (sequence, head)."""
-    CU_Q: gl.tensor
-    CU_K: gl.tensor
-    CU_VT: gl.tensor
-    n_q: Scalar
-    n_k: Scalar
-    num_heads: Scalar
-    num_kv_heads: Scalar
-    group: Scalar
-    window_left: Scalar
-    window_right: Scalar
-    num_items: Scalar
-    num_m: Scalar
-    IS_VARLEN: gl.constexpr
-    MASK_LEFT: gl.constexpr
-    MASK_RIGHT: gl.constexpr
-
-
-    @gluon.jit
-    def work_item(self, t, ROWS: gl.constexpr):
-        """Work item ``t``: ``ROWS`` query rows of one (sequence, head). Items are numbered query tile fastest, so
-        the programs running at once share a few heads' K and V in L2; with a causal (right) mask the last query
-        tiles, which see the most keys, come first (FlashAttention 3's order: handed out in order, the long items
-        start early and the short ones fill the tail). Key-tile bounds: forward._key_tiles."""
-        valid = t < self.num_items
-        pid_m, b, h = split_item(t, self.num_m, self.num_heads, self.MASK_RIGHT)
-        if self.IS_VARLEN:
-            bc = gl.where(valid, b, 0)
-            q0 = gl.load(self.CU_Q + bc)
-            seqlen_q = gl.load(self.CU_Q + bc + 1) - q0
-            k0 = gl.load(self.CU_K + bc)
-            seqlen_k = gl.load(self.CU_K + bc + 1) - k0
-            v0 = gl.load(self.CU_VT + bc)        # V^T's own, 16-aligned, sequence starts (quantize.aligned_starts)
-            bq = b * 0
-            bk = b * 0
-        else:
-            q0 = b * 0            # tensors, not constants: both branches must give one type
-            seqlen_q = self.n_q + q0
-            k0 = b * 0
-            seqlen_k = self.n_k + k0
-            v0 = k0
-            bq = b
-            bk = b
-        start_m = pid_m * ROWS
-        lo, full_lo, full_hi, hi = key_tiles(start_m, seqlen_q, seqlen_k, self.window_left, self.window_right,
-                                              ROWS, self.MASK_LEFT, self.MASK_RIGHT, BLOCK_N)
-        # An item past the end of its sequence (packed batches) runs no tiles. All four bounds go to 0: with a
-        # window, such an item's lo can pass its hi, and then the loader (lo..hi) and the consumers' loops
-        # disagreed: a hang.
-        has_rows = (start_m < seqlen_q).to(gl.int32)
-        return WorkItem(b, h, h // self.group, bq, bk, q0, k0, v0, seqlen_q, seqlen_k, start_m,
-                        lo * has_rows, full_lo * has_rows, full_hi * has_rows, hi * has_rows)
+@gluon.jit
+def _work_item(seqs, t, ROWS: gl.constexpr):
+    """Work item ``t``: ``ROWS`` query rows of one (sequence, head). Items are numbered query tile fastest, so the
+    programs running at once share a few heads' K and V in L2; with a causal (right) mask the last query tiles,
+    which see the most keys, come first (FlashAttention 3's order: handed out in order, the long items start
+    early and the short ones fill the tail). Its key-tile bounds: forward._key_tiles."""
+    valid = t < seqs.num_items
+    pid_m, b, h = split_item(t, seqs.num_tiles, seqs.num_heads, seqs.MASK_RIGHT)
+    if seqs.IS_VARLEN:
+        bc = gl.where(valid, b, 0)
+        q0 = gl.load(seqs.CU_Q + bc)
+        seqlen_q = gl.load(seqs.CU_Q + bc + 1) - q0
+        k0 = gl.load(seqs.CU_K + bc)
+        seqlen_k = gl.load(seqs.CU_K + bc + 1) - k0
+        v0 = gl.load(seqs.CU_T + bc)        # V^T's own, 16-aligned, sequence starts (quantize.aligned_starts)
+        bt = b * 0
+    else:
+        q0 = b * 0            # tensors, not constants: both branches must give one type
+        seqlen_q = seqs.n_q + q0
+        k0 = b * 0
+        seqlen_k = seqs.n_k + k0
+        v0 = k0
+        bt = b
+    start_m = pid_m * ROWS
+    lo, full_lo, full_hi, hi = key_tiles(start_m, seqlen_q, seqlen_k, seqs.window_left, seqs.window_right,
+                                          ROWS, seqs.MASK_LEFT, seqs.MASK_RIGHT, BLOCK_N)
+    # An item past the end of its sequence (packed batches) runs no tiles. All four bounds go to 0: with a
+    # window, such an item's lo can pass its hi, and then the loader (lo..hi) and the consumers' loops disagreed:
+    # a hang.
+    has_rows = (start_m < seqlen_q).to(gl.int32)
+    return WorkItem(b, bt, h, h // seqs.group, start_m, q0, k0, v0, seqlen_q, seqlen_k,
+                    lo * has_rows, full_lo * has_rows, full_hi * has_rows, hi * has_rows)
 
 
 @aggregate
@@ -193,7 +140,6 @@ class ForwardScales:
     s_vsh: Scalar
 
 
-
 @aggregate
 class ForwardOutputs:
     """What the kernel writes: the output ``O`` [B, H, N, Dv] and the rows' base-2 log-sum-exps ``LSE`` [B, H, N],
@@ -207,7 +153,6 @@ class ForwardOutputs:
     s_lh: Scalar
 
 
-
 @aggregate
 class ScoreTerms:
     """What the options add to the scores: with ``SOFTCAP`` the cap (``softcap2``, in log2 units) and the caller's
@@ -219,7 +164,6 @@ class ScoreTerms:
     SINK_SHIFT: gl.tensor
 
 
-
 @aggregate
 class Turns:
     """A consumer's ping-pong turns (``PINGPONG``): the barrier it waits at for its turn to issue S (``mine``), the
@@ -228,7 +172,6 @@ class Turns:
     mine: gl.shared_memory_descriptor
     other: gl.shared_memory_descriptor
     FIRST: gl.constexpr
-
 
 
 @aggregate
@@ -242,7 +185,6 @@ class RowConstants:
     cap_b: gl.tensor
     KS: gl.tensor
     ks_off: gl.tensor
-
 
 
 @gluon.jit
@@ -267,11 +209,11 @@ def _loader(descs, q_bufs, ring, mailbox, COUNTER, seqs, opts):
     j = num_items * 0
     t = gl.program_id(0) + j
     while t < num_items:
-        item = seqs.work_item(t, ROWS)
+        item = _work_item(seqs, t, ROWS)
         # rows of the 2-D views the descriptors see: Q8 [B*H*Nq, D], K8 [B*Hk*Nk, D], V8T [B*Hk*D, Nk_pad]
-        q_row = (item.bq * seqs.num_heads + item.h) * seqs.n_q + item.q0 + item.start_m
-        k_row = (item.bk * seqs.num_kv_heads + item.hk) * seqs.n_k + item.k0
-        v_row = (item.bk * seqs.num_kv_heads + item.hk) * opts.HEAD_DIM_V
+        q_row = (item.bt * seqs.num_heads + item.h) * seqs.n_q + item.q0 + item.start
+        k_row = (item.bt * seqs.num_kv_heads + item.hk) * seqs.n_k + item.k0
+        v_row = (item.bt * seqs.num_kv_heads + item.hk) * opts.HEAD_DIM_V
         mbarrier.wait(q_bufs.empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
         mailbox.post(t)
         mbarrier.expect(q_bufs.ready, CONSUMERS * q_bytes)
@@ -290,7 +232,7 @@ def _loader(descs, q_bufs, ring, mailbox, COUNTER, seqs, opts):
             tma_load(descs.k, [k_row + start_n, 0], ring.ready.index(s), ring.k.index(s))
             if QK_SPLIT:
                 tma_load(descs.k2, [k_row + start_n, D1], ring.ready.index(s), ring.k2.index(s))
-            tma_load(descs.vt, [v_row, item.v0 + start_n], ring.ready.index(s), ring.vt.index(s))
+            tma_load(descs.vt, [v_row, item.t0 + start_n], ring.ready.index(s), ring.vt.index(s))
             i += 1
         j += 1
         t = claim_item(t, COUNTER, opts.DYNAMIC)
@@ -363,7 +305,8 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, ring, turns, row_consts, lo, hi, item
         # scale is one number a tile, so it joins the row's Q scale (a per-key scale cost one FMA a score).
         s_int = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
         t = (s_int + 0x4B400000).to(gl.float32, bitcast=True)
-        if opts.SOFTCAP:   # tanh((s + shift) / cap), s = ks * (x - 1.5 * 2^23): q_scale is the cap then (forward._fwd_tile)
+        # with a cap: tanh((s + shift) / cap), s = ks * (x - 1.5 * 2^23), and q_scale is the cap (forward._fwd_tile)
+        if opts.SOFTCAP:
             t_mul = row_consts.cap_a * ks
             t = tanh_scores(gl.fma(t, t_mul[:, None], (row_consts.cap_b - t_mul * 12582912.0)[:, None]))
             row_mul = q_scale
@@ -422,16 +365,16 @@ def _consumer(C: gl.constexpr, turns, q_bufs, ring, mailbox, seqs, scales, outpu
     j = num_items * 0
     t = mailbox.next(j)      # the loader's pick: past the last item means stop
     while t < num_items:
-        item = seqs.work_item(t, ROWS)
-        bq = item.bq
+        item = _work_item(seqs, t, ROWS)
+        bq = item.bt
         h = item.h
         q0 = item.q0
         qs_off = bq.to(gl.int64) * scales.s_qsb + h * scales.s_qsh + q0
-        ks_off = item.bk.to(gl.int64) * scales.s_ksb + item.hk * scales.s_ksh + item.k0
+        ks_off = item.bt.to(gl.int64) * scales.s_ksb + item.hk * scales.s_ksh + item.k0
         vs_off = item.b.to(gl.int64) * scales.s_vsb + item.hk * scales.s_vsh
         o_off = bq.to(gl.int64) * outputs.s_ob + h.to(gl.int64) * outputs.s_oh + q0.to(gl.int64) * outputs.s_ot
         lse_off = bq.to(gl.int64) * outputs.s_lb + h * outputs.s_lh + q0
-        rows = item.start_m + C * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
+        rows = item.start + C * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
         m_ok = rows < item.seqlen_q
         # kept above zero: masked (-inf) scores are scaled by it, and an all-zero row has scale 0
         q_scale = gl.maximum(gl.load(scales.QS + qs_off + rows, mask=m_ok, other=0.0), 1e-30)

@@ -4,7 +4,9 @@ hand-off to the consumers (an atomic counter, a one-slot mailbox), hardware name
 relabelling that feeds a wgmma accumulator to the next product as its A operand.
 
 Each is a ``@gluon.jit`` function inlined where it is called (a Gluon kernel cannot call ``@triton.jit`` ones, so
-the few lines that repeat quantize.py's and forward.py's arithmetic are written again here).
+the few lines that repeat quantize.py's and forward.py's arithmetic are written again here). What travels together
+between the kernels' partitions and helpers is grouped in aggregates (``aggregate``): the batch's sequences, a work
+item, the item mailbox here; each kernel's buffers, descriptors, tensors and options in its own module.
 """
 from typing import Union
 
@@ -149,6 +151,52 @@ def named_barrier(ARRIVE: gl.constexpr, bar_id, threads, WARPS: gl.constexpr):
                               is_pure=False, pack=1)
 
 
+@aggregate
+class Sequences:
+    """The batch as a kernel's work items see it: padded lengths ``n_q`` / ``n_k``, or (``IS_VARLEN``) the packed
+    sequences' token starts ``CU_Q`` / ``CU_K`` and the 16-aligned starts ``CU_T`` of the token-major copy the kernel
+    reads (V^T in the forward, Q^T and dO^T for dK / dV, K^T for dQ: quantize.aligned_starts); the query and KV
+    heads (``group`` query heads a KV head); the window (``MASK_LEFT`` / ``MASK_RIGHT``: which sides bound it); the
+    ``num_items`` work items, ``num_tiles`` of them a (sequence, head)."""
+    CU_Q: gl.tensor
+    CU_K: gl.tensor
+    CU_T: gl.tensor
+    n_q: Scalar
+    n_k: Scalar
+    num_heads: Scalar
+    num_kv_heads: Scalar
+    group: Scalar
+    window_left: Scalar
+    window_right: Scalar
+    num_items: Scalar
+    num_tiles: Scalar
+    IS_VARLEN: gl.constexpr
+    MASK_LEFT: gl.constexpr
+    MASK_RIGHT: gl.constexpr
+
+
+@aggregate
+class WorkItem:
+    """One work item: the tiles from row ``start`` (a query in the forward and dQ, a key in dK / dV) of sequence ``b``
+    (``bt``: its batch index in the [B, H, N] tensors, 0 in a packed batch), head ``h`` (dK / dV: the KV head) and
+    KV head ``hk``; the sequence's first query, key and token-major column (``q0``, ``k0``, ``t0``) and lengths; the
+    other side's tiles ``[lo, hi)``: ``[lo, full_lo)`` and ``[full_hi, hi)`` masked, ``[full_lo, full_hi)`` not."""
+    b: gl.tensor
+    bt: gl.tensor
+    h: gl.tensor
+    hk: gl.tensor
+    start: gl.tensor
+    q0: gl.tensor
+    k0: gl.tensor
+    t0: gl.tensor
+    seqlen_q: gl.tensor
+    seqlen_k: gl.tensor
+    lo: gl.tensor
+    full_lo: gl.tensor
+    full_hi: gl.tensor
+    hi: gl.tensor
+
+
 @gluon.jit
 def split_item(t, num_tiles, num_heads, LONGEST_FIRST: gl.constexpr):
     """Work item ``t``, numbered tile fastest, as (tile, sequence, head); ``LONGEST_FIRST`` reverses the tiles
@@ -179,21 +227,6 @@ class ItemMailbox:
         """A consumer warpgroup waits for the loader's ``j``-th posted item and reads its index."""
         mbarrier.wait(self.posted, j & 1)
         return gl.max(self.slot.load(gl.BlockedLayout([1], [32], [4], [0])), 0)
-
-
-@gluon.jit
-def post_item(item_smem, item_bar, t):
-    """The loader tells the consumers which work item comes next (past the last: stop)."""
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    item_smem.store(gl.full([1], 0, gl.int32, one) + t)
-    mbarrier.arrive(item_bar, count=1)
-
-
-@gluon.jit
-def next_item(item_smem, item_bar, j):
-    """A consumer warpgroup waits for the loader's ``j``-th posted item and reads its index."""
-    mbarrier.wait(item_bar, j & 1)
-    return gl.max(item_smem.load(gl.BlockedLayout([1], [32], [4], [0])), 0)
 
 
 @gluon.jit

@@ -23,6 +23,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 IMPLS = ["sdpa", "sdpa-flash", "sagebwd"]
 
 
+def _causal_without_mask(module, args, kwargs):
+    kwargs["attention_mask"] = None
+    kwargs["is_causal"] = True
+    return args, kwargs
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", type=int, nargs="+", default=[65536, 131072])
@@ -58,6 +64,11 @@ def main():
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.train()
+    # What Accelerate does under context parallelism: the layers get no mask (a shard's load-balanced position ids
+    # would read as packed sequences) and attend causally; the ring applies the causal pattern across shards.
+    for name, module in model.named_modules():
+        if name.endswith("self_attn"):
+            module.register_forward_pre_hook(_causal_without_mask, with_kwargs=True)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     fused_ce = fused_linear_cross_entropy(torch)

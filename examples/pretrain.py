@@ -5,6 +5,8 @@
     accelerate launch examples/pretrain.py --size 60m --seq_len 1024 --mixed_precision bf16
     accelerate launch --multi_gpu --num_processes 2 examples/pretrain.py --size 60m ...          # DDP
     accelerate launch --num_processes 2 --use_fsdp --fsdp_version 2 examples/pretrain.py ...     # FSDP
+    accelerate launch --num_processes 2 --use_fsdp --fsdp_version 2 --mixed_precision bf16 examples/pretrain.py \
+        --size 60m --seq_len 32768 --per_device_batch_size 1 --context_parallel 2      # one sequence over 2 GPUs
 
 The script itself does not know how many processes run it: Accelerate places the model, shards the data,
 wraps the model for DDP/FSDP, autocasts (--mixed_precision) and accumulates gradients.
@@ -35,7 +37,7 @@ import torch
 from accelerate.utils import set_seed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import arguments, checkpoints, data, models, training  # noqa: E402
+from common import arguments, checkpoints, context_parallel, data, models, training  # noqa: E402
 
 import sagebwd_hf  # noqa: E402  (registers attn_implementation="sagebwd" with Transformers)
 
@@ -69,6 +71,10 @@ def parse_args(argv=None):
                              "across documents) instead of fixed-length packed rows")
     arguments.add_training_arguments(parser, output_dir="runs/pretrain", lr=None, max_steps=200, batch_size=8,
                                      seq_len=128)
+    parser.add_argument("--context_parallel", type=int, default=1, metavar="N",
+                        help="shard every sequence over N processes (torch's context parallelism, ring attention; "
+                             "with accelerate launch --use_fsdp --fsdp_version 2); sagebwd runs the ring on its "
+                             "kernels behind SDPA")
     parser.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine schedule ends at lr * this")
     parser.add_argument("--log_every", type=int, default=None,
                         help="print a metrics line every N steps (default: 10 lines per run)")
@@ -83,6 +89,7 @@ def parse_args(argv=None):
     if args.init_from and args.save_init:
         parser.error("--init_from and --save_init: give one of them")
     arguments.check_files(args, "train_file", "validation_file", "init_from")
+    context_parallel.check(args)
     if data.is_token_file(args.train_file):
         if args.padding_free:
             raise SystemExit("error: --padding_free needs documents; a token file (.npy --train_file) gives "
@@ -153,6 +160,7 @@ def main(argv=None):
                                                               args.per_device_batch_size)
 
     model = build_model(args, tokenizer)
+    context_parallel.setup(args)
     if args.save_init and accelerator.is_main_process:
         from safetensors.torch import save_model
         Path(args.save_init).parent.mkdir(parents=True, exist_ok=True)
@@ -162,7 +170,8 @@ def main(argv=None):
 
     # Tokens per optimizer step, the quantity the paper's stability findings are stated in.
     world = accelerator.num_processes
-    tokens_per_step = args.per_device_batch_size * args.seq_len * args.gradient_accumulation_steps * world
+    replicas = world // args.context_parallel      # the processes of one context-parallel group share sequences
+    tokens_per_step = args.per_device_batch_size * args.seq_len * args.gradient_accumulation_steps * replicas
     accelerator.print(f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters "
                       f"({n_params_body / 1e6:.2f}M outside the embeddings), attention {args.attn_implementation}, "
                       f"QK-norm {'yes' if sagebwd_hf.has_qk_norm(model) else 'no'}"
@@ -170,8 +179,10 @@ def main(argv=None):
     models.note_float32_attention(accelerator, model, args.attn_implementation, accelerator.mixed_precision)
     accelerator.print(f"data: {len(lm_datasets['train'])} training rows ({mode}), "
                       f"{len(lm_datasets['validation'])} validation rows")
+    sharded = f" (each sequence over {args.context_parallel} processes)" if args.context_parallel > 1 else ""
     accelerator.print(f"tokens per optimizer step: {tokens_per_step:,} = {args.per_device_batch_size} sequences x "
-                      f"{args.seq_len} tokens x {args.gradient_accumulation_steps} accumulation x {world} processes"
+                      f"{args.seq_len} tokens x {args.gradient_accumulation_steps} accumulation x {replicas} "
+                      f"data-parallel processes{sharded}"
                       + (" (an upper bound: padding-free rows hold whole documents)" if args.padding_free else ""))
     if args.attn_implementation == "sagebwd":
         findings = sagebwd_hf.check_training_setup(model, tokens_per_step)

@@ -21,6 +21,7 @@ FAULT_INJECTION = ROOT / "tests" / "fault_injection.py"
 sys.path.insert(0, str(EXAMPLES))
 
 import common.arguments  # noqa: E402
+import common.context_parallel  # noqa: E402
 import common.data  # noqa: E402
 import common.metrics  # noqa: E402
 import common.models  # noqa: E402
@@ -668,6 +669,28 @@ def test_bad_flags(script, argv, expected, capsys):
     assert exc.value.code != 0
     for text in expected:
         assert text in message, message
+
+
+@pytest.mark.parametrize("argv,world,expected", [
+    (["--context_parallel", "0"], 2, ["--context_parallel", ">= 1"]),
+    (["--context_parallel", "2"], 3, ["--context_parallel 2", "number of processes (3)"]),
+    (["--context_parallel", "2", "--padding_free"], 2, ["--context_parallel", "--padding_free"]),
+    (["--context_parallel", "2", "--attn_implementation", "eager"], 2, ["sagebwd or sdpa", "eager"]),
+    (["--context_parallel", "2", "--seq_len", "130"], 2, ["--seq_len 130", "multiple of 2 x --context_parallel = 4"]),
+])
+def test_bad_context_parallel_flags(argv, world, expected, monkeypatch, capsys):
+    """--context_parallel refuses what ring attention cannot run, naming the flag, before anything loads."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    test_bad_flags("pretrain", argv, expected, capsys)
+
+
+def test_context_parallel_flag_passes_checks_and_is_inert_without_it(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = __import__("pretrain").parse_args(["--context_parallel", "2", "--seq_len", "128"])
+    config = common.context_parallel.parallelism_config(args)
+    assert (config.cp_size, config.dp_shard_size) == (2, 2)
+    assert common.context_parallel.parallelism_config(__import__("pretrain").parse_args([])) is None
+
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .checkpoints import save_checkpoint
+from .context_parallel import parallelism_config, predicted_tokens, sequence_shards
 
 
 def make_accelerator(args):
@@ -33,6 +34,7 @@ def make_accelerator(args):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         project_config=ProjectConfiguration(project_dir=args.output_dir,
                                             logging_dir=os.path.join(args.output_dir, "logs")),
+        parallelism_config=parallelism_config(args),
         **kwargs,
     )
     keep_loss_float32(accelerator)
@@ -104,9 +106,10 @@ def evaluate(accelerator, model, dataloader, max_batches=None):
     for i, batch in enumerate(dataloader):
         if max_batches is not None and i >= max_batches:
             break
-        loss = model(**batch).loss
+        with sequence_shards(accelerator, batch):
+            loss = model(**batch).loss
         # The model's loss is the mean over predicted tokens: labels shifted by one, -100 ignored.
-        n = (batch["labels"][..., 1:] != -100).sum()
+        n = predicted_tokens(batch)
         loss_sum += loss.double() * n
         count += n
     loss_sum, count = accelerator.reduce(loss_sum, "sum"), accelerator.reduce(count, "sum")
@@ -179,8 +182,9 @@ def train(accelerator, args, model, optimizer, scheduler, train_dataloader, eval
         skip = 0
         for batch in batches:
             with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
+                with sequence_shards(accelerator, batch):      # (a null context without --context_parallel)
+                    loss = model(**batch).loss
+                    accelerator.backward(loss)
                 grad_norm = None
                 if accelerator.sync_gradients and args.max_grad_norm > 0:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)

@@ -179,10 +179,11 @@ def main(argv=None):
     models.note_float32_attention(accelerator, model, args.attn_implementation, accelerator.mixed_precision)
     accelerator.print(f"data: {len(lm_datasets['train'])} training rows ({mode}), "
                       f"{len(lm_datasets['validation'])} validation rows")
-    sharded = f" (each sequence over {args.context_parallel} processes)" if args.context_parallel > 1 else ""
+    sharded = (f" (data-parallel; each sequence over {args.context_parallel} context-parallel processes)"
+               if args.context_parallel > 1 else "")
     accelerator.print(f"tokens per optimizer step: {tokens_per_step:,} = {args.per_device_batch_size} sequences x "
                       f"{args.seq_len} tokens x {args.gradient_accumulation_steps} accumulation x {replicas} "
-                      f"data-parallel processes{sharded}"
+                      f"processes{sharded}"
                       + (" (an upper bound: padding-free rows hold whole documents)" if args.padding_free else ""))
     if args.attn_implementation == "sagebwd":
         findings = sagebwd_hf.check_training_setup(model, tokens_per_step)

@@ -18,7 +18,7 @@ import sagebwd_hf  # registers attn_implementation="sagebwd"
 
 
 def build(impl, layers):
-    # examples/_common.py's 60m preset (gpu_proof.sh's model) with the embedded tokenizer's 2K vocabulary
+    # examples/common/models.py's 60m preset (gpu_proof.sh's model) with the embedded tokenizer's 2K vocabulary
     config = AutoConfig.for_model("llama", vocab_size=2048, hidden_size=640, intermediate_size=1728,
                                   num_hidden_layers=layers, num_attention_heads=10, num_key_value_heads=5,
                                   head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True)

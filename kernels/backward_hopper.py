@@ -44,8 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from .hopper_common import (ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand, ceil_to, claim_item,
-                            floor_to, inside_sequences, key_band_mask, key_tiles, named_barrier, round_to_int8,
-                            split_item, tanh_scores, tma_load, wgmma_layout)
+                            floor_to, inside_sequences, key_band_mask, key_tiles, moved_to_hopper_launch, named_barrier,
+                            round_to_int8, split_item, tanh_scores, tma_load, wgmma_layout)
 
 
 @gl_builtin
@@ -1180,17 +1180,6 @@ def _attn_bwd_dq_hopper_kernel(
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-_MOVED_TO_HOPPER_LAUNCH = ('dkdv_hopper_args', 'dq_hopper_args', 'dkdv_query_tile', 'dq_key_tile', 'launch_backward_hopper', 'launch_dkdv_hopper', 'launch_dq_hopper')
-
-
-def __getattr__(name):
-    """The launch helpers moved to hopper_launch.py: the old names keep working for one release, with a warning."""
-    if name in _MOVED_TO_HOPPER_LAUNCH:
-        import importlib
-        import warnings
-
-        hopper_launch = importlib.import_module(f"{__package__}.hopper_launch")   # at call time: no import cycle
-        warnings.warn(f"{__name__}.{name} moved to sagebwd_hf.kernels.hopper_launch.{name}; the old name goes in "
-                      f"the next release", DeprecationWarning, stacklevel=2)
-        return getattr(hopper_launch, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_to_hopper_launch(__name__, (
+    'dkdv_hopper_args', 'dq_hopper_args', 'dkdv_query_tile', 'dq_key_tile', 'launch_backward_hopper',
+    'launch_dkdv_hopper', 'launch_dq_hopper'))

@@ -29,8 +29,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .hopper_common import (ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand, claim_item,
-                            inside_sequences, key_band_mask, key_tiles, named_barrier, round_to_int8, split_item,
-                            tanh_scores, tma_load, wgmma_layout)
+                            inside_sequences, key_band_mask, key_tiles, moved_to_hopper_launch, named_barrier,
+                            round_to_int8, split_item, tanh_scores, tma_load, wgmma_layout)
 
 HALF_M = gl.constexpr(64)     # query rows per consumer warpgroup (one wgmma M)
 BLOCK_M = gl.constexpr(128)   # query rows per program: two consumers (three: 192, the ``consumers`` option)
@@ -502,17 +502,6 @@ def _attn_fwd_hopper_kernel(
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 
-_MOVED_TO_HOPPER_LAUNCH = ('forward_hopper_args', 'launch_forward_hopper', 'persistent_grid', 'ptx_options', 'qk_blocks', 'shared_layout', 'tma_descriptor')
-
-
-def __getattr__(name):
-    """The launch helpers moved to hopper_launch.py: the old names keep working for one release, with a warning."""
-    if name in _MOVED_TO_HOPPER_LAUNCH:
-        import importlib
-        import warnings
-
-        hopper_launch = importlib.import_module(f"{__package__}.hopper_launch")   # at call time: no import cycle
-        warnings.warn(f"{__name__}.{name} moved to sagebwd_hf.kernels.hopper_launch.{name}; the old name goes in "
-                      f"the next release", DeprecationWarning, stacklevel=2)
-        return getattr(hopper_launch, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_to_hopper_launch(__name__, (
+    'forward_hopper_args', 'launch_forward_hopper', 'persistent_grid', 'ptx_options', 'qk_blocks', 'shared_layout',
+    'tma_descriptor'))

@@ -236,3 +236,22 @@ def claim_item(t, COUNTER, DYNAMIC: gl.constexpr):
     if DYNAMIC:
         return gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
     return t + gl.num_programs(0)
+
+
+def moved_to_hopper_launch(module_name: str, names):
+    """A module ``__getattr__`` that keeps the host-side launch helpers that moved to ``hopper_launch.py``
+    reachable under their old module for one release, with a DeprecationWarning (imported at call time: the launch
+    module imports the kernels)."""
+    names = frozenset(names)
+
+    def __getattr__(name):
+        if name in names:
+            import importlib
+            import warnings
+
+            hopper_launch = importlib.import_module(f"{__package__}.hopper_launch")
+            warnings.warn(f"{module_name}.{name} moved to sagebwd_hf.kernels.hopper_launch.{name}; the old name goes "
+                          f"in the next release", DeprecationWarning, stacklevel=2)
+            return getattr(hopper_launch, name)
+        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+    return __getattr__

@@ -112,8 +112,8 @@ def support_error(query, key, value, dropout_p=0.0, is_causal=False, return_debu
         return "shape"
     if kv_heads == 0 or heads % kv_heads:
         return "heads"
-    if any(d % 8 or not 8 <= d <= interface.MAX_HEAD_DIM for d in (head_dim, value.shape[-1])):
-        return "head_dim"
+    if value.shape[-1] != head_dim or head_dim % 8 or not 8 <= head_dim <= interface.MAX_HEAD_DIM:
+        return "head_dim"      # (the flash ops take one head dim for q, k and v)
     if query.numel() == 0 or key.numel() == 0:
         return "empty"
     if is_causal and not (packed or bottom_right) and query.shape[2] != key.shape[2]:
@@ -256,6 +256,15 @@ def _original_kernel(op, dispatch_key):
         return _NoKernel(op, dispatch_key)
 
 
+def _laid_out_like(x, ref):
+    """``x`` in ``torch.empty_like(ref)``'s strides, what the ops' meta functions promise (torch.compile plans the
+    ops that follow from them); a copy only where the kernels' layout differs (unusual caller strides)."""
+    strides = torch.empty_like(ref, device="meta").stride()
+    if x.stride() == strides:
+        return x
+    return torch.empty_like(ref, dtype=x.dtype).copy_(x)
+
+
 def _rng_outputs(query):
     """The rng state and debug mask a flash forward returns; no dropout, so nothing in them is read."""
     return (torch.zeros((2,), dtype=torch.uint64, device=query.device),
@@ -299,6 +308,7 @@ def _register_kernels(dispatch_key: str = "CUDA") -> _Handle:
                                                           return_debug_mask), kwargs)
         _calls["forward"] += 1
         out, lse = forward(query, key, value, is_causal, kwargs.get("scale"))
+        out = _laid_out_like(out, query)
         rng_state, unused, debug_mask = _rng_outputs(query)
         return out, lse, None, None, query.shape[2], key.shape[2], rng_state, unused, debug_mask
 
@@ -309,7 +319,8 @@ def _register_kernels(dispatch_key: str = "CUDA") -> _Handle:
         if support_error(query, key, value, dropout_p, is_causal) is not None or logsumexp.dtype != torch.float32:
             return fall_back(BACKWARD_OP, None, keyset, args, kwargs)
         _calls["backward"] += 1
-        return backward(grad_out, query, key, value, out, logsumexp, is_causal, kwargs.get("scale"))
+        grads = backward(grad_out, query, key, value, out, logsumexp, is_causal, kwargs.get("scale"))
+        return tuple(_laid_out_like(g, x) for g, x in zip(grads, (query, key, value)))
 
     def fa_forward(keyset, *args, **kwargs):
         query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask = args[:10]
@@ -329,7 +340,7 @@ def _register_kernels(dispatch_key: str = "CUDA") -> _Handle:
         else:
             out = out.transpose(1, 2)                             # [B, N, H, D]
         _remember(lse)
-        return (out, lse, *_rng_outputs(query))
+        return (_laid_out_like(out, query), lse, *_rng_outputs(query))
 
     def fa_backward(keyset, *args, **kwargs):
         grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal = \
@@ -345,7 +356,8 @@ def _register_kernels(dispatch_key: str = "CUDA") -> _Handle:
         packing = Packing(cum_seq_q, cum_seq_k, int(max_q), int(max_k)) if packed else None
         grads = backward(*tensors, logsumexp.unsqueeze(0) if packed else logsumexp, is_causal, kwargs.get("scale"),
                          window, packing, merged=not _is_own(logsumexp))
-        return grads if packed else tuple(g.transpose(1, 2) for g in grads)
+        grads = grads if packed else tuple(g.transpose(1, 2) for g in grads)
+        return tuple(_laid_out_like(g, x) for g, x in zip(grads, (query, key, value)))
 
     library = torch.library.Library("aten", "IMPL")
     for op, impl in ((FORWARD_OP, sdpa_forward), (BACKWARD_OP, sdpa_backward), (FA_FORWARD_OP, fa_forward),

@@ -71,6 +71,7 @@ def _qkv(dtype=torch.bfloat16, heads=4, kv_heads=2, n_q=64, n_k=64, d=32, dv=Non
     (dict(dtype=torch.float32), "dtype"),
     (dict(d=12), "head_dim"),
     (dict(d=264), "head_dim"),
+    (dict(dv=64), "head_dim"),            # the flash ops take one head dim for q, k and v
     (dict(kv_heads=3), "heads"),
     (dict(n_q=0), "empty"),
     (dict(is_causal=True, n_q=32), "causal_non_square"),
@@ -109,6 +110,21 @@ def test_flash_op_equals_sagebwd_attn_func(cpu_override, causal, kv_heads, scale
     assert sagebwd_hf.attention_stats()["sdpa_flash"] == sdpa_flash.stats()
     sagebwd_hf.reset_attention_stats()
     assert sdpa_flash.stats()["forward"] == 0
+
+
+@needs_registry
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (0, 2, 1, 3), (2, 0, 1, 3)])
+def test_outputs_and_grads_have_the_strides_the_meta_functions_promise(cpu_override, order):
+    """torch.compile plans what follows the op from its meta function: ``empty_like(query)``'s strides."""
+    shape = (2, 4, 64, 32)
+    stored = [torch.randn(*[shape[i] for i in order], dtype=torch.bfloat16) for _ in range(3)]
+    back = [order.index(i) for i in range(4)]
+    q, k, v = (x.permute(*back).requires_grad_() for x in (x.detach() for x in stored))
+    out = FLASH(q, k, v, 0.0, True, False)[0]
+    assert out.stride() == torch.empty_like(q).stride()
+    out.backward(torch.randn_like(out))
+    for x in (q, k, v):
+        assert x.grad.stride() == torch.empty_like(x).stride()
 
 
 @needs_registry

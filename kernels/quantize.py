@@ -22,6 +22,7 @@ fixed order: no atomics, so forward and backward quantize the same input to the 
 """
 import functools
 import warnings
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -284,14 +285,45 @@ def _combine_chunks_kernel(PART, PART2, OUT, OUT2, CU, BLK_CU, s_ph, s_pb, s_p2h
                      offs_d < head_dim2, factor2, ABS_MAX2, BLOCK_D)
 
 
-def _blocks_cu(layout: SeqLayout, block_tokens: int, device) -> torch.Tensor:
-    """First block of every sequence when each is cut into runs of ``block_tokens`` (int32 [S + 1])."""
+def _blocks_cu(layout: SeqLayout, block_tokens: int, device, times: int = 1) -> torch.Tensor:
+    """First block of every sequence when each is cut into runs of ``block_tokens`` (int32 [S + 1]), times
+    ``times``."""
     if layout.is_varlen:
-        lengths = (layout.cu_seqlens[1:] - layout.cu_seqlens[:-1]).long()
-        cu = torch.zeros(layout.num_seqs + 1, dtype=torch.int32, device=device)
-        cu[1:] = torch.cumsum(-(-lengths // block_tokens), 0)
-        return cu
-    return _steps(layout.num_seqs + 1, -(-layout.max_len // block_tokens), device)
+        return _packed_offsets(layout.cu_seqlens, block_tokens, times, device)
+    return _steps(layout.num_seqs + 1, -(-layout.max_len // block_tokens) * times, device)
+
+
+def _packed_blocks_cu(cu_seqlens, block_tokens, times, device):
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    cu = torch.zeros(cu_seqlens.numel(), dtype=torch.int32, device=device)
+    cu[1:] = torch.cumsum(-(-lengths // block_tokens), 0)
+    return cu * times if times != 1 else cu
+
+
+# A packed batch's block offsets cost 8-10 small kernels a call (9 of a packed forward's launches, 13 of its
+# backward's), and Transformers passes every layer of a step the same cu_seqlens: they are made once per tensor
+# and made again only when it is written in place (its version counter moves). While a CUDA graph is captured
+# they are always made (a graph replays its kernels, not this cache). id -> (weak reference, version, {key: value}).
+_packed_cache = {}
+
+
+def _packed_offsets(cu_seqlens, block_tokens, times, device):
+    key = (block_tokens, times, device)
+    try:
+        version = cu_seqlens._version
+    except RuntimeError:    # an inference-mode tensor has no version counter
+        version = None
+    if version is None or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return _packed_blocks_cu(cu_seqlens, block_tokens, times, device)
+    entry = _packed_cache.get(id(cu_seqlens))
+    if entry is None or entry[0]() is not cu_seqlens or entry[1] != version:
+        if len(_packed_cache) >= 16:
+            _packed_cache.pop(next(iter(_packed_cache)))
+        entry = _packed_cache[id(cu_seqlens)] = (weakref.ref(cu_seqlens), version, {})
+    offsets = entry[2].get(key)
+    if offsets is None:
+        offsets = entry[2][key] = _packed_blocks_cu(cu_seqlens, block_tokens, times, device)
+    return offsets
 
 
 @functools.lru_cache(maxsize=64)
@@ -374,7 +406,7 @@ def aligned_starts(layout: SeqLayout) -> torch.Tensor:
 
     TMA faults (an illegal instruction) when a tile's innermost coordinate is not 16-byte aligned, and a packed
     batch's sequences start anywhere: the Gluon forward reads V^T laid out with these starts."""
-    return _blocks_cu(layout, TOKEN_ALIGN, layout.cu_seqlens.device) * TOKEN_ALIGN
+    return _blocks_cu(layout, TOKEN_ALIGN, layout.cu_seqlens.device, times=TOKEN_ALIGN)
 
 
 def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,

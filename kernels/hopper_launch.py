@@ -84,19 +84,33 @@ def qk_blocks(head_dim):
     return first, head_dim - first
 
 
-def persistent_grid(num_items, programs, stand_in):
+# int32s a call's zeroed work counters take: one a launch, 16 bytes apart (a pointer Triton specializes as 16-byte
+# aligned, as a fresh allocation is), for the three backward launches; the op has the preparation pass zero them
+COUNTER_STRIDE = 4
+COUNTER_INTS = 16
+
+
+def counter_slot(counters, launch_index):
+    """The work counter of a call's ``launch_index``-th Gluon launch in ``counters`` (COUNTER_INTS zeroed int32s)."""
+    return None if counters is None else counters[launch_index * COUNTER_STRIDE:launch_index * COUNTER_STRIDE + 1]
+
+
+def persistent_grid(num_items, programs, stand_in, counter=None):
     """(grid, counter, dynamic) of a launch over ``num_items`` work items: ``programs`` persistent programs that
     take items from a zeroed int32 counter of the items handed out past each program's first (``dynamic``), when
-    that is fewer than the items; else one program an item (``stand_in``: a tensor passed as the unused counter)."""
+    that is fewer than the items; else one program an item (``stand_in``: a tensor passed as the unused counter).
+    ``counter``: a zeroed int32 (``counter_slot``) to use, instead of zeroing a new one (a launch)."""
     if not (programs and programs < num_items):
         return (num_items, ), stand_in, False
-    return (programs, ), torch.zeros(1, dtype=torch.int32, device=stand_in.device), True
+    if counter is None:
+        counter = torch.zeros(1, dtype=torch.int32, device=stand_in.device)
+    return (programs, ), counter, True
 
 
 def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
                         window, v_starts=None, consumers=2, consumer_regs=None, loader_regs=24, pingpong=None,
                         sinks=None, sink_shift=None, softcap=0.0, shift=None, named_barriers=None,
-                        programs=None, v_operand_order=False):
+                        programs=None, v_operand_order=False, counter=None):
     """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift``,
     ``softcap``, ``shift`` as there). ``pingpong`` defaults to on at V's head dim 128 and off at 64; the op
     passes ``dispatch.gluon_forward_pingpong``'s choice (off is faster for short unmasked calls and MLA's head
@@ -110,7 +124,8 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     Q and first K / V tiles load while this one's epilogue runs, and causal calls' items of unequal length balance
     (a static round-robin did not); None (or at least one per item): one program per work item.
     ``v_operand_order``: ``v8t`` from ``quantize_v(..., operand_order=True)`` (each 16 keys in the order P's
-    registers hold them, so P goes to ``P V`` without shuffles: kernels alone 1.01-1.11x, H200); the op's."""
+    registers hold them, so P goes to ``P V`` without shuffles: kernels alone 1.01-1.11x, H200); the op's.
+    ``counter``: the work counter, zeroed (``persistent_grid``'s)."""
     assert sink_shift is None or (sinks is not None and sink_shift.stride() == lse.stride())
     assert not softcap or (shift is not None and shift.stride() == lse.stride())
     assert not (softcap and sink_shift is not None), "capped scores are already the caller's"
@@ -140,7 +155,7 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
         raise ValueError("packed batches need v8t laid out with quantize.aligned_starts, passed as v_starts")
     num_m = cdiv(layout_q.max_len, consumers * forward_hopper.HALF_M.value)
     num_items = num_m * layout_q.num_seqs * num_heads
-    grid, counter, dynamic = persistent_grid(num_items, programs, lse)
+    grid, counter, dynamic = persistent_grid(num_items, programs, lse, counter)
     return grid, (
         q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_scale, k_scale, v_scale, out4, lse, cu_q, cu_k,
         v_starts if v_starts is not None else cu_k, sinks if sinks is not None else lse,
@@ -213,7 +228,7 @@ def _caller_desc(x4, block_shape, dtype):
 def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
                      window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None, block_q=None, softcap=0.0,
                      shift=None, programs=None, operand_order=False, packing=None, tile_ks=None, dq_acc=None,
-                     dq_buffers=3):
+                     dq_buffers=3, counter=None):
     """(grid, args, kwargs) of one key-tile launch, ``part`` "dv", "dk" or "dkdvq" (the one launch): ``[B, H, N, D]``
     tensors as ``backward.launch_backward`` takes them (``quant`` from ``quantize_qk(..., transposed=True)``;
     ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None where not written. ``operand_order``:
@@ -224,7 +239,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     a key block): the loader folds the item's K scale into the per-query vectors, one FMA a score less in S^T's
     dequantization (with a cap: in the cap's argument). ``part="dkdvq"``: dV and dK, and dQ added to ``dq_acc``
     (fp32, ``[B, H, N, D]`` contiguous, zeroed) by reduce-adds (backward_hopper._reduce_dq; dS K in the input
-    dtype: backward_hopper._k_operand)."""
+    dtype: backward_hopper._k_operand). ``counter``: the work counter, zeroed (``persistent_grid``'s)."""
     head_dim_v = v4.shape[3]
     assert part in ("dv", "dk", "dkdvq") and (head_dim, head_dim_v) in GLUON_HEAD_DIMS
     do_dv, do_dk, do_dq = part in ("dv", "dkdvq"), part in ("dk", "dkdvq"), part == "dkdvq"
@@ -272,7 +287,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     cu_q, cu_k, cu_qt, varlen, num_seqs, _, max_k = _packed(packing, bsz, n_q, n_k, lse)
     num_n = cdiv(max_k, backward_hopper.BLOCK_N.value)
     num_items = num_n * num_seqs * hk
-    grid, counter, dynamic = persistent_grid(num_items, programs, lse)
+    grid, counter, dynamic = persistent_grid(num_items, programs, lse, counter)
     return grid, (
         q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, dq_desc, q_scale, lse,
         do_scale, delta, q_scale_raw, shift, k_scale, dv4, dk4, counter, cu_q, cu_k, cu_qt, q_scale.stride(0),
@@ -300,12 +315,12 @@ def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk
 
 def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale,
                    consumer_regs=240, loader_regs=32, softcap=0.0, shift=None, row_ds=None, k_mean=None,
-                   programs=None, operand_order=False, packing=None):
+                   programs=None, operand_order=False, packing=None, counter=None):
     """(grid, args, kwargs) of the dQ launch: ``[B, H, N, D]`` tensors as ``backward.launch_backward`` takes them
     (``quant`` from ``quantize_qk(..., transposed=True)``, whose ``k8t`` is dQ's B operand; ``softcap``, ``shift``,
     ``row_ds``, ``k_mean`` as there). ``operand_order``: ``k8t`` holds each 16 keys in quantize's operand order
     (dkdv_hopper_args's). ``packing``: as dkdv_hopper_args's, its ``t_starts`` ``k8t``'s
-    (``quantize.aligned_starts(layout_k)``)."""
+    (``quantize.aligned_starts(layout_k)``). ``counter``: the work counter, zeroed (``persistent_grid``'s)."""
     head_dim_v = v4.shape[3]
     assert (head_dim, head_dim_v) in GLUON_HEAD_DIMS and dq4.stride(3) == 1
     block_k = dq_key_tile(head_dim)
@@ -335,7 +350,7 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
         assert k_mean.shape == (hk, num_seqs, d) and k_mean.stride(2) == 1 and k_mean.dtype == torch.float32
     num_m = cdiv(max_q, backward_hopper.BLOCK_M.value)
     num_items = num_m * num_seqs * hq
-    grid, counter, dynamic = persistent_grid(num_items, programs, lse)
+    grid, counter, dynamic = persistent_grid(num_items, programs, lse, counter)
     return grid, (
         q_desc, do_desc, k_desc, v_desc, kt_desc, q2_desc, k2_desc, kt2_desc, q_scale, lse, delta, shift, row_ds,
         lse if k_mean is None else k_mean, k_scale, dq4, counter, cu_q, cu_k, cu_kt,
@@ -373,7 +388,7 @@ def _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing):
 
 def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4, dv4, num_heads, num_kv_heads,
                            head_dim, window, softmax_scale, softcap=0.0, shift=None, row_ds=None,
-                           k_mean=None, packing=None, fused_dq=False, **tuning):
+                           k_mean=None, packing=None, fused_dq=False, counters=None, dq_acc=None, **tuning):
     """backward.launch_backward's contract on the Gluon kernels, without Q-smoothing: dV, dK and dQ as three
     launches, each gradient written once (deterministic). ``softcap`` > 0: capped scores
     (``shift`` as the forward's); ``k_mean``, ``row_ds``: as there. ``packing``: None for a padded batch; for a
@@ -381,7 +396,9 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
     laid out with those starts (``quantize.aligned_starts``). ``fused_dq``: one launch instead (``part="dkdvq"``,
     64-query tiles), dQ added up by reduce-adds in fp32, so not bit-identical run to run; no cap (the sinks'
     K-smoothing term is added after it: _add_sinks_row_term); ``dq4`` None: the fp32 dQ is returned instead of
-    copied into it (the caller frees the launch's inputs first)."""
+    copied into it (the caller frees the launch's inputs first). ``counters``: COUNTER_INTS zeroed int32s, the
+    launches' work counters (``counter_slot``), instead of one zeroed a launch; ``dq_acc``: the one launch's fp32 dQ
+    accumulator, zeroed (``[B, H, N, D]`` contiguous), instead of one zeroed here."""
     group = num_heads // num_kv_heads
     common = (num_heads, group, head_dim, window, softmax_scale)
     lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides
@@ -392,9 +409,10 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
     tuning = dict(tuning, softcap=softcap, shift=shift)
     do4, v4 = tma_addressable(do4), tma_addressable(v4)     # a copy, if one is needed, once for all launches
     if fused_dq:   # one launch: dQ by reduce-adds of dS K from the key-tile programs (not deterministic)
-        dq_acc = torch.zeros(quant.q8.shape, dtype=torch.float32, device=quant.q8.device)
+        if dq_acc is None:
+            dq_acc = torch.zeros(quant.q8.shape, dtype=torch.float32, device=quant.q8.device)
         launch_dkdv_hopper("dkdvq", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common,
-                           packing=key_tiles_packing, dq_acc=dq_acc, **tuning)
+                           packing=key_tiles_packing, dq_acc=dq_acc, counter=counter_slot(counters, 0), **tuning)
         if k_mean is not None:
             _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing)
         if dq4 is None:
@@ -402,8 +420,9 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
         dq4.copy_(dq_acc)
         return None
     launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, None, *common,
-                       packing=key_tiles_packing, **tuning)
+                       packing=key_tiles_packing, counter=counter_slot(counters, 0), **tuning)
     launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, None, dk4, *common,
-                       packing=key_tiles_packing, **tuning)
+                       packing=key_tiles_packing, counter=counter_slot(counters, 1), **tuning)
     launch_dq_hopper(quant, lse, do4, delta, v4, dq4, *common, row_ds=row_ds, k_mean=k_mean, packing=dq_packing,
+                     counter=counter_slot(counters, 2),
                      **{key: value for key, value in tuning.items() if key not in ("fold", "block_q", "tile_ks")})

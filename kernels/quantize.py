@@ -72,6 +72,7 @@ class QuantizedQK(NamedTuple):
     q_mean_cu: Optional[torch.Tensor]     # first block of each sequence
     k_mean: Optional[torch.Tensor]        # K-smoothing means [Hkv, S, D]
     q_shift: Optional[torch.Tensor]       # softmax_scale * q . mean(k) per query [B, H, N] (``row_shift``)
+    v_parts: Optional[tuple] = None       # V's channel maxima per chunk, for quantize_v (``fused`` with ``v4``)
     __getitem__ = _field_by_key
 
 
@@ -168,7 +169,7 @@ def _token_stats_kernel(
 
 @triton.jit
 def _quantize_kernel(
-    X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, SCALED, DELTA, CU, T_CU, DOTV, ROW_DOT,
+    X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, SCALED, DELTA, CU, T_CU, DOTV, ROW_DOT, PART, PART_CU, ZEROS, ZROWS,
     s_xb, s_xh, s_xt, s_xd,
     s_subh, s_subb, s_csh, s_csb,
     s_ob, s_oh, s_ot, s_od,
@@ -176,35 +177,64 @@ def _quantize_kernel(
     s_tb, s_th, s_td,
     s_sb, s_sh,
     s_dvh, s_dvb,
-    n_dense, num_heads, head_dim, sub_block, dot_group, dot_scale, scaled_factor,
+    s_ph, s_pb, s_zb, s_zh, s_zt,
+    n_dense, num_heads, head_dim, sub_block, dot_group, dot_scale, scaled_factor, chunk_tokens, part_factor,
     IS_VARLEN: tl.constexpr, HAS_SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, WITH_DELTA: tl.constexpr,
     WITH_SCALED: tl.constexpr,
     WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr, WITH_DOT: tl.constexpr,
     BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, OPERAND_ORDER: tl.constexpr = False,
+    FROM_PARTS: tl.constexpr = False, ZERO_INTS: tl.constexpr = 0, ZERO_ROWS: tl.constexpr = False,
 ):
+    """``FROM_PARTS``: the sequence's K mean (``HAS_SUB``) or V's channel scales (``PER_CHANNEL``) combined here from
+    the statistics pass's chunks (``PART``, sequence b's ``PART_CU[b]:PART_CU[b+1]``) as ``_combine_chunks_kernel``
+    combines them, and written to ``SUB`` / ``CSCALE`` by each sequence's first program: one launch less.
+    ``ZERO_INTS``: program (0, 0) zeroes that many int32s at ``ZEROS`` (the Gluon launches' work counters);
+    ``ZERO_ROWS``: every program zeroes its tokens' rows of ``ZROWS`` (fp32, ``X``'s shape: the one-launch
+    backward's dQ accumulator)."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
+    if ZERO_INTS > 0:   # (before any program returns: a first sequence may be empty)
+        if pid_t == 0 and pid_bh == 0:
+            tl.store(ZEROS + tl.arange(0, ZERO_INTS), tl.zeros([ZERO_INTS], tl.int32))
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     bx, t0, seqlen = _seq_bounds(CU, b, n_dense, IS_VARLEN)
     start = pid_t * BLOCK_T
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    if FROM_PARTS:   # the whole sequence's mean or channel maxima, from its chunks (an empty one's too)
+        blk0 = tl.load(PART_CU + b)
+        combined = _combined_parts(PART, s_ph, s_pb, h, blk0, tl.load(PART_CU + b + 1) - blk0, chunk_tokens,
+                                   seqlen, d_ok, part_factor, PER_CHANNEL, BLOCK_D)
+        if pid_t == 0:
+            if PER_CHANNEL:
+                tl.store(CSCALE + h * s_csh + b * s_csb + offs_d, combined, mask=d_ok)
+            else:
+                tl.store(SUB + h * s_subh + b * s_subb + offs_d, combined, mask=d_ok)
     if start >= seqlen:
         return
     rows = start + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
     t_ok = rows < seqlen
-    d_ok = offs_d < head_dim
     ok = t_ok[:, None] & d_ok[None, :]
+    if ZERO_ROWS:
+        tl.store(ZROWS + bx * s_zb + h * s_zh + (t0 + rows)[:, None] * s_zt + offs_d[None, :],
+                 tl.zeros([BLOCK_T, BLOCK_D], tl.float32), mask=ok)
     x = tl.load(X + bx * s_xb + h * s_xh + (t0 + rows)[:, None] * s_xt + offs_d[None, :] * s_xd,
                 mask=ok, other=0.0).to(tl.float32)
     if WITH_DOT:   # each row . one vector per (sequence, head group): Q's rows . mean(k), K-smoothing's shift
         vec = tl.load(DOTV + (h // dot_group) * s_dvh + b * s_dvb + offs_d, mask=d_ok, other=0.0)
         tl.store(ROW_DOT + bx * s_sb + h * s_sh + t0 + rows, tl.sum(x * vec[None, :], 1) * dot_scale, mask=t_ok)
     if HAS_SUB:   # K mean of the sequence, or the Q-smoothing mean of each row's block
-        blk = tl.load(SUB_CU + b) + rows // sub_block
-        x -= tl.load(SUB + h * s_subh + blk[:, None] * s_subb + offs_d[None, :], mask=ok, other=0.0)
+        if FROM_PARTS:
+            x -= tl.where(ok, combined[None, :], 0.0)
+        else:
+            blk = tl.load(SUB_CU + b) + rows // sub_block
+            x -= tl.load(SUB + h * s_subh + blk[:, None] * s_subb + offs_d[None, :], mask=ok, other=0.0)
     if PER_CHANNEL:
-        c_scale = tl.load(CSCALE + h * s_csh + b * s_csb + offs_d, mask=d_ok, other=0.0)
+        if FROM_PARTS:
+            c_scale = combined
+        else:
+            c_scale = tl.load(CSCALE + h * s_csh + b * s_csb + offs_d, mask=d_ok, other=0.0)
         y = x * tl.where(c_scale > 1e-32, 1.0 / c_scale, 0.0)[None, :]
     else:
         amax = tl.max(tl.abs(x), 1)
@@ -248,8 +278,11 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _combine_run(PART, OUT, s_ph, s_pb, s_oh, s_ob, b, h, blk0, chunks, chunk_tokens, n, d_ok, factor,
-                 ABS_MAX: tl.constexpr, BLOCK_D: tl.constexpr):
+def _combined_parts(PART, s_ph, s_pb, h, blk0, chunks, chunk_tokens, n, d_ok, factor, ABS_MAX: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """A sequence's mean (or max |x|) from its ``chunks`` chunks' at ``PART[h, blk0 + c]``, in a fixed order, times
+    ``factor``: the combine launch and the quantization pass that combines for itself run this same code, so both
+    give the same bits."""
     offs_d = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for c in range(0, chunks):
@@ -260,7 +293,16 @@ def _combine_run(PART, OUT, s_ph, s_pb, s_oh, s_ob, b, h, blk0, chunks, chunk_to
             acc += part * tl.minimum(chunk_tokens, n - c * chunk_tokens).to(tl.float32)
     if not ABS_MAX:
         acc = acc / tl.maximum(n, 1).to(tl.float32)
-    tl.store(OUT + h * s_oh + b * s_ob + offs_d, acc * factor, mask=d_ok)
+    return acc * factor
+
+
+@triton.jit
+def _combine_run(PART, OUT, s_ph, s_pb, s_oh, s_ob, b, h, blk0, chunks, chunk_tokens, n, d_ok, factor,
+                 ABS_MAX: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(OUT + h * s_oh + b * s_ob + offs_d,
+             _combined_parts(PART, s_ph, s_pb, h, blk0, chunks, chunk_tokens, n, d_ok, factor, ABS_MAX, BLOCK_D),
+             mask=d_ok)
 
 
 @triton.jit
@@ -411,7 +453,7 @@ def aligned_starts(layout: SeqLayout) -> torch.Tensor:
 
 def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
              channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
-             scaled=None, block_scale=False, operand_order=False):
+             scaled=None, block_scale=False, operand_order=False, parts=None, zero_ints=None, zero_rows=None):
     """One pass over ``x4`` ``[B, H, N, D]`` -> ``Quantized`` with ``x8`` (natural ``[B, H, N, D]``), ``x8t``
     (``[B, H, D, N_pad]``), ``scale`` (per token ``[B, H, N]``, unless ``channel_scale`` given) and
     ``delta`` (``rowsum(x * out_for_delta)``) as asked. ``t_starts`` (packed batches): each sequence's first
@@ -419,7 +461,12 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
     factor)``: also ``row_dot`` ``[B, H, N]``, each token of head h dotted with its sequence's vector of head
     h // group (before ``sub``), times factor. ``scaled`` (a float): also ``scaled``, the scales times it.
     ``block_scale``: one scale per ``K_SCALE_BLOCK`` tokens of each sequence (K's rule), still stored per token.
-    ``operand_order``: ``x8t``'s tokens permuted inside each 16 of a sequence (``operand_order_columns``)."""
+    ``operand_order``: ``x8t``'s tokens permuted inside each 16 of a sequence (``operand_order_columns``).
+    ``parts = (chunks, chunks_cu, factor)``: ``sub`` (a whole sequence's mean, written here) or ``channel_scale``
+    (written here) combined in this pass from the statistics pass's chunks (``_stats(..., block_tokens=
+    STATS_CHUNK)``; ``factor`` as the combine's), the same bits as the combine launch would give.
+    ``zero_ints``: an int32 tensor (a power of two of them) zeroed by the pass; ``zero_rows``: an fp32 tensor of
+    ``x4``'s shape (contiguous last dim) whose rows the pass zeroes."""
     bsz, h, n, d = x4.shape
     dev = x4.device
     x8 = torch.empty(bsz, h, n, d, dtype=torch.int8, device=dev) if natural else None
@@ -438,6 +485,9 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
     any_out = next(t for t in (x8, x8t) if t is not None)
     block_t, num_warps = (K_SCALE_BLOCK, 8) if block_scale else QUANTIZE_TILE
     assert not (block_scale and channel_scale is not None)
+    assert parts is None or (channel_scale is not None or (sub is not None and sub_block == 1 << 30))
+    assert zero_ints is None or (zero_ints.dtype == torch.int32 and zero_ints.numel() & (zero_ints.numel() - 1) == 0)
+    assert zero_rows is None or (zero_rows.shape == x4.shape and zero_rows.stride(3) == 1)
     grid = (cdiv(max(layout.max_len, 1), block_t), layout.num_seqs * h)
     launch(
         _quantize_kernel, grid,
@@ -449,15 +499,19 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
         delta if delta is not None else x4,
         layout.cu_seqlens if layout.is_varlen else any_out, t_starts if t_starts is not None else any_out,
         dot[0] if dot is not None else x4, row_dot if row_dot is not None else x4,
+        parts[0] if parts is not None else x4, parts[1] if parts is not None else any_out,
+        zero_ints if zero_ints is not None else any_out, zero_rows if zero_rows is not None else x4,
         *strides4(x4), *strides3(sub)[:2], *strides3(channel_scale)[:2], *strides4(out_for_delta),
         *strides4(x8)[:3], *strides4(x8t)[:3], *strides3(scale if scale is not None else delta)[:2],
         *strides3(dot[0] if dot is not None else None)[:2],
+        *strides3(parts[0] if parts is not None else None)[:2], *strides4(zero_rows)[:3],
         n, h, d, sub_block or 1, dot[1] if dot is not None else 1, float(dot[2]) if dot is not None else 1.0,
-        float(scaled) if scaled is not None else 1.0,
+        float(scaled) if scaled is not None else 1.0, STATS_CHUNK, float(parts[2]) if parts is not None else 1.0,
         IS_VARLEN=layout.is_varlen, HAS_SUB=sub is not None, PER_CHANNEL=channel_scale is not None,
         WITH_DELTA=delta is not None, WITH_SCALED=scaled is not None, WRITE_NATURAL=natural, WRITE_T=transposed,
         HAS_T_CU=t_starts is not None, WITH_DOT=dot is not None, BLOCK_SCALE=block_scale, BLOCK_T=block_t,
-        BLOCK_D=_block_d(d), OPERAND_ORDER=operand_order,
+        BLOCK_D=_block_d(d), OPERAND_ORDER=operand_order, FROM_PARTS=parts is not None,
+        ZERO_INTS=0 if zero_ints is None else zero_ints.numel(), ZERO_ROWS=zero_rows is not None,
         num_warps=num_warps,
     )
     return Quantized(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot, scaled=scaled_out)
@@ -465,7 +519,8 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
 
 def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float,
                 k_smoothing: bool, q_smoothing: bool, transposed: bool = False, row_shift: bool = False, v4=None,
-                operand_order: bool = False, t_starts_q=None, t_starts_k=None, k_transposed: Optional[bool] = None):
+                operand_order: bool = False, t_starts_q=None, t_starts_k=None, k_transposed: Optional[bool] = None,
+                fused: bool = False, zero_ints=None, zero_rows=None):
     """INT8 Q and K for ``S = Q K^T`` (and, with ``transposed``, their token-major copies for the backward).
 
     Returns a ``QuantizedQK``: ``q8, q_scale`` (softmax scale and log2(e) folded in, so the kernels use exp2),
@@ -477,27 +532,44 @@ def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale:
     ``operand_order``: ``q8t`` and ``k8t`` in ``quantize``'s operand order (the Gluon backward's);
     ``t_starts_q`` / ``t_starts_k``: their sequences' first columns (packed batches: ``aligned_starts``).
     ``k_transposed`` (default: ``transposed``): whether K's token-major copy is made (the Hopper one launch reads
-    only Q's; its ``k8t`` is then None)."""
-    k_sub = k_cu = v_scale = None
+    only Q's; its ``k8t`` is then None).
+    ``fused``: the same bytes in fewer launches: where a sequence is longer than a statistics chunk, K's pass
+    combines K's mean from the chunks itself (no combine launch), and V's channel scales are left to
+    ``quantize_v`` as chunks (``v_parts``; ``v_scale`` None); ``zero_ints`` / ``zero_rows`` are zeroed by Q's pass
+    (``quantize``'s)."""
+    k_sub = k_cu = v_scale = k_parts = v_parts = None
     v_stats = (v4, True, 1.0 / 127.0) if v4 is not None else None
-    if k_smoothing:   # softmax is unchanged: every score of a row moves by the same q . mean(k)
+    if fused and layout_k.max_len > STATS_CHUNK and (k_smoothing or v4 is not None):
+        # the chunks _stats would combine, combined instead by the passes that read them
+        chunks, chunks_cu, v_chunks = _stats(k4 if k_smoothing else v4, layout_k, not k_smoothing,
+                                             block_tokens=STATS_CHUNK,
+                                             second=(v4, True, 1.0) if k_smoothing and v4 is not None else None)
+        if k_smoothing:
+            k_parts = (chunks, chunks_cu, 1.0)
+            k_sub = torch.empty(k4.shape[1], layout_k.num_seqs, k4.shape[3], device=k4.device, dtype=torch.float32)
+        else:
+            v_chunks = chunks
+        if v4 is not None:
+            v_parts = (v_chunks, chunks_cu, 1.0 / 127.0)
+    elif k_smoothing:   # softmax is unchanged: every score of a row moves by the same q . mean(k)
         k_sub, k_cu, v_scale = _stats(k4, layout_k, False, second=v_stats)
     elif v4 is not None:
         v_scale = _stats(v4, layout_k, True, factor=1.0 / 127.0)[0]
     k_transposed = transposed if k_transposed is None else k_transposed
     k = quantize(k4, layout_k, sub=k_sub, sub_cu=k_cu, sub_block=1 << 30, transposed=k_transposed,
-                 block_scale=k4.shape[-1] in K_BLOCK_HEAD_DIMS, operand_order=operand_order, t_starts=t_starts_k)
+                 block_scale=k4.shape[-1] in K_BLOCK_HEAD_DIMS, operand_order=operand_order, t_starts=t_starts_k,
+                 parts=k_parts)
     q_mean = q_cu = None
     if q_smoothing:   # S = (q - q_mean) K^T + q_mean K^T; the second term is added back in fp32
         q_mean, q_cu = token_stats(q4, layout_q, abs_max=False, block_tokens=Q_SMOOTH_BLOCK)
     dot = (k_sub, q4.shape[1] // k4.shape[1], softmax_scale) if row_shift and k_smoothing else None
     q = quantize(q4, layout_q, sub=q_mean, sub_cu=q_cu, sub_block=Q_SMOOTH_BLOCK,
                  transposed=transposed and not q_smoothing, dot=dot, scaled=softmax_scale * LOG2E,
-                 operand_order=operand_order, t_starts=t_starts_q)
+                 operand_order=operand_order, t_starts=t_starts_q, zero_ints=zero_ints, zero_rows=zero_rows)
     return QuantizedQK(q8=q.x8, q_scale=q.scaled, q_scale_raw=q.scale, v_scale=v_scale,
                        q8t=q.x8t, k8=k.x8, k_scale=k.scale, k8t=k.x8t,
                        q_mean=None if q_mean is None else q_mean * (softmax_scale * LOG2E), q_mean_cu=q_cu,
-                       k_mean=k_sub, q_shift=q.row_dot)
+                       k_mean=k_sub, q_shift=q.row_dot, v_parts=v_parts)
 
 
 def operand_order_columns(n: int) -> torch.Tensor:
@@ -509,13 +581,16 @@ def operand_order_columns(n: int) -> torch.Tensor:
     return torch.arange(n) - c + (c & 1) + ((c >> 3) & 1) * 2 + ((c >> 1) & 1) * 4 + ((c >> 2) & 1) * 8
 
 
-def quantize_v(v4: torch.Tensor, layout: SeqLayout, t_starts=None, v_scale=None, operand_order=False):
+def quantize_v(v4: torch.Tensor, layout: SeqLayout, t_starts=None, v_scale=None, operand_order=False, v_parts=None):
     """Per-channel INT8 V in token-major layout: (``v8t [B, H, D, N_pad]``, ``v_scale`` viewed ``[S, H, D]``);
     ``t_starts`` as ``quantize``'s; ``v_scale`` ``[H, S, D]`` if already taken (``quantize_qk(..., v4=)``);
     ``operand_order``: each sequence's tokens permuted inside each 16 as the Gluon forward reads them
-    (``operand_order_columns``)."""
-    if v_scale is None:
+    (``operand_order_columns``); ``v_parts``: ``quantize_qk(..., fused=True)``'s, the scales combined by this pass.
+    """
+    if v_parts is not None:
+        v_scale = torch.empty(v4.shape[1], layout.num_seqs, v4.shape[3], device=v4.device, dtype=torch.float32)
+    elif v_scale is None:
         v_scale = _stats(v4, layout, True, factor=1.0 / 127.0)[0]      # [H, S, D]
     v8t = quantize(v4, layout, channel_scale=v_scale, natural=False, transposed=True, t_starts=t_starts,
-                   operand_order=operand_order).x8t
+                   operand_order=operand_order, parts=v_parts).x8t
     return v8t, v_scale.transpose(0, 1)

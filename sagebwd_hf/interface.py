@@ -220,17 +220,23 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
     lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
-    quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, row_shift=need_shift, v4=v4)
-    shift = _kernel_shift(quant) if need_shift else None
     # (an empty side has nothing to tile: a TMA descriptor cannot have a zero extent)
     gluon = q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
                                                                       lay_k.max_len, softcap=bool(softcap),
                                                                       head_dim_v=v4.shape[3],
                                                                       masked=tuple(window) != (-1, -1))
+    counters = None
+    if gluon:
+        from .kernels.hopper_launch import COUNTER_INTS, counter_slot, launch_forward_hopper   # imports Gluon
+        counters = torch.empty(COUNTER_INTS, dtype=torch.int32, device=q.device)   # zeroed by Q's pass
+    # fused: K's pass combines K's mean, V's its scales, Q's zeroes the launch's work counter (fewer launches)
+    quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, row_shift=need_shift, v4=v4,
+                        fused=True, zero_ints=counters)
+    shift = _kernel_shift(quant) if need_shift else None
     # the Gluon kernel reads V^T by TMA, whose tiles must start 16-byte aligned: packed sequences are laid so
     v_starts = aligned_starts(lay_k) if gluon and varlen else None
     # (the Gluon forward reads V^T's keys in the order its P registers hold them: quantize.operand_order_columns)
-    v8t, v_scale = quantize_v(v4, lay_k, v_starts, quant.v_scale, operand_order=gluon)
+    v8t, v_scale = quantize_v(v4, lay_k, v_starts, quant.v_scale, operand_order=gluon, v_parts=quant.v_parts)
     lse = torch.empty(q4.shape[:3], device=q.device, dtype=torch.float32)
     _poisoned(out, lse)
     args = (quant, v8t, v_scale, as_bhnd(out, varlen), lse, lay_q, lay_k, q4.shape[1], q4.shape[1] // k4.shape[1],
@@ -238,13 +244,13 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
     sink_args = {} if sinks is None else dict(sinks=sinks.contiguous(), sink_shift=_sink_shift(shift, softcap))
     cap_args = dict(softcap=softcap, shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
     if gluon:
-        from .kernels.hopper_launch import launch_forward_hopper   # imports Gluon: only where it runs
         masked = tuple(window) != (-1, -1)
         consumers = dispatch.gluon_forward_consumers(q4.shape[3], masked, bool(softcap), lay_q.max_len)
         pingpong = consumers == 2 and dispatch.gluon_forward_pingpong(q4.shape[3], v4.shape[3], masked,
                                                                       bool(softcap), lay_q.max_len)
         launch_forward_hopper(*args, v_starts=v_starts, consumers=consumers, pingpong=pingpong, v_operand_order=True,
-                              programs=dispatch.gluon_programs(q.device), **cap_args, **sink_args)
+                              programs=dispatch.gluon_programs(q.device), counter=counter_slot(counters, 0),
+                              **cap_args, **sink_args)
         dispatch.count("fwd_gluon")
     else:
         launch_forward(*args, cfg["fwd"], **cap_args, **sink_args)
@@ -324,8 +330,16 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     # packed batches on the Gluon kernels: each sequence's token-major copy starts 16-aligned (TMA)
     starts_q = aligned_starts(lay_q) if gluon and varlen else None
     starts_k = aligned_starts(lay_k) if gluon and varlen else None
+    counters = dq_acc = None
+    if gluon:
+        from .kernels.hopper_launch import COUNTER_INTS, launch_backward_hopper   # imports Gluon: only where it runs
+        # the launches' work counters and the one launch's fp32 dQ accumulator, zeroed by Q's pass (no fills)
+        counters = torch.empty(COUNTER_INTS, dtype=torch.int32, device=q.device)
+        if one_launch:
+            dq_acc = torch.empty(q4.shape, dtype=torch.float32, device=q.device)
     quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, transposed=True, row_shift=need_shift,
-                        operand_order=gluon, t_starts_q=starts_q, t_starts_k=starts_k, k_transposed=not one_launch)
+                        operand_order=gluon, t_starts_q=starts_q, t_starts_k=starts_k, k_transposed=not one_launch,
+                        fused=True, zero_ints=counters, zero_rows=dq_acc)
     shift = _kernel_shift(quant) if need_shift else None
     if q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
         raw = quantize(q4, lay_q, natural=False, transposed=True)
@@ -342,13 +356,13 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     term = dict(k_mean=quant.k_mean if need_shift else None, row_ds=row_ds)
     cap_args = dict(softcap=softcap, shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
     if gluon:
-        from .kernels.hopper_launch import launch_backward_hopper   # imports Gluon: only where it runs
         dq_acc = launch_backward_hopper(quant, v4, do4, do_q.x8t, do_q.scale, lse, do_q.delta,
                                         None if one_launch else as_bhnd(dq, varlen), as_bhnd(dk, varlen),
                                         as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3], window, scale,
                                         programs=dispatch.gluon_programs(q.device, backward=True),
                                         operand_order=True, packing=(lay_q, lay_k, starts_q, starts_k) if varlen
-                                        else None, fused_dq=one_launch, **term, **cap_args)
+                                        else None, fused_dq=one_launch, counters=counters, dq_acc=dq_acc, **term,
+                                        **cap_args)
         dispatch.count("bwd_gluon_one_launch" if one_launch else "bwd_gluon")
         if one_launch:
             del quant, q8rt, q_scale_raw, do_q, term

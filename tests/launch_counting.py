@@ -64,11 +64,12 @@ def _use_gluon_as_on_hopper(device, head_dim, q_smoothing, varlen=False, seqlen_
 
 
 @contextlib.contextmanager
-def stubbed_launches(hopper: bool):
-    """Record every launch instead of running it (``Launches``); with ``hopper`` the op takes its Gluon path."""
+def stubbed_launches(hopper: bool, launches=None):
+    """Record every launch instead of running it (in ``launches``, a ``Launches``); with ``hopper`` the op takes its
+    Gluon path."""
     from sagebwd_hf.kernels import hopper_launch
 
-    launches = Launches()
+    launches = Launches() if launches is None else launches
     patches = [(module, "launch", launches) for module in (quantize, forward, backward, hopper_launch)]
     patches.append((interface, "_POISON", False))     # the tests' NaN fills are not the op's
     if hopper:

@@ -92,3 +92,36 @@ def test_dout_pass_zeroes_what_it_is_given(device):
     for field in ("x8t", "scale", "delta"):
         _equal(getattr(ref, field), getattr(new, field), field)
     assert not counters.any()
+
+
+# (path, options) -> (forward, backward) kernels of one call (Triton/Gluon launches plus torch kernels), at N=1K,
+# causal, B=2, H=16 (more work items than an H100's SMs: every Gluon launch is persistent). Before the preparation
+# was fused (2026-11): Hopper D=128 7 + 11, D=64 7 + 9, packed D=128 27 + 41; portable 6 + 7, packed 17 + 19.
+LAUNCHES = {
+    "hopper_d128": (True, dict(head_dim=128), (5, 7)),           # stats, K, Q, V, forward | stats, K, Q, dO, 3
+    "hopper_d64": (True, dict(head_dim=64), (5, 6)),             # ... | stats, K, Q, dO, one launch, dQ's copy
+    "hopper_d64_deterministic": (True, dict(head_dim=64, deterministic=True), (5, 7)),
+    "hopper_d128_gqa": (True, dict(head_dim=128, kv_heads=4, batch=8), (5, 7)),
+    "hopper_d128_packed": (True, dict(head_dim=128, packed=True), (8, 11)),
+    "hopper_d64_packed": (True, dict(head_dim=64, packed=True), (8, 9)),
+    "portable_d128": (False, dict(head_dim=128), (5, 6)),        # (CPU tiles: dK and dV in one launch)
+    "portable_d128_packed": (False, dict(head_dim=128, packed=True), (8, 10)),
+    "portable_d128_q_smoothing": (False, dict(head_dim=128, q_smoothing=True), (7, 9)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAUNCHES))
+def test_launches_per_call(case):
+    hopper, options, (fwd, bwd) = LAUNCHES[case]
+    counts, names = count_call(hopper, causal=True, **options)
+    got = (counts["fwd"][0] + counts["fwd"][1], counts["bwd"][0] + counts["bwd"][1])
+    assert got[0] <= fwd and got[1] <= bwd, f"{case}: {got} kernels (forward, backward), at most {(fwd, bwd)}: {names}"
+    assert got == (fwd, bwd), f"{case}: fewer kernels than this test knows ({got}): lower its bounds"
+
+
+def test_sinks_and_softcap_launch_no_more_preparation():
+    """With a cap and sinks the preparation launches are the plain call's (the sinks' own math is torch ops)."""
+    plain, _ = count_call(True, causal=True, head_dim=128)
+    capped, names = count_call(True, causal=True, head_dim=128, softcap=30.0,
+                               sinks=torch.zeros(16, requires_grad=True))
+    assert capped["fwd"][0] == plain["fwd"][0] and capped["bwd"][0] == plain["bwd"][0], names

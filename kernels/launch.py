@@ -90,9 +90,14 @@ def _arg_key(a):
     raise _Uncached
 
 
+_Tensor = torch.Tensor
+
+
 def _key(args):
-    # ints (strides, sizes) are most arguments: inline, without a call each
-    return tuple([a if a.__class__ is int else _arg_key(a) for a in args])
+    # ints (strides, sizes) are most arguments and plain tensors the next most: both inline, without a call each
+    # (a tensor's key as _arg_key's; a subclass, such as a Parameter, goes through _arg_key)
+    return tuple([a if a.__class__ is int else (a.dtype, a.data_ptr() % 16 == 0) if a.__class__ is _Tensor
+                  else _arg_key(a) for a in args])
 
 
 def _hooks_installed() -> bool:

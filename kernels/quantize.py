@@ -15,10 +15,17 @@ Scales (all fp32, symmetric, ``x ~ scale * x8``):
 Products that reduce over tokens need their INT8 operand token-contiguous (Hopper's 8-bit wgmma is K-major
 only), so those tensors get a transposed copy ``[B, H, D, N_pad]``, written by the same pass.
 
-Two kernels: ``_token_stats_kernel`` (mean or max|x| over runs of tokens: the K mean, the Q-smoothing
-block means, V's channel scales) and ``_quantize_kernel`` (one read of the input, INT8 out in either
-layout, the scales, and for dO also ``delta = rowsum(dO * O)``). Each program reduces its own tokens in a
-fixed order: no atomics, so forward and backward quantize the same input to the same bytes.
+Kernels: ``_token_stats_kernel`` (mean or max|x| over runs of tokens: the K mean, the Q-smoothing
+block means, V's channel scales; per 512-token chunk for long sequences, then ``_combine_chunks_kernel``) and
+``_quantize_kernel`` (one read of the input, INT8 out in either layout, the scales, and for dO also
+``delta = rowsum(dO * O)``); ``_quantize_pair_kernel`` runs two inputs' quantization programs in one launch.
+Each program reduces its own tokens in a fixed order: no atomics, so forward and backward quantize the same
+input to the same bytes.
+
+The op's launches (``prepare_forward``, ``prepare_backward``): the statistics; K's pass, which combines K's
+mean from the chunks itself; then Q's pass with V's (the forward; V's combining its channel scales) or with
+dO's (the backward) in one launch, Q's also zeroing the Gluon launches' work counters and the one-launch
+backward's dQ accumulator. Every byte is the separate passes' (tests/test_launch_count.py compares them).
 """
 import functools
 import warnings
@@ -168,31 +175,27 @@ def _token_stats_kernel(
 
 
 @triton.jit
-def _quantize_kernel(
+def _quantize_program(
+    pid_t, pid_bh,
     X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, SCALED, DELTA, CU, T_CU, DOTV, ROW_DOT, PART, PART_CU, ZEROS, ZROWS,
-    s_xb, s_xh, s_xt, s_xd,
-    s_subh, s_subb, s_csh, s_csb,
-    s_ob, s_oh, s_ot, s_od,
-    s_8b, s_8h, s_8t,
-    s_tb, s_th, s_td,
-    s_sb, s_sh,
-    s_dvh, s_dvb,
-    s_ph, s_pb, s_zb, s_zh, s_zt,
-    n_dense, num_heads, head_dim, sub_block, dot_group, dot_scale, scaled_factor, chunk_tokens, part_factor,
+    s_xb, s_xh, s_xt, s_xd, s_subh, s_subb, s_csh, s_csb, s_ob, s_oh, s_ot, s_od, s_8b, s_8h, s_8t, s_tb, s_th,
+    s_td, s_sb, s_sh, s_dvh, s_dvb, s_ph, s_pb, s_zb, s_zh, s_zt, n_dense, num_heads, head_dim, sub_block,
+    dot_group, dot_scale, scaled_factor, chunk_tokens, part_factor,
     IS_VARLEN: tl.constexpr, HAS_SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, WITH_DELTA: tl.constexpr,
-    WITH_SCALED: tl.constexpr,
-    WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr, WITH_DOT: tl.constexpr,
-    BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, OPERAND_ORDER: tl.constexpr = False,
-    FROM_PARTS: tl.constexpr = False, ZERO_INTS: tl.constexpr = 0, ZERO_ROWS: tl.constexpr = False,
+    WITH_SCALED: tl.constexpr, WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr,
+    WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    OPERAND_ORDER: tl.constexpr = False, FROM_PARTS: tl.constexpr = False, ZERO_INTS: tl.constexpr = 0,
+    ZERO_ROWS: tl.constexpr = False,
 ):
-    """``FROM_PARTS``: the sequence's K mean (``HAS_SUB``) or V's channel scales (``PER_CHANNEL``) combined here from
+    """One program of ``_quantize_kernel`` (``pid_bh`` int64: every head/batch offset in 64 bits, see
+    _seq_bounds).
+
+    ``FROM_PARTS``: the sequence's K mean (``HAS_SUB``) or V's channel scales (``PER_CHANNEL``) combined here from
     the statistics pass's chunks (``PART``, sequence b's ``PART_CU[b]:PART_CU[b+1]``) as ``_combine_chunks_kernel``
     combines them, and written to ``SUB`` / ``CSCALE`` by each sequence's first program: one launch less.
     ``ZERO_INTS``: program (0, 0) zeroes that many int32s at ``ZEROS`` (the Gluon launches' work counters);
     ``ZERO_ROWS``: every program zeroes its tokens' rows of ``ZROWS`` (fp32, ``X``'s shape: the one-launch
     backward's dQ accumulator)."""
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
     if ZERO_INTS > 0:   # (before any program returns: a first sequence may be empty)
         if pid_t == 0 and pid_bh == 0:
             tl.store(ZEROS + tl.arange(0, ZERO_INTS), tl.zeros([ZERO_INTS], tl.int32))
@@ -275,6 +278,90 @@ def _quantize_kernel(
         o = tl.load(O + bx * s_ob + h * s_oh + (t0 + rows)[:, None] * s_ot + offs_d[None, :] * s_od,
                     mask=ok, other=0.0).to(tl.float32)
         tl.store(DELTA + bx * s_sb + h * s_sh + t0 + rows, tl.sum(x * o, 1), mask=t_ok)
+
+
+@triton.jit
+def _quantize_kernel(
+    X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, SCALED, DELTA, CU, T_CU, DOTV, ROW_DOT, PART, PART_CU, ZEROS, ZROWS,
+    s_xb, s_xh, s_xt, s_xd, s_subh, s_subb, s_csh, s_csb, s_ob, s_oh, s_ot, s_od, s_8b, s_8h, s_8t, s_tb, s_th,
+    s_td, s_sb, s_sh, s_dvh, s_dvb, s_ph, s_pb, s_zb, s_zh, s_zt, n_dense, num_heads, head_dim, sub_block,
+    dot_group, dot_scale, scaled_factor, chunk_tokens, part_factor,
+    IS_VARLEN: tl.constexpr, HAS_SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, WITH_DELTA: tl.constexpr,
+    WITH_SCALED: tl.constexpr, WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr,
+    WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    OPERAND_ORDER: tl.constexpr = False, FROM_PARTS: tl.constexpr = False, ZERO_INTS: tl.constexpr = 0,
+    ZERO_ROWS: tl.constexpr = False,
+):
+    """Quantizes one input (``quantize``): programs (token tile, sequence x head); ``_quantize_program``."""
+    _quantize_program(
+        tl.program_id(0), tl.program_id(1).to(tl.int64),
+        X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, SCALED, DELTA, CU, T_CU, DOTV, ROW_DOT, PART, PART_CU, ZEROS,
+        ZROWS, s_xb, s_xh, s_xt, s_xd, s_subh, s_subb, s_csh, s_csb, s_ob, s_oh, s_ot, s_od, s_8b, s_8h, s_8t, s_tb,
+        s_th, s_td, s_sb, s_sh, s_dvh, s_dvb, s_ph, s_pb, s_zb, s_zh, s_zt, n_dense, num_heads, head_dim, sub_block,
+        dot_group, dot_scale, scaled_factor, chunk_tokens, part_factor,
+        IS_VARLEN=IS_VARLEN, HAS_SUB=HAS_SUB, PER_CHANNEL=PER_CHANNEL, WITH_DELTA=WITH_DELTA,
+        WITH_SCALED=WITH_SCALED, WRITE_NATURAL=WRITE_NATURAL, WRITE_T=WRITE_T, HAS_T_CU=HAS_T_CU, WITH_DOT=WITH_DOT,
+        BLOCK_SCALE=BLOCK_SCALE, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, OPERAND_ORDER=OPERAND_ORDER,
+        FROM_PARTS=FROM_PARTS, ZERO_INTS=ZERO_INTS, ZERO_ROWS=ZERO_ROWS,
+    )
+
+
+@triton.jit
+def _quantize_pair_kernel(
+    X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, SCALED, DELTA, CU, T_CU, DOTV, ROW_DOT, PART, PART_CU, ZEROS, ZROWS,
+    s_xb, s_xh, s_xt, s_xd, s_subh, s_subb, s_csh, s_csb, s_ob, s_oh, s_ot, s_od, s_8b, s_8h, s_8t, s_tb, s_th,
+    s_td, s_sb, s_sh, s_dvh, s_dvb, s_ph, s_pb, s_zb, s_zh, s_zt, n_dense, num_heads, head_dim, sub_block,
+    dot_group, dot_scale, scaled_factor, chunk_tokens, part_factor,
+    X_b, SUB_b, SUB_CU_b, CSCALE_b, O_b, X8_b, X8T_b, SCALE_b, SCALED_b, DELTA_b, CU_b, T_CU_b, DOTV_b, ROW_DOT_b,
+    PART_b, PART_CU_b, ZEROS_b, ZROWS_b, s_xb_b, s_xh_b, s_xt_b, s_xd_b, s_subh_b, s_subb_b, s_csh_b, s_csb_b,
+    s_ob_b, s_oh_b, s_ot_b, s_od_b, s_8b_b, s_8h_b, s_8t_b, s_tb_b, s_th_b, s_td_b, s_sb_b, s_sh_b, s_dvh_b,
+    s_dvb_b, s_ph_b, s_pb_b, s_zb_b, s_zh_b, s_zt_b, n_dense_b, num_heads_b, head_dim_b, sub_block_b, dot_group_b,
+    dot_scale_b, scaled_factor_b, chunk_tokens_b, part_factor_b,
+    programs_bh, programs_bh_b,
+    IS_VARLEN: tl.constexpr, HAS_SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, WITH_DELTA: tl.constexpr,
+    WITH_SCALED: tl.constexpr, WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr,
+    WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    OPERAND_ORDER: tl.constexpr, FROM_PARTS: tl.constexpr, ZERO_INTS: tl.constexpr,
+    ZERO_ROWS: tl.constexpr,
+    IS_VARLEN_B: tl.constexpr, HAS_SUB_B: tl.constexpr, PER_CHANNEL_B: tl.constexpr, WITH_DELTA_B: tl.constexpr,
+    WITH_SCALED_B: tl.constexpr, WRITE_NATURAL_B: tl.constexpr, WRITE_T_B: tl.constexpr, HAS_T_CU_B: tl.constexpr,
+    WITH_DOT_B: tl.constexpr, BLOCK_SCALE_B: tl.constexpr, BLOCK_T_B: tl.constexpr, BLOCK_D_B: tl.constexpr,
+    OPERAND_ORDER_B: tl.constexpr, FROM_PARTS_B: tl.constexpr, ZERO_INTS_B: tl.constexpr,
+    ZERO_ROWS_B: tl.constexpr,
+):
+    """Two inputs quantized in one launch (``quantize_pair``): grid axis 2 picks the input, its arguments the
+    plain ones or those ending in ``_b`` / ``_B``; each program runs ``_quantize_program`` as ``_quantize_kernel``
+    would for that input (same tile, same warps: the same bytes). ``programs_bh``: each input's sequences x
+    heads (the grid's axis 1 is the larger of the two)."""
+    pid_bh = tl.program_id(1).to(tl.int64)
+    if tl.program_id(2) == 0:
+        if pid_bh < programs_bh:
+            _quantize_program(
+                tl.program_id(0), pid_bh,
+                X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, SCALED, DELTA, CU, T_CU, DOTV, ROW_DOT, PART, PART_CU,
+                ZEROS, ZROWS, s_xb, s_xh, s_xt, s_xd, s_subh, s_subb, s_csh, s_csb, s_ob, s_oh, s_ot, s_od, s_8b,
+                s_8h, s_8t, s_tb, s_th, s_td, s_sb, s_sh, s_dvh, s_dvb, s_ph, s_pb, s_zb, s_zh, s_zt, n_dense,
+                num_heads, head_dim, sub_block, dot_group, dot_scale, scaled_factor, chunk_tokens, part_factor,
+                IS_VARLEN=IS_VARLEN, HAS_SUB=HAS_SUB, PER_CHANNEL=PER_CHANNEL, WITH_DELTA=WITH_DELTA,
+                WITH_SCALED=WITH_SCALED, WRITE_NATURAL=WRITE_NATURAL, WRITE_T=WRITE_T, HAS_T_CU=HAS_T_CU,
+                WITH_DOT=WITH_DOT, BLOCK_SCALE=BLOCK_SCALE, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+                OPERAND_ORDER=OPERAND_ORDER, FROM_PARTS=FROM_PARTS, ZERO_INTS=ZERO_INTS, ZERO_ROWS=ZERO_ROWS,
+            )
+    else:
+        if pid_bh < programs_bh_b:
+            _quantize_program(
+                tl.program_id(0), pid_bh,
+                X_b, SUB_b, SUB_CU_b, CSCALE_b, O_b, X8_b, X8T_b, SCALE_b, SCALED_b, DELTA_b, CU_b, T_CU_b, DOTV_b,
+                ROW_DOT_b, PART_b, PART_CU_b, ZEROS_b, ZROWS_b, s_xb_b, s_xh_b, s_xt_b, s_xd_b, s_subh_b, s_subb_b,
+                s_csh_b, s_csb_b, s_ob_b, s_oh_b, s_ot_b, s_od_b, s_8b_b, s_8h_b, s_8t_b, s_tb_b, s_th_b, s_td_b,
+                s_sb_b, s_sh_b, s_dvh_b, s_dvb_b, s_ph_b, s_pb_b, s_zb_b, s_zh_b, s_zt_b, n_dense_b, num_heads_b,
+                head_dim_b, sub_block_b, dot_group_b, dot_scale_b, scaled_factor_b, chunk_tokens_b, part_factor_b,
+                IS_VARLEN=IS_VARLEN_B, HAS_SUB=HAS_SUB_B, PER_CHANNEL=PER_CHANNEL_B, WITH_DELTA=WITH_DELTA_B,
+                WITH_SCALED=WITH_SCALED_B, WRITE_NATURAL=WRITE_NATURAL_B, WRITE_T=WRITE_T_B, HAS_T_CU=HAS_T_CU_B,
+                WITH_DOT=WITH_DOT_B, BLOCK_SCALE=BLOCK_SCALE_B, BLOCK_T=BLOCK_T_B, BLOCK_D=BLOCK_D_B,
+                OPERAND_ORDER=OPERAND_ORDER_B, FROM_PARTS=FROM_PARTS_B, ZERO_INTS=ZERO_INTS_B,
+                ZERO_ROWS=ZERO_ROWS_B,
+            )
 
 
 @triton.jit
@@ -451,22 +538,11 @@ def aligned_starts(layout: SeqLayout) -> torch.Tensor:
     return _blocks_cu(layout, TOKEN_ALIGN, layout.cu_seqlens.device, times=TOKEN_ALIGN)
 
 
-def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
-             channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
-             scaled=None, block_scale=False, operand_order=False, parts=None, zero_ints=None, zero_rows=None):
-    """One pass over ``x4`` ``[B, H, N, D]`` -> ``Quantized`` with ``x8`` (natural ``[B, H, N, D]``), ``x8t``
-    (``[B, H, D, N_pad]``), ``scale`` (per token ``[B, H, N]``, unless ``channel_scale`` given) and
-    ``delta`` (``rowsum(x * out_for_delta)``) as asked. ``t_starts`` (packed batches): each sequence's first
-    column in ``x8t`` (``aligned_starts``) instead of its first token. ``dot = (vectors [Hv, S, D], group,
-    factor)``: also ``row_dot`` ``[B, H, N]``, each token of head h dotted with its sequence's vector of head
-    h // group (before ``sub``), times factor. ``scaled`` (a float): also ``scaled``, the scales times it.
-    ``block_scale``: one scale per ``K_SCALE_BLOCK`` tokens of each sequence (K's rule), still stored per token.
-    ``operand_order``: ``x8t``'s tokens permuted inside each 16 of a sequence (``operand_order_columns``).
-    ``parts = (chunks, chunks_cu, factor)``: ``sub`` (a whole sequence's mean, written here) or ``channel_scale``
-    (written here) combined in this pass from the statistics pass's chunks (``_stats(..., block_tokens=
-    STATS_CHUNK)``; ``factor`` as the combine's), the same bits as the combine launch would give.
-    ``zero_ints``: an int32 tensor (a power of two of them) zeroed by the pass; ``zero_rows``: an fp32 tensor of
-    ``x4``'s shape (contiguous last dim) whose rows the pass zeroes."""
+def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
+                     channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
+                     scaled=None, block_scale=False, operand_order=False, parts=None, zero_ints=None,
+                     zero_rows=None):
+    """``quantize``'s outputs and its launch, not made: (``Quantized``, grid, arguments, constexprs, warps)."""
     bsz, h, n, d = x4.shape
     dev = x4.device
     x8 = torch.empty(bsz, h, n, d, dtype=torch.int8, device=dev) if natural else None
@@ -489,8 +565,7 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
     assert zero_ints is None or (zero_ints.dtype == torch.int32 and zero_ints.numel() & (zero_ints.numel() - 1) == 0)
     assert zero_rows is None or (zero_rows.shape == x4.shape and zero_rows.stride(3) == 1)
     grid = (cdiv(max(layout.max_len, 1), block_t), layout.num_seqs * h)
-    launch(
-        _quantize_kernel, grid,
+    args = (
         x4, sub if sub is not None else x4, sub_cu if sub_cu is not None else any_out,
         channel_scale if channel_scale is not None else x4,
         out_for_delta if out_for_delta is not None else x4,
@@ -507,14 +582,53 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
         *strides3(parts[0] if parts is not None else None)[:2], *strides4(zero_rows)[:3],
         n, h, d, sub_block or 1, dot[1] if dot is not None else 1, float(dot[2]) if dot is not None else 1.0,
         float(scaled) if scaled is not None else 1.0, STATS_CHUNK, float(parts[2]) if parts is not None else 1.0,
+    )
+    constexprs = dict(
         IS_VARLEN=layout.is_varlen, HAS_SUB=sub is not None, PER_CHANNEL=channel_scale is not None,
         WITH_DELTA=delta is not None, WITH_SCALED=scaled is not None, WRITE_NATURAL=natural, WRITE_T=transposed,
         HAS_T_CU=t_starts is not None, WITH_DOT=dot is not None, BLOCK_SCALE=block_scale, BLOCK_T=block_t,
         BLOCK_D=_block_d(d), OPERAND_ORDER=operand_order, FROM_PARTS=parts is not None,
         ZERO_INTS=0 if zero_ints is None else zero_ints.numel(), ZERO_ROWS=zero_rows is not None,
-        num_warps=num_warps,
     )
-    return Quantized(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot, scaled=scaled_out)
+    return (Quantized(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot, scaled=scaled_out), grid, args,
+            constexprs, num_warps)
+
+
+def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
+             channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
+             scaled=None, block_scale=False, operand_order=False, parts=None, zero_ints=None, zero_rows=None):
+    """One pass over ``x4`` ``[B, H, N, D]`` -> ``Quantized`` with ``x8`` (natural ``[B, H, N, D]``), ``x8t``
+    (``[B, H, D, N_pad]``), ``scale`` (per token ``[B, H, N]``, unless ``channel_scale`` given) and
+    ``delta`` (``rowsum(x * out_for_delta)``) as asked. ``t_starts`` (packed batches): each sequence's first
+    column in ``x8t`` (``aligned_starts``) instead of its first token. ``dot = (vectors [Hv, S, D], group,
+    factor)``: also ``row_dot`` ``[B, H, N]``, each token of head h dotted with its sequence's vector of head
+    h // group (before ``sub``), times factor. ``scaled`` (a float): also ``scaled``, the scales times it.
+    ``block_scale``: one scale per ``K_SCALE_BLOCK`` tokens of each sequence (K's rule), still stored per token.
+    ``operand_order``: ``x8t``'s tokens permuted inside each 16 of a sequence (``operand_order_columns``).
+    ``parts = (chunks, chunks_cu, factor)``: ``sub`` (a whole sequence's mean, written here) or ``channel_scale``
+    (written here) combined in this pass from the statistics pass's chunks (``_stats(..., block_tokens=
+    STATS_CHUNK)``; ``factor`` as the combine's), the same bits as the combine launch would give.
+    ``zero_ints``: an int32 tensor (a power of two of them) zeroed by the pass; ``zero_rows``: an fp32 tensor of
+    ``x4``'s shape (contiguous last dim) whose rows the pass zeroes."""
+    result, grid, args, constexprs, num_warps = _quantize_launch(
+        x4, layout, sub=sub, sub_cu=sub_cu, sub_block=sub_block, channel_scale=channel_scale, natural=natural,
+        transposed=transposed, out_for_delta=out_for_delta, t_starts=t_starts, dot=dot, scaled=scaled,
+        block_scale=block_scale, operand_order=operand_order, parts=parts, zero_ints=zero_ints, zero_rows=zero_rows)
+    launch(_quantize_kernel, grid, *args, **constexprs, num_warps=num_warps)
+    return result
+
+
+def quantize_pair(x4, layout, options, x4_b, layout_b, options_b):
+    """``quantize(x4, layout, **options)`` and ``quantize(x4_b, layout_b, **options_b)`` in one launch (the same
+    bytes: each input's programs are the ones ``quantize`` would launch, same tile and warps); both must take the
+    same program tile (neither ``block_scale``). Returns the two ``Quantized``."""
+    first, grid, args, constexprs, warps = _quantize_launch(x4, layout, **options)
+    second, grid_b, args_b, constexprs_b, warps_b = _quantize_launch(x4_b, layout_b, **options_b)
+    assert warps == warps_b and constexprs["BLOCK_T"] == constexprs_b["BLOCK_T"], "one program tile for both"
+    launch(_quantize_pair_kernel, (max(grid[0], grid_b[0]), max(grid[1], grid_b[1]), 2), *args, *args_b,
+           grid[1], grid_b[1], **constexprs, **{name + "_B": value for name, value in constexprs_b.items()},
+           num_warps=warps)
+    return first, second
 
 
 def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float,
@@ -537,6 +651,15 @@ def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale:
     combines K's mean from the chunks itself (no combine launch), and V's channel scales are left to
     ``quantize_v`` as chunks (``v_parts``; ``v_scale`` None); ``zero_ints`` / ``zero_rows`` are zeroed by Q's pass
     (``quantize``'s)."""
+    return _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoothing, transposed, row_shift, v4,
+                        operand_order, t_starts_q, t_starts_k, k_transposed, fused, zero_ints, zero_rows)[0]
+
+
+def _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoothing, transposed, row_shift, v4,
+                 operand_order, t_starts_q, t_starts_k, k_transposed, fused, zero_ints, zero_rows, partner=None):
+    """quantize_qk, and with ``partner`` a second input quantized in Q's launch (``quantize_pair``):
+    ``partner(v_scale, v_parts)`` gives its ``(x4, layout, options)``; returns (QuantizedQK, its Quantized or
+    None)."""
     k_sub = k_cu = v_scale = k_parts = v_parts = None
     v_stats = (v4, True, 1.0 / 127.0) if v4 is not None else None
     if fused and layout_k.max_len > STATS_CHUNK and (k_smoothing or v4 is not None):
@@ -563,13 +686,18 @@ def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale:
     if q_smoothing:   # S = (q - q_mean) K^T + q_mean K^T; the second term is added back in fp32
         q_mean, q_cu = token_stats(q4, layout_q, abs_max=False, block_tokens=Q_SMOOTH_BLOCK)
     dot = (k_sub, q4.shape[1] // k4.shape[1], softmax_scale) if row_shift and k_smoothing else None
-    q = quantize(q4, layout_q, sub=q_mean, sub_cu=q_cu, sub_block=Q_SMOOTH_BLOCK,
-                 transposed=transposed and not q_smoothing, dot=dot, scaled=softmax_scale * LOG2E,
-                 operand_order=operand_order, t_starts=t_starts_q, zero_ints=zero_ints, zero_rows=zero_rows)
+    q_options = dict(sub=q_mean, sub_cu=q_cu, sub_block=Q_SMOOTH_BLOCK, transposed=transposed and not q_smoothing,
+                     dot=dot, scaled=softmax_scale * LOG2E, operand_order=operand_order, t_starts=t_starts_q,
+                     zero_ints=zero_ints, zero_rows=zero_rows)
+    paired = None
+    if partner is None:
+        q = quantize(q4, layout_q, **q_options)
+    else:
+        q, paired = quantize_pair(q4, layout_q, q_options, *partner(v_scale, v_parts))
     return QuantizedQK(q8=q.x8, q_scale=q.scaled, q_scale_raw=q.scale, v_scale=v_scale,
                        q8t=q.x8t, k8=k.x8, k_scale=k.scale, k8t=k.x8t,
                        q_mean=None if q_mean is None else q_mean * (softmax_scale * LOG2E), q_mean_cu=q_cu,
-                       k_mean=k_sub, q_shift=q.row_dot, v_parts=v_parts)
+                       k_mean=k_sub, q_shift=q.row_dot, v_parts=v_parts), paired
 
 
 def operand_order_columns(n: int) -> torch.Tensor:
@@ -587,10 +715,45 @@ def quantize_v(v4: torch.Tensor, layout: SeqLayout, t_starts=None, v_scale=None,
     ``operand_order``: each sequence's tokens permuted inside each 16 as the Gluon forward reads them
     (``operand_order_columns``); ``v_parts``: ``quantize_qk(..., fused=True)``'s, the scales combined by this pass.
     """
+    v_scale, options = _v_options(v4, layout, t_starts, v_scale, operand_order, v_parts)
+    return quantize(v4, layout, **options).x8t, v_scale.transpose(0, 1)
+
+
+def _v_options(v4, layout, t_starts, v_scale, operand_order, v_parts):
+    """(V's scales ``[H, S, D]``, ``quantize``'s options for V's pass) of ``quantize_v``."""
     if v_parts is not None:
         v_scale = torch.empty(v4.shape[1], layout.num_seqs, v4.shape[3], device=v4.device, dtype=torch.float32)
     elif v_scale is None:
         v_scale = _stats(v4, layout, True, factor=1.0 / 127.0)[0]      # [H, S, D]
-    v8t = quantize(v4, layout, channel_scale=v_scale, natural=False, transposed=True, t_starts=t_starts,
-                   operand_order=operand_order, parts=v_parts).x8t
-    return v8t, v_scale.transpose(0, 1)
+    return v_scale, dict(channel_scale=v_scale, natural=False, transposed=True, t_starts=t_starts,
+                         operand_order=operand_order, parts=v_parts)
+
+
+def prepare_forward(q4, k4, v4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float, k_smoothing: bool,
+                    q_smoothing: bool, row_shift: bool = False, v_starts=None, v_operand_order: bool = False,
+                    zero_ints=None):
+    """The forward's preparation in the fewest launches: ``quantize_qk(..., v4=v4, fused=True)`` and
+    ``quantize_v`` with V quantized in Q's launch (the same bytes as the separate passes). Returns
+    (``QuantizedQK``, ``v8t``, ``v_scale``) as those give them."""
+    v_scale = []
+
+    def v_pass(scale, parts):
+        scale, options = _v_options(v4, layout_k, v_starts, scale, v_operand_order, parts)
+        v_scale.append(scale)
+        return v4, layout_k, options
+    quant, v = _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoothing, False, row_shift, v4,
+                            False, None, None, None, True, zero_ints, None, partner=v_pass)
+    return quant, v.x8t, v_scale[0].transpose(0, 1)
+
+
+def prepare_backward(q4, k4, do4, o4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float,
+                     k_smoothing: bool, q_smoothing: bool, row_shift: bool = False, operand_order: bool = False,
+                     t_starts_q=None, t_starts_k=None, k_transposed: bool = True, zero_ints=None, zero_rows=None):
+    """The backward's preparation in the fewest launches: ``quantize_qk(..., transposed=True, fused=True)`` and dO's
+    pass (``quantize(do4, natural=False, transposed=True, out_for_delta=o4)``: token-major INT8, scales, delta) in
+    Q's launch (the same bytes as the separate passes). Returns (``QuantizedQK``, dO's ``Quantized``)."""
+    do_options = dict(natural=False, transposed=True, out_for_delta=o4, operand_order=operand_order,
+                      t_starts=t_starts_q)
+    return _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoothing, True, row_shift, None,
+                        operand_order, t_starts_q, t_starts_k, k_transposed, True, zero_ints, zero_rows,
+                        partner=lambda scale, parts: (do4, layout_q, do_options))

@@ -25,7 +25,7 @@ from .kernels import dispatch
 from .kernels.backward import launch_backward
 from .kernels.forward import block_dim, launch_forward
 from .kernels.layout import SeqLayout, as_bhnd
-from .kernels.quantize import aligned_starts, quantize, quantize_qk, quantize_v
+from .kernels.quantize import aligned_starts, prepare_backward, prepare_forward, quantize
 
 _PACKAGE = __name__.split(".")[0] + "."
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -229,14 +229,15 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
     if gluon:
         from .kernels.hopper_launch import COUNTER_INTS, counter_slot, launch_forward_hopper   # imports Gluon
         counters = torch.empty(COUNTER_INTS, dtype=torch.int32, device=q.device)   # zeroed by Q's pass
-    # fused: K's pass combines K's mean, V's its scales, Q's zeroes the launch's work counter (fewer launches)
-    quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, row_shift=need_shift, v4=v4,
-                        fused=True, zero_ints=counters)
-    shift = _kernel_shift(quant) if need_shift else None
     # the Gluon kernel reads V^T by TMA, whose tiles must start 16-byte aligned: packed sequences are laid so
     v_starts = aligned_starts(lay_k) if gluon and varlen else None
-    # (the Gluon forward reads V^T's keys in the order its P registers hold them: quantize.operand_order_columns)
-    v8t, v_scale = quantize_v(v4, lay_k, v_starts, quant.v_scale, operand_order=gluon, v_parts=quant.v_parts)
+    # K's and V's statistics, K's pass (combining K's mean), Q's and V's in one launch (V's combining its scales;
+    # Q's zeroing the launch's work counter); the Gluon forward reads V^T's keys in the order its P registers hold
+    # them (quantize.operand_order_columns)
+    quant, v8t, v_scale = prepare_forward(q4, k4, v4, lay_q, lay_k, scale, k_smoothing, q_smoothing,
+                                          row_shift=need_shift, v_starts=v_starts, v_operand_order=gluon,
+                                          zero_ints=counters)
+    shift = _kernel_shift(quant) if need_shift else None
     lse = torch.empty(q4.shape[:3], device=q.device, dtype=torch.float32)
     _poisoned(out, lse)
     args = (quant, v8t, v_scale, as_bhnd(out, varlen), lse, lay_q, lay_k, q4.shape[1], q4.shape[1] // k4.shape[1],
@@ -337,17 +338,16 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
         counters = torch.empty(COUNTER_INTS, dtype=torch.int32, device=q.device)
         if one_launch:
             dq_acc = torch.empty(q4.shape, dtype=torch.float32, device=q.device)
-    quant = quantize_qk(q4, k4, lay_q, lay_k, scale, k_smoothing, q_smoothing, transposed=True, row_shift=need_shift,
-                        operand_order=gluon, t_starts_q=starts_q, t_starts_k=starts_k, k_transposed=not one_launch,
-                        fused=True, zero_ints=counters, zero_rows=dq_acc)
+    # K's statistics, K's pass, then Q's and dO's (with delta = rowsum(dO * O)) in one launch
+    quant, do_q = prepare_backward(q4, k4, do4, o4, lay_q, lay_k, scale, k_smoothing, q_smoothing,
+                                   row_shift=need_shift, operand_order=gluon, t_starts_q=starts_q, t_starts_k=starts_k,
+                                   k_transposed=not one_launch, zero_ints=counters, zero_rows=dq_acc)
     shift = _kernel_shift(quant) if need_shift else None
     if q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
         raw = quantize(q4, lay_q, natural=False, transposed=True)
         q8rt, q_scale_raw = raw.x8t, raw.scale
     else:
         q8rt, q_scale_raw = quant.q8t, quant.q_scale_raw
-    do_q = quantize(do4, lay_q, natural=False, transposed=True, out_for_delta=o4, operand_order=gluon,
-                    t_starts=starts_q)
     dsinks = row_ds = None
     if sinks is not None:   # from delta = rowsum(dO * O), which dO's pass gives
         dsinks, row_ds = sink_math.sink_grads(do_q.delta, lse, sinks,

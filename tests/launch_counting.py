@@ -72,6 +72,7 @@ def stubbed_launches(hopper: bool, launches=None):
     launches = Launches() if launches is None else launches
     patches = [(module, "launch", launches) for module in (quantize, forward, backward, hopper_launch)]
     patches.append((interface, "_POISON", False))     # the tests' NaN fills are not the op's
+    patches.append((interface, "_use_triton", lambda x: True))   # CPU tensors take the kernels' path, GPU or not
     if hopper:
         patches += [(dispatch, "use_gluon", _use_gluon_as_on_hopper),
                     (dispatch, "gluon_unavailable", lambda device: None),

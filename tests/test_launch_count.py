@@ -11,7 +11,8 @@ import torch
 from conftest import kernel_devices
 from launch_counting import count_call
 from sagebwd_hf.kernels.layout import SeqLayout
-from sagebwd_hf.kernels.quantize import STATS_CHUNK, aligned_starts, quantize, quantize_qk, quantize_v
+from sagebwd_hf.kernels.quantize import (STATS_CHUNK, aligned_starts, prepare_backward, prepare_forward, quantize,
+                                         quantize_qk, quantize_v)
 
 
 def _layout(lengths, heads, head_dim, device, gen):
@@ -78,6 +79,34 @@ def test_fused_preparation_is_bit_identical(device, shape, head_dim, k_smoothing
             new_v = quantize_v(v4, lay, starts, new.v_scale, operand_order=starts is not None, v_parts=new.v_parts)
             _equal(ref_v[0], new_v[0], "v8t")
             _equal(ref_v[1], new_v[1], "v_scale")
+            # V in Q's launch
+            counters.fill_(7)
+            both, v8t, v_scale = prepare_forward(q4, k4, v4, lay, lay, scale, k_smoothing, q_smoothing,
+                                                 row_shift=k_smoothing, v_starts=starts,
+                                                 v_operand_order=starts is not None, zero_ints=counters)
+            for field in ref._fields:
+                if field not in ("v_scale", "v_parts"):
+                    _equal(getattr(ref, field), getattr(both, field), field)
+            _equal(ref_v[0], v8t, "v8t in Q's launch")
+            _equal(ref_v[1], v_scale, "v_scale in Q's launch")
+            assert not counters.any()
+        else:
+            # dO (with delta) in Q's launch
+            do4, _ = _layout(lengths, heads, head_dim, device, gen)
+            o4, _ = _layout(lengths, heads, head_dim, device, gen)
+            ref_do = quantize(do4, lay, natural=False, transposed=True, out_for_delta=o4,
+                              operand_order=common["operand_order"], t_starts=starts)
+            counters.fill_(7)
+            rows.fill_(float("nan"))
+            both, do_q = prepare_backward(q4, k4, do4, o4, lay, lay, scale, k_smoothing, q_smoothing,
+                                          row_shift=k_smoothing, operand_order=common["operand_order"],
+                                          t_starts_q=starts, t_starts_k=starts, zero_ints=counters, zero_rows=rows)
+            for field in ref._fields:
+                if field not in ("v_scale", "v_parts"):
+                    _equal(getattr(ref, field), getattr(both, field), field)
+            for field in ("x8t", "scale", "delta"):
+                _equal(getattr(ref_do, field), getattr(do_q, field), "dO's " + field)
+            assert not counters.any() and not rows.isnan().any() and not rows.any()
 
 
 @pytest.mark.parametrize("device", kernel_devices())
@@ -98,15 +127,16 @@ def test_dout_pass_zeroes_what_it_is_given(device):
 # causal, B=2, H=16 (more work items than an H100's SMs: every Gluon launch is persistent). Before the preparation
 # was fused (2026-11): Hopper D=128 7 + 11, D=64 7 + 9, packed D=128 27 + 41; portable 6 + 7, packed 17 + 19.
 LAUNCHES = {
-    "hopper_d128": (True, dict(head_dim=128), (5, 7)),           # stats, K, Q, V, forward | stats, K, Q, dO, 3
-    "hopper_d64": (True, dict(head_dim=64), (5, 6)),             # ... | stats, K, Q, dO, one launch, dQ's copy
-    "hopper_d64_deterministic": (True, dict(head_dim=64, deterministic=True), (5, 7)),
-    "hopper_d128_gqa": (True, dict(head_dim=128, kv_heads=4, batch=8), (5, 7)),
-    "hopper_d128_packed": (True, dict(head_dim=128, packed=True), (8, 11)),
-    "hopper_d64_packed": (True, dict(head_dim=64, packed=True), (8, 9)),
-    "portable_d128": (False, dict(head_dim=128), (5, 6)),        # (CPU tiles: dK and dV in one launch)
-    "portable_d128_packed": (False, dict(head_dim=128, packed=True), (8, 10)),
-    "portable_d128_q_smoothing": (False, dict(head_dim=128, q_smoothing=True), (7, 9)),
+    "hopper_d128": (True, dict(head_dim=128), (4, 6)),           # stats, K, Q+V, forward | stats, K, Q+dO, 3
+    "hopper_d64": (True, dict(head_dim=64), (4, 5)),             # ... | stats, K, Q+dO, one launch, dQ's copy
+    "hopper_d64_deterministic": (True, dict(head_dim=64, deterministic=True), (4, 6)),
+    "hopper_d128_gqa": (True, dict(head_dim=128, kv_heads=4, batch=8), (4, 6)),
+    # (packed: the token-major copies' padding columns zeroed, and the statistics chunks of an unknown count)
+    "hopper_d128_packed": (True, dict(head_dim=128, packed=True), (7, 10)),
+    "hopper_d64_packed": (True, dict(head_dim=64, packed=True), (7, 8)),
+    "portable_d128": (False, dict(head_dim=128), (4, 5)),        # (CPU tiles: dK and dV in one launch)
+    "portable_d128_packed": (False, dict(head_dim=128, packed=True), (7, 9)),
+    "portable_d128_q_smoothing": (False, dict(head_dim=128, q_smoothing=True), (6, 8)),
 }
 
 

@@ -51,12 +51,19 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--packed", action="store_true")
+    ap.add_argument("--device", default="meta", choices=["meta", "cpu"],
+                    help="meta (default): tensors without data, so the op's torch ops (fills, copies) cost only their "
+                         "dispatch, as they do on a GPU's host; cpu: real tensors (a CPU copy of dQ then costs ms)")
     ap.add_argument("--profile", action="store_true", help="cProfile the Hopper path's forward + backward")
     args = ap.parse_args()
     b, h, n, d = args.shape
     (q, k, v), cu, do = inputs(b, h, args.kv_heads or h, n, d, packed=args.packed)
+    if args.device == "meta":
+        assert not args.packed, "a packed batch's offsets are checked from their values: --device cpu"
+        q, k, v = (x.detach().to("meta").requires_grad_() for x in (q, k, v))
+        do = do.to("meta")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; shape B={b} H={h} "
-          f"N={n} D={d}{' packed' if args.packed else ''}, causal")
+          f"N={n} D={d}{' packed' if args.packed else ''}, causal, {args.device} tensors")
     for hopper in (True, False):
         keyed = KeyedLaunches()
         with stubbed_launches(hopper, keyed):

@@ -15,7 +15,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import backward_hopper, forward_hopper
 from .constants import GLUON_HEAD_DIMS, K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E, ONE_LAUNCH_QUERY_TILE
-from .launch import launch
+from .launch import descriptor_key, launch
 from .layout import cdiv, tma_addressable, token_rows
 
 
@@ -66,9 +66,18 @@ def tma_descriptor(base, shape, strides, block_shape, dtype=gl.int8):
         raise ValueError(f"TMA cannot address this memory: base {base.data_ptr():#x}, shape {list(shape)}, "
                          f"strides {list(strides)}, {esize}-byte elements")
     desc = object.__new__(TensorDescriptor)
+    block_shape = tuple(block_shape)
     desc.__dict__.update(base=base, shape=list(shape), strides=list(strides), block_shape=list(block_shape),
-                         layout=shared_layout(tuple(block_shape), dtype), padding="zero")
+                         layout=shared_layout(block_shape, dtype), padding="zero",
+                         launch_key=_launch_key(block_shape, dtype, base.dtype))
     return desc
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_key(block_shape, dtype, base_dtype):
+    """kernels/launch.py's key of a descriptor from tma_descriptor (made once per kind)."""
+    return descriptor_key(base_dtype, block_shape, shared_layout(block_shape, dtype), "zero",
+                          getattr(TensorDescriptor, "round_f32_to_tf32", None))   # (its default, as launch.py reads it)
 
 
 def tma_desc_2d(x2d, block_shape, dtype=gl.int8):

@@ -58,6 +58,7 @@ CHECK = os.environ.get("SAGEBWD_CHECK_LAUNCH") == "1"
 _compiled = {}
 MAX_ENTRIES = 4096   # ints are keyed by value: a stream of new shapes must not grow the cache without bound
 _descriptor_types = set()
+_descriptor_ids = {}    # a TMA descriptor's key -> the small key standing for it (descriptor_key)
 
 
 class _Uncached(Exception):
@@ -76,8 +77,8 @@ def _arg_key(a):
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
     if cls in _descriptor_types:   # (padding, and 3.8's tf32 rounding: what else Triton specializes them on)
-        return (a.base.dtype, tuple(a.block_shape), a.layout, getattr(a, "padding", None),
-                getattr(a, "round_f32_to_tf32", None))
+        return a.__dict__.get("launch_key") or descriptor_key(
+            a.base.dtype, a.block_shape, a.layout, getattr(a, "padding", None), getattr(a, "round_f32_to_tf32", None))
     if cls is float:
         return float
     if cls is bool:
@@ -91,6 +92,17 @@ def _arg_key(a):
 
 
 _Tensor = torch.Tensor
+
+
+def descriptor_key(base_dtype, block_shape, layout, padding, round_f32_to_tf32=None):
+    """A TMA descriptor's key: one small tuple for each (dtype, block, layout, padding, rounding). A descriptor
+    made with it as its ``launch_key`` attribute (hopper_launch.tma_descriptor, once per kind of descriptor) is
+    keyed without hashing and comparing its Gluon layout (Python methods) at every launch."""
+    key = (base_dtype, tuple(block_shape), layout, padding, round_f32_to_tf32)
+    small = _descriptor_ids.get(key)
+    if small is None:
+        small = _descriptor_ids[key] = ("tma descriptor", len(_descriptor_ids))
+    return small
 
 
 def _key(args):

@@ -155,3 +155,19 @@ def test_sinks_and_softcap_launch_no_more_preparation():
     capped, names = count_call(True, causal=True, head_dim=128, softcap=30.0,
                                sinks=torch.zeros(16, requires_grad=True))
     assert capped["fwd"][0] == plain["fwd"][0] and capped["bwd"][0] == plain["bwd"][0], names
+
+
+def test_descriptor_launch_key_is_its_fields_key():
+    """A TMA descriptor from hopper_launch carries launch.py's key of its fields (so launches skip hashing its
+    layout): the same key as one computed from the fields, and another for another block or dtype."""
+    from sagebwd_hf.kernels import hopper_launch, launch
+
+    def key(x, block, dtype=hopper_launch.gl.int8):
+        desc = hopper_launch.tma_desc_2d(x, block, dtype)
+        fields = dict(vars(desc), launch_key=None, round_f32_to_tf32=getattr(desc, "round_f32_to_tf32", None))
+        computed = launch._arg_key(type("Fields", (), fields)())
+        assert launch._arg_key(desc) == desc.launch_key == computed
+        return desc.launch_key
+    x8, x16 = torch.zeros(256, 64, dtype=torch.int8), torch.zeros(256, 64, dtype=torch.bfloat16)
+    assert key(x8, [128, 64]) == key(x8[128:], [128, 64])
+    assert len({key(x8, [128, 64]), key(x8, [64, 64]), key(x16, [128, 64], hopper_launch.gl.bfloat16)}) == 3

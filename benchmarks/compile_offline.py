@@ -117,6 +117,8 @@ def make_inputs(mod, a):
     if a.softcap:   # a capped call: the cap and the row shift (q_scale's layout) as interface passes them
         kw.update(softcap=a.softcap, shift=vec())
     if a.kernel == "dq":
+        if a.row_sums:   # a shard of a row's keys: K's means for the row term, the kernel's own dS sums
+            kw.update(k_mean=torch.empty(hk, b, d))
         return mod.dq_hopper_args(quant, lse, do4, vec(), v4, torch.empty(b, h, n, d, dtype=torch.bfloat16), h,
                                   h // hk, d, window, d ** -0.5, **kw)
     do8t = torch.empty(b, h, dv, npad, dtype=torch.int8)
@@ -201,6 +203,8 @@ def main():
     p.add_argument("--packed", action="store_true", help="a packed batch (--batch sequences of --seqlen tokens)")
     p.add_argument("--kw", default="{}", help="JSON dict of extra keywords of the *_hopper_args builder")
     p.add_argument("--softcap", type=float, default=0.0, help="a capped call (e.g. 50)")
+    p.add_argument("--row-sums", action="store_true",
+                   help="dq: a shard of each row's keys (K-smoothing's row term from the kernel's own dS sums)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 

@@ -14,8 +14,9 @@ With ``SOFTCAP`` both kernels recompute the capped scores as the forward does an
 derivative ``1 - tanh^2``.
 
 ``ROW_TERM`` (dQ): K-smoothing scores K - mean(k), which leaves ``rowsum(dS) * mean(k)`` (``KMEAN``) out of dQ:
-zero when a row's dS sum to zero, but not with a cap (the kernel sums its own dS) or with sinks (the sink's share,
-given in ``ROW_DS``). The epilogue adds it.
+zero when a row's dS sum to zero, but not with a cap or over one shard of a row's keys (ring attention's merged
+lse): there the kernel sums its own dS (``ROW_SUMS``); with sinks the sink's share is given in ``ROW_DS``. The
+epilogue adds it.
 
 P and dS are quantized on the fly with one scale per row of the reduced-over tile: per key for dV and dK
 (reduction over queries), per query for dQ (reduction over keys). The other operand's per-token scale is
@@ -265,13 +266,13 @@ def _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, 
               window_right,
               s_k8t, s_ktd, s_vt, s_vd, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr,
               MASK_RIGHT: tl.constexpr, Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-              FAST_TANH: tl.constexpr):
+              FAST_TANH: tl.constexpr, ROW_SUMS: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         dq, row_ds = _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base,
                               K8T_base, KS_base, V_base, tl.multiple_of(start_n, BLOCK_N), offs_m, offs_n, offs_d,
                               d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right, s_k8t, s_ktd,
                               s_vt, s_vd,
-                              MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP, FAST_TANH)
+                              MASKED, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP, FAST_TANH, ROW_SUMS)
     return dq, row_ds
 
 
@@ -282,7 +283,7 @@ def _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K
              s_k8t, s_ktd, s_vt, s_vd,
              MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
              Q_SMOOTH: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-             FAST_TANH: tl.constexpr):
+             FAST_TANH: tl.constexpr, ROW_SUMS: tl.constexpr):
     cols = start_n + offs_n
     n_ok = cols < seqlen_k
     dn_ok = d_ok[:, None] & n_ok[None, :]
@@ -315,7 +316,7 @@ def _dq_tile(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
         ds = _through_cap(ds, th)
-        # (keys past the end are unmasked in the middle tiles: their K scale zeroes them in dQ, not here)
+    if ROW_SUMS:   # (keys past the end are unmasked in the middle tiles: their K scale zeroes them in dQ, not here)
         row_ds += tl.sum(tl.where(n_ok[None, :], ds, 0.0), 1)
 
     # dQ += dS K, K's per-token scale folded into dS
@@ -342,7 +343,8 @@ def _attn_bwd_dq_kernel(
     n_q, n_k, num_heads, group, head_dim, head_dim_v, window_left, window_right, softmax_scale, softcap2,
     IS_VARLEN: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     Q_SMOOTH: tl.constexpr, QSB: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-    FAST_TANH: tl.constexpr, ROW_TERM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST_TANH: tl.constexpr, ROW_TERM: tl.constexpr, ROW_SUMS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -393,20 +395,20 @@ def _attn_bwd_dq_kernel(
                            KS_base, V_base, lo, full_lo,
                    offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
                    s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP,
-                   FAST_TANH)
+                   FAST_TANH, ROW_SUMS)
     dq, row_ds = _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base,
                            KS_base, V_base, full_lo, full_hi,
                    offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
                    s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, False, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP,
-                   FAST_TANH)
+                   FAST_TANH, ROW_SUMS)
     dq, row_ds = _dq_tiles(dq, row_ds, q8, q_scale, q_mean, shift, softcap2, do, lse, delta, K8_base, K8T_base,
                            KS_base, V_base, full_hi, hi,
                    offs_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, k0, seqlen_q, seqlen_k, window_left, window_right,
                    s_k8t, s_ktd, s_vt, s_vd, BLOCK_N, True, MASK_LEFT, MASK_RIGHT, Q_SMOOTH, DOT_FP32, SOFTCAP,
-                   FAST_TANH)
+                   FAST_TANH, ROW_SUMS)
 
-    if ROW_TERM:   # the kernel's own row sums with a cap, else the sinks' (given)
-        if not SOFTCAP:
+    if ROW_TERM:   # the kernel's own row sums (ROW_SUMS), else the sinks' (given)
+        if not ROW_SUMS:
             row_ds = tl.load(ROW_DS + bq * s_qsb + h * s_qsh + q0 + offs_m, mask=m_ok, other=0.0)
         k_mean = tl.load(KMEAN + hk * s_kmh + b * s_kmb + offs_d, mask=d_ok, other=0.0)
         dq += row_ds[:, None] * k_mean[None, :]
@@ -422,12 +424,12 @@ def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse,
     ``kernels`` picks a subset (benchmarks time them one at a time). ``split_dkdv`` computes dV and dK in two
     launches of the key-tile kernel (one accumulator each, S and P recomputed): fewer live registers.
     ``softcap`` > 0: capped scores (``shift`` as the forward's). ``k_mean`` (``[Hkv, S, D]`` fp32, the means
-    K-smoothing took): dQ gets ``rowsum(dS) * k_mean``, the row sums the kernel's own with a cap, else ``row_ds``
-    (lse's layout; the sinks' share)."""
+    K-smoothing took): dQ gets ``rowsum(dS) * k_mean``, the row sums ``row_ds`` (lse's layout; the sinks' share)
+    if given and there is no cap, else the kernel's own."""
     if softcap:
         assert shift is not None and shift.stride() == lse.stride()
-    if k_mean is not None and not softcap:
-        assert row_ds is not None and row_ds.stride() == lse.stride()
+    if row_ds is not None:
+        assert row_ds.stride() == lse.stride()
     q8, k8, q_mean, q_mean_cu = quant.q8, quant.k8, quant.q_mean, quant.q_mean_cu
     q_scale, k_scale = quant.q_scale, quant.k_scale
     group = num_heads // num_kv_heads
@@ -435,6 +437,7 @@ def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse,
     common = dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
                   Q_SMOOTH=q_mean is not None, QSB=Q_SMOOTH_BLOCK, DOT_FP32=dot_fp32, SOFTCAP=bool(softcap),
                   FAST_TANH=fast_tanh(q8.device))
+    row_sums = k_mean is not None and (bool(softcap) or row_ds is None)    # the kernel's own, else the sinks'
     k_mean_arg = maybe(k_mean, lse)
     softcap2 = float(softcap) * LOG2E
     shift, row_ds = maybe(shift, lse), maybe(row_ds, lse)
@@ -464,7 +467,7 @@ def launch_backward(quant, q8rt, q_scale_raw, k8t, v4, do4, do8t, do_scale, lse,
         compiled["dq"] = _launch_dq(
             q8, q_scale, k8, k8t, k_scale, v4, do4, lse, delta, shift, row_ds, k_mean_arg, q_mean_arg, q_mean_cu_arg,
             dq4, cu_q, cu_k, q_mean, k_mean, layout_q, num_heads, group, head_dim, window, softmax_scale, softcap2,
-            dq_config, dict(common, ROW_TERM=k_mean is not None))
+            dq_config, dict(common, ROW_TERM=k_mean is not None, ROW_SUMS=row_sums))
     return compiled
 
 

@@ -31,8 +31,8 @@ tile once they released the last one, and streams the other side's operands and 
 two-stage TMA ring.
 
 Options: ``SOFTCAP`` (the capped scores recomputed as the forward does, dS times ``1 - tanh^2``); ``ROW_TERM``
-(dQ: K-smoothing leaves ``rowsum(dS) * mean(k)`` out of dQ, zero unless a cap or sinks make dS's rows not sum to
-zero; the epilogue adds it); packed batches (``IS_VARLEN``: token-major copies start 16-aligned,
+(dQ: K-smoothing leaves ``rowsum(dS) * mean(k)`` out of dQ, zero unless a cap, sinks or one shard of a row's keys
+make dS's rows not sum to zero; the epilogue adds it, with ``ROW_SUMS`` from the kernel's own dS); packed batches (``IS_VARLEN``: token-major copies start 16-aligned,
 ``quantize.aligned_starts``); head dims 64, 128 and MLA's 192 for Q/K with 128 for V (``QK_SPLIT``: two wgmmas
 for each product over Q's and K's channels, two accumulators for dK and dQ); no Q-smoothing.
 """
@@ -876,6 +876,7 @@ class DqOptions:
     QK_SPLIT: gl.constexpr
     SOFTCAP: gl.constexpr
     ROW_TERM: gl.constexpr
+    ROW_SUMS: gl.constexpr
     ORDER: gl.constexpr
     DYNAMIC: gl.constexpr
 
@@ -975,7 +976,7 @@ def _dq_loader(descs, own, ring, mailbox, COUNTER, seqs, caller, opts):
 @gluon.jit
 def _dq_tiles(acc, acc2, row_ds, it, ks, query_ops, ring, lo, hi, item, seqs, softcap2, MASKED: gl.constexpr, opts):
     """Key tiles ``[lo, hi)`` for one warpgroup's 64 queries: ``dQ += dS K`` (backward._dq_tile's numerics;
-    ``QK_SPLIT``: K's channels past the first block into ``acc2``); with ``SOFTCAP`` and ``ROW_TERM`` also
+    ``QK_SPLIT``: K's channels past the first block into ``acc2``); with ``ROW_SUMS`` also
     ``row_ds += rowsum(dS)``. ``ks``: this tile's K scale, read a tile ahead (one per K_SCALE_BLOCK keys: a 64-key tile
     reads its block's)."""
     MASK_LEFT: gl.constexpr = seqs.MASK_LEFT
@@ -1033,10 +1034,10 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, query_ops, ring, lo, hi, item, seqs, so
                          0.0)
         # dS, one scale per query over the tile (signed), times the tile's K scale
         x = p * (gl.convert_layout(dp, s_layout) - query_ops.delta[:, None])
-        if SOFTCAP:   # dS with respect to the uncapped score; its row sums for K-smoothing's term
+        if SOFTCAP:   # dS with respect to the uncapped score
             x = x * (1.0 - th * th)
-            if opts.ROW_TERM:   # (no key past the end here: P is masked to 0 or the tile is inside the sequence)
-                row_ds += gl.sum(x, 1)
+        if opts.ROW_SUMS:   # (no key past the end here: P is masked to 0 or the tile is inside the sequence)
+            row_ds += gl.sum(x, 1)
         x_max = gl.max(gl.abs(x), 1)
         acc, acc2 = _quantized_product(acc, acc2, x, x_max, ks, ring.kt.index(s), ring.kt2.index(s),
                                        ring.empty.index(s), opts.QK_SPLIT, opts.ORDER, p_layout, o_layout)
@@ -1107,8 +1108,8 @@ def _dq_consumer(C: gl.constexpr, q8, q8b, do16, own, ring, mailbox, seqs, row_i
         acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, query_ops, ring, item.full_hi, hi, item,
                                               seqs, softcap2, True, opts)
         mbarrier.arrive(own.empty, count=1)     # every product with this item's Q and dO was waited for
-        if opts.ROW_TERM:   # dQ += rowsum(dS) mean(k): the kernel's own row sums with a cap, else the sinks' (given)
-            if not SOFTCAP:
+        if opts.ROW_TERM:   # dQ += rowsum(dS) mean(k): the kernel's own row sums (ROW_SUMS), else the sinks' (given)
+            if not opts.ROW_SUMS:
                 row_ds = gl.load(row_inputs.ROW_DS + vec_off + rows, mask=m_ok, other=0.0)
             km_off = hk * out.s_kmh + item.b * out.s_kmb
             acc = _add_row_term(acc, row_ds, out.KMEAN + km_off, 0)
@@ -1130,7 +1131,7 @@ def _attn_bwd_dq_hopper_kernel(
     num_items, num_m, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
     HEAD_DIM: gl.constexpr, QK_SPLIT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, SOFTCAP: gl.constexpr, ROW_TERM: gl.constexpr,
-    DYNAMIC: gl.constexpr, ORDER: gl.constexpr,
+    ROW_SUMS: gl.constexpr, DYNAMIC: gl.constexpr, ORDER: gl.constexpr,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
@@ -1169,7 +1170,7 @@ def _attn_bwd_dq_hopper_kernel(
     row_inputs = DqRowInputs(QS, LSE, DELTA, SHIFT, ROW_DS, s_qsb, s_qsh)
     key_scales = KeyScales(KS, s_ksb, s_ksh)
     out = DqOutput(DQ, s_dqb, s_dqh, s_dqt, out_scale, KMEAN, s_kmh, s_kmb)
-    opts = DqOptions(HEAD_DIM, D1, D2, QK_SPLIT, SOFTCAP, ROW_TERM, ORDER, DYNAMIC)
+    opts = DqOptions(HEAD_DIM, D1, D2, QK_SPLIT, SOFTCAP, ROW_TERM, ROW_SUMS, ORDER, DYNAMIC)
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem.index(0), q2_smem.index(0), do_smem.index(0), own, ring, mailbox, seqs, row_inputs,
                         key_scales, out, softcap2, opts)),

@@ -339,9 +339,9 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
     bsz, hq, n_q, d = q8.shape
     hk, n_k = k8.shape[1], k8.shape[2]
     assert not softcap or shift is not None
-    assert k_mean is None or softcap or row_ds is not None, "the sinks' row sums, or a cap's own"
+    row_sums = k_mean is not None and (bool(softcap) or row_ds is None)    # the kernel's own, else the sinks'
     shift = shift if softcap else lse
-    row_ds = row_ds if k_mean is not None and not softcap else lse
+    row_ds = lse if row_sums or k_mean is None else row_ds
     for t in (lse, delta, shift, row_ds):
         assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
     io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
@@ -369,7 +369,7 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
         float(softcap) * LOG2E if softcap else 1.0, num_items, num_m,
     ), dict(IS_VARLEN=varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
             QK_SPLIT=bool(d2), CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, SOFTCAP=bool(softcap),
-            ROW_TERM=k_mean is not None, DYNAMIC=dynamic, ORDER=operand_order, num_warps=4,
+            ROW_TERM=k_mean is not None, ROW_SUMS=row_sums, DYNAMIC=dynamic, ORDER=operand_order, num_warps=4,
             ptx_options=ptx_options())
 
 
@@ -422,7 +422,8 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
             dq_acc = torch.zeros(quant.q8.shape, dtype=torch.float32, device=quant.q8.device)
         launch_dkdv_hopper("dkdvq", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common,
                            packing=key_tiles_packing, dq_acc=dq_acc, counter=counter_slot(counters, 0), **tuning)
-        if k_mean is not None:
+        if k_mean is not None:   # (its key-tile programs cannot sum dS's rows: the sinks' only, given)
+            assert row_ds is not None, "the one launch takes the sinks' row term, not its own row sums"
             _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing)
         if dq4 is None:
             return dq_acc

@@ -117,15 +117,17 @@ class BackwardRule(NamedTuple):
 
 def backward_rule(device: torch.device, head_dim: int, head_dim_v: Optional[int] = None, *, masked: bool = True,
                   softcap: float = 0.0, q_smoothing: bool = False, max_len_k: int = 1 << 30, varlen: bool = False,
-                  deterministic: Optional[bool] = None) -> BackwardRule:
+                  deterministic: Optional[bool] = None, key_shard: bool = False) -> BackwardRule:
     """The rule of a backward call on ``device`` (``masked``: causal or windowed; ``max_len_k``: the longest key
-    sequence; ``deterministic``: the op's argument). The kernels compute it, and so does the PyTorch path on the
+    sequence; ``deterministic``: the op's argument; ``key_shard``: ``_backward``'s, which the one launch cannot
+    take: its key-tile programs cannot sum dS's rows). The kernels compute it, and so does the PyTorch path on the
     same device (``backend="naive"``): on a Hopper GPU at head dim 64 the default is the one launch's rule
     (kernels/dispatch.py, ``SAGEBWD_BACKWARD``), elsewhere and with ``deterministic=True`` the three launches'."""
     cfg = tile_configs(head_dim, device, head_dim_v)
     head_dim_v = head_dim_v or head_dim
-    one_launch = (dispatch.gluon_one_launch_backward(deterministic, head_dim, head_dim_v, bool(softcap), masked,
-                                                     max_len_k)
+    one_launch = (not key_shard
+                  and dispatch.gluon_one_launch_backward(deterministic, head_dim, head_dim_v, bool(softcap), masked,
+                                                         max_len_k)
                   and dispatch.gluon_unavailable(device) is None
                   and dispatch.use_gluon(device, head_dim, q_smoothing, varlen, max_len_k, backward=True,
                                          softcap=bool(softcap), head_dim_v=head_dim_v))
@@ -260,18 +262,22 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
 
 
 def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
-              q_smoothing, backend, softcap=0.0, sinks=None, deterministic=None):
+              q_smoothing, backend, softcap=0.0, sinks=None, deterministic=None, key_shard=False):
     """Returns (dq, dk, dv, dsinks or None). ``deterministic``: the caller's choice (None: SAGEBWD_BACKWARD's;
-    kernels/dispatch.py).
+    kernels/dispatch.py). ``key_shard``: ``k`` and ``v`` are one shard of each row's keys and ``out``, ``lse`` were
+    merged over all shards (ring attention's backward of one shard).
 
-    With a cap or sinks, dQ owes K-smoothing's ``rowsum(dS) * mean(k)`` (the rows' dS no longer sum to zero):
-    the dQ kernels add it in their epilogue; the PyTorch path here."""
+    With a cap, sinks or ``key_shard``, dQ owes K-smoothing's ``rowsum(dS) * mean(k)`` (the rows' dS no longer sum
+    to zero over these keys): the dQ kernels add it in their epilogue (with a cap or a key shard from their own dS
+    sums); the PyTorch path here."""
+    if key_shard and sinks is not None:
+        raise ValueError("key_shard: a shard of keys with sinks is not computed (the sink belongs to no shard)")
     need_shift = k_smoothing and (bool(softcap) or sinks is not None)
     if backend != "naive":
         return _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
-                                 q_smoothing, softcap, need_shift, sinks, deterministic)
+                                 q_smoothing, softcap, need_shift, sinks, deterministic, key_shard)
     dq, dk, dv = _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, max_k, scale, window, k_smoothing,
-                                 q_smoothing, softcap, deterministic)
+                                 q_smoothing, softcap, deterministic, key_shard)
     dsinks = None
     if sinks is not None:
         shift = _torch_shift(q, k, cu_q, cu_k, scale) if need_shift else None
@@ -283,14 +289,15 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
 
 
 def _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, max_k, scale, window, k_smoothing, q_smoothing, softcap,
-                    deterministic):
+                    deterministic, key_shard=False):
     """The PyTorch path's dq, dk, dv (into the op's layouts), by the rule the kernels would compute on this
     device (backward_rule)."""
     varlen = cu_q is not None
     rule = backward_rule(q.device, q.shape[-1], v.shape[-1], masked=tuple(window) != (-1, -1),
                          softcap=softcap, q_smoothing=q_smoothing, max_len_k=max_k if varlen else k.shape[2],
-                         varlen=varlen, deterministic=deterministic)
-    tiles = dict(block_m_dkdv=rule.block_m_dkdv, block_n_dq=rule.block_n_dq, softcap=softcap, dq_int8=rule.dq_int8)
+                         varlen=varlen, deterministic=deterministic, key_shard=key_shard)
+    tiles = dict(block_m_dkdv=rule.block_m_dkdv, block_n_dq=rule.block_n_dq, softcap=softcap, dq_int8=rule.dq_int8,
+                 key_shard=key_shard)
     dq, dk, dv = _poisoned(_new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen))
     dispatch.count("bwd_naive")
     if varlen:
@@ -308,7 +315,7 @@ def _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, max_k, scale, window, k
 
 
 def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
-                      q_smoothing, softcap, need_shift, sinks, deterministic=None):
+                      q_smoothing, softcap, need_shift, sinks, deterministic=None, key_shard=False):
     """The Triton or Gluon kernels' (dq, dk, dv, dsinks or None)."""
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device, v.shape[-1])
@@ -322,7 +329,7 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
                                                                       softcap=bool(softcap), head_dim_v=v4.shape[3])
     one_launch = gluon and backward_rule(q.device, q4.shape[3], v4.shape[3], masked=tuple(window) != (-1, -1),
                                          softcap=softcap, q_smoothing=q_smoothing, max_len_k=lay_k.max_len,
-                                         varlen=varlen, deterministic=deterministic).one_launch
+                                         varlen=varlen, deterministic=deterministic, key_shard=key_shard).one_launch
     # the one launch's dQ accumulates in fp32 (B*H*N*D*4 bytes): its bf16 dQ is made only once the launch's
     # inputs are freed, which keeps the op's peak memory below flash attention's (docs/benchmarks.md)
     dq = None if one_launch else _poisoned(_new_like(q, varlen))[0]
@@ -352,8 +359,8 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     if sinks is not None:   # from delta = rowsum(dO * O), which dO's pass gives
         dsinks, row_ds = sink_math.sink_grads(do_q.delta, lse, sinks,
                                               None if shift is None or softcap else shift.rows)
-    # dQ's K-smoothing term (the dQ kernels' epilogue; with a cap they sum their own dS)
-    term = dict(k_mean=quant.k_mean if need_shift else None, row_ds=row_ds)
+    # dQ's K-smoothing term (the dQ kernels' epilogue; with a cap or a key shard they sum their own dS)
+    term = dict(k_mean=quant.k_mean if need_shift or (key_shard and k_smoothing) else None, row_ds=row_ds)
     cap_args = dict(softcap=softcap, shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
     if gluon:
         dq_acc = launch_backward_hopper(quant, v4, do4, do_q.x8t, do_q.scale, lse, do_q.delta,

@@ -269,7 +269,7 @@ def _tiles(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(-1, -1),
                            k_smoothing=True, q_smoothing=False, block_m_dkdv=64, block_n_dq=64, softcap=0.0,
-                           dq_int8=True, query_block=None):
+                           dq_int8=True, query_block=None, key_shard=False):
     """Gradients (dq, dk, dv) of the quantized algorithm, in the inputs' dtypes.
 
     ``block_m_dkdv``: query tile of the dK/dV kernel (P and dS get one scale per key per tile);
@@ -277,7 +277,9 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
     product as the one-launch Hopper backward computes it (the default at head dim 64; its query tile is 64): dS
     rounded to the inputs' dtype times the int8 K (exact there) in fp32, times K's scales. ``query_block``: query
     rows per pass, a multiple of ``block_m_dkdv`` (None: sized by SCORE_BLOCK_ELEMENTS); dK and dV are summed
-    over the passes in fp32."""
+    over the passes in fp32. ``key_shard``: ``k`` and ``v`` are one shard of each row's keys, ``out`` and ``lse``
+    merged over all shards (ring attention), so dS's rows do not sum to zero over these keys and dQ gets
+    ``rowsum(dS) * mean(k)`` (a cap gets it anyway)."""
     b, h, n_q = q.shape[:3]
     n_k = k.shape[2]
     keys = _quantize_keys(k, h, k_smoothing)
@@ -320,7 +322,7 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
             dq_rows = ((t8.transpose(2, 3) @ k_tiles) * t_scale.transpose(2, 3)).sum(2) * softmax_scale
         else:
             dq_rows = (ds.to(dout.dtype).float() @ (k8.float() * k_scale[..., None])) * softmax_scale
-        if softcap and keys.k_mean is not None:   # the scores used K - mean(k): their rows no longer sum dS to 0
+        if (softcap or key_shard) and keys.k_mean is not None:   # scores of K - mean(k): rows' dS do not sum to 0
             dq_rows = dq_rows + ds.sum(-1, keepdim=True) * keys.k_mean * softmax_scale
         dq[:, :, rows] = dq_rows
 

@@ -23,8 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import interface, naive, sinks as sink_math
-from .kernels.layout import as_bhnd
+from . import interface, naive
 
 IMPL_NAME = "SageBwd"
 FORWARD_OP = "_scaled_dot_product_flash_attention"              # SDPA's flash backend, [B, H, N, D]
@@ -203,25 +202,16 @@ def backward(grad_out, query, key, value, out, logsumexp, is_causal=False, scale
     K-smoothing scores ``k - mean(k)``, which leaves ``rowsum(dS) * mean(k)`` out of dQ; over a row's keys dS sums
     to zero, so the kernels skip it. Ring attention calls this backward once per shard of keys with the merged
     ``out`` and ``logsumexp``, and over one shard dS does not sum to zero: for an lse this module's forward did
-    not return (or with ``merged=True``), the shard's forward is recomputed for its exact row sums,
-    ``rowsum(dS_i) = exp(lse_shard_i - lse_i) * (dO_i . out_shard_i - dO_i . out_i)``, and the term is added."""
+    not return (or with ``merged=True``), the dQ kernels sum their own dS rows and add the term."""
     scale = _scale(query, scale)
     cu_q, cu_k, max_q, max_k = _lengths(query, key, packing)
+    key_shard = merged if merged is not None else not _is_own(logsumexp)
+    if key_shard:
+        _calls["backward_row_term"] += 1
     dq, dk, dv, _ = interface._backward(grad_out, query, key, value, out,
                                         kernel_lse(logsumexp, query, key, scale, packing), cu_q, cu_k, max_q, max_k,
-                                        scale, _window(is_causal, *window), True, False, _backend(query))
-    if merged if merged is not None else not _is_own(logsumexp):
-        _calls["backward_row_term"] += 1
-        varlen = packing is not None
-        out_shard, lse_shard = forward(query, key, value, is_causal, scale, window, packing)
-        rows = lambda x: as_bhnd(x, varlen).float()   # noqa: E731  ([1, H, T, D] when packed, as the lse)
-        dout = rows(grad_out)
-        row_ds = torch.exp(lse_shard - logsumexp.float()) * ((dout * rows(out_shard)).sum(-1)
-                                                             - (dout * rows(out)).sum(-1))
-        row_ds = torch.where(torch.isinf(lse_shard), torch.zeros_like(row_ds), row_ds)   # a shard a row sees none of
-        dq_f32 = dq.float()
-        sink_math.add_row_ds_term(dq_f32, row_ds, sink_math.key_means(query, key, cu_q, cu_k), varlen, scale)
-        dq = dq.copy_(dq_f32)
+                                        scale, _window(is_causal, *window), True, False, _backend(query),
+                                        key_shard=key_shard)
     return dq, dk, dv
 
 

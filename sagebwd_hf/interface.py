@@ -262,7 +262,7 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
 
 
 def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
-              q_smoothing, backend, softcap=0.0, sinks=None, deterministic=None, key_shard=False):
+              q_smoothing, backend, softcap=0.0, sinks=None, deterministic=None, *, key_shard=False):
     """Returns (dq, dk, dv, dsinks or None). ``deterministic``: the caller's choice (None: SAGEBWD_BACKWARD's;
     kernels/dispatch.py). ``key_shard``: ``k`` and ``v`` are one shard of each row's keys and ``out``, ``lse`` were
     merged over all shards (ring attention's backward of one shard).
@@ -275,9 +275,9 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
     need_shift = k_smoothing and (bool(softcap) or sinks is not None)
     if backend != "naive":
         return _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
-                                 q_smoothing, softcap, need_shift, sinks, deterministic, key_shard)
+                                 q_smoothing, softcap, need_shift, sinks, deterministic, key_shard=key_shard)
     dq, dk, dv = _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, max_k, scale, window, k_smoothing,
-                                 q_smoothing, softcap, deterministic, key_shard)
+                                 q_smoothing, softcap, deterministic, key_shard=key_shard)
     dsinks = None
     if sinks is not None:
         shift = _torch_shift(q, k, cu_q, cu_k, scale) if need_shift else None
@@ -289,7 +289,7 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
 
 
 def _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, max_k, scale, window, k_smoothing, q_smoothing, softcap,
-                    deterministic, key_shard=False):
+                    deterministic, *, key_shard=False):
     """The PyTorch path's dq, dk, dv (into the op's layouts), by the rule the kernels would compute on this
     device (backward_rule)."""
     varlen = cu_q is not None
@@ -315,7 +315,7 @@ def _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, max_k, scale, window, k
 
 
 def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
-                      q_smoothing, softcap, need_shift, sinks, deterministic=None, key_shard=False):
+                      q_smoothing, softcap, need_shift, sinks, deterministic=None, *, key_shard=False):
     """The Triton or Gluon kernels' (dq, dk, dv, dsinks or None)."""
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device, v.shape[-1])

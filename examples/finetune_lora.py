@@ -139,7 +139,8 @@ def main(argv=None):
         # The base model's loss on the evaluation data: the number the fine-tuning should bring down.
         eval_loss, eval_ppl = training.evaluate(accelerator, model, eval_dataloader, args.max_eval_batches)
         metrics.log(step=0, eval_loss=eval_loss, eval_ppl=eval_ppl)
-        accelerator.print(f"step 0 (base model): eval loss {eval_loss:.4f} ppl {eval_ppl:.2f}")
+        if eval_loss is not None:
+            accelerator.print(f"step 0 (base model): eval loss {eval_loss:.4f} ppl {eval_ppl:.2f}")
 
     training.train(accelerator, args, model, optimizer, scheduler, train_dataloader, eval_dataloader, out, state,
                    metrics, max_steps, max(1, max_steps // 10), desc="finetune_lora")

@@ -10,6 +10,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -549,6 +550,29 @@ def test_losses_that_differ_in_the_fourth_digit_are_printed_and_saved_apart(tmp_
     logger.close()
     rows = common.metrics.read_metrics(tmp_path / "metrics.csv")
     assert [(r["loss"], r["eval_loss"]) for r in rows] == [("6.3047", "6.3047"), ("6.3051", "6.3051")]
+
+
+def test_an_empty_evaluation_set_reports_no_loss_not_zero():
+    """No validation row as long as --seq_len leaves nothing to evaluate: evaluate says so (None) instead of a mean
+    of 0 over 0 tokens, and the step's line prints no eval loss; a non-empty set still gets its token-weighted mean."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    training = common.training
+
+    class Model(torch.nn.Module):
+        def forward(self, labels, **_):
+            return types.SimpleNamespace(loss=labels.float().mean())
+
+    accelerator = Accelerator(cpu=True)
+    try:
+        assert training.evaluate(accelerator, Model(), []) == (None, None)
+        batch = dict(input_ids=torch.ones(1, 5, dtype=torch.long), labels=torch.full((1, 5), 2))
+        loss, ppl = training.evaluate(accelerator, Model(), [batch])
+    finally:
+        AcceleratorState._reset_state(True)
+    assert loss == 2.0 and ppl == pytest.approx(math.exp(2.0))
+    assert "eval" not in training.step_line(8, 8, 6.4, 1e-4, 1000.0, None, None)
 
 
 FSDP2_LOSS_DTYPE = """

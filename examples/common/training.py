@@ -99,7 +99,8 @@ def count_tokens(batch) -> int:
 @torch.no_grad()
 def evaluate(accelerator, model, dataloader, max_batches=None):
     """Token-weighted mean loss over the evaluation set (all processes), and its perplexity; accumulated in
-    float64 from each batch's loss."""
+    float64 from each batch's loss. ``(None, None)`` when the set has no token to predict (e.g. no validation row
+    as long as ``--seq_len``): no number rather than a loss of 0."""
     model.eval()
     loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     count = torch.zeros((), device=accelerator.device, dtype=torch.float64)
@@ -114,7 +115,9 @@ def evaluate(accelerator, model, dataloader, max_batches=None):
         count += n
     loss_sum, count = accelerator.reduce(loss_sum, "sum"), accelerator.reduce(count, "sum")
     model.train()
-    mean = (loss_sum / count.clamp(min=1)).item()
+    if count.item() == 0:
+        return None, None
+    mean = (loss_sum / count).item()
     return mean, math.exp(min(mean, 50.0))
 
 

@@ -132,3 +132,49 @@ def count_call(hopper, batch=2, heads=16, kv_heads=16, seqlen=1024, head_dim=128
         result["bwd"] = (launches.total, ops.kernels, ops.allocations)
         names["bwd"] = (dict(launches.names), dict(ops.names))
     return result, names
+
+
+class _Attention(torch.nn.Module):
+    """What the attention function reads of a model's attention module (a layer after the first)."""
+    is_causal = True
+    layer_idx = 1
+
+
+TRANSFORMERS_PATHS = ("padded", "packed", "cu_seq_lens")
+
+
+def transformers_call(path, lengths, heads, kv_heads, head_dim):
+    """``sagebwd_attention_forward`` as a model calls it on documents of ``lengths`` tokens: ``path`` "padded" (one
+    row each, right padded, the 2D bool mask sagebwd_mask hands every layer), "packed" (one row, restarting
+    position_ids) or "cu_seq_lens" (that row with the collator's cu_seq_lens_q/k, one tensor, and max_length_q/k).
+    Returns ``(call, (q, k, v), dO)``: ``call()`` runs it with the same mask or ids every time, as the layers of one
+    forward get them; ``call(fresh=True)`` with copies it has not seen, as a forward's first layer."""
+    from sagebwd_hf.transformers_integration import sagebwd_attention_forward
+
+    assert path in TRANSFORMERS_PATHS, path
+    g = torch.Generator().manual_seed(0)
+    if path == "padded":
+        batch, n = len(lengths), max(lengths)
+        mask = torch.arange(n)[None] < torch.tensor(lengths)[:, None]
+        extra = {}
+    else:
+        batch, n = 1, sum(lengths)
+        mask = None
+        extra = dict(position_ids=torch.cat([torch.arange(length) for length in lengths])[None])
+        if path == "cu_seq_lens":
+            cu = torch.tensor([0] + list(lengths)).cumsum(0).to(torch.int32)
+            extra.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+    # [B, H, N, D] views of [B, N, H, D] projections, as Transformers hands them
+    make = lambda h: torch.randn(batch, n, h, head_dim, generator=g, dtype=torch.bfloat16).transpose(1, 2)  # noqa
+    q, k, v = (x.requires_grad_() for x in (make(heads), make(kv_heads), make(kv_heads)))
+    do = torch.randn(batch, n, heads, head_dim, generator=g, dtype=torch.bfloat16)
+    module = _Attention()
+
+    def call(fresh=False):
+        m, kwargs = mask, extra
+        if fresh:   # new tensors (one copy of a tensor passed under two names, as the collator passes cu_seq_lens)
+            copies = {}
+            copy = lambda x: copies.setdefault(id(x), x.clone()) if isinstance(x, torch.Tensor) else x  # noqa
+            m, kwargs = copy(mask), {name: copy(value) for name, value in extra.items()}
+        return sagebwd_attention_forward(module, q, k, v, m, dropout=0.0, scaling=head_dim ** -0.5, **kwargs)[0]
+    return call, (q, k, v), do

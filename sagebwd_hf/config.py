@@ -61,7 +61,7 @@ class SageBwdOptions:
     def op_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments for ``sagebwd_attn_func`` / ``sagebwd_attn_varlen_func`` (the op's own options;
         ``packed_position_ids`` is the attention backend's)."""
-        return {key: value for key, value in asdict(self).items() if key in OP_KEYS}
+        return {key: getattr(self, key) for key in OP_KEYS}   # (asdict's deep copy: ~40 us a call)
 
 
 OPTION_KEYS = tuple(f.name for f in fields(SageBwdOptions))

@@ -78,9 +78,10 @@ def _padding_plan(mask, q_len, kv_len, causal):
 def _packed_plan(ids):
     """Sequence ids ``[B, N]`` (a new sequence wherever the id changes, and at every row start)."""
     starts = F.pad(ids[:, 1:] != ids[:, :-1], (1, 0), value=True).flatten()
-    if int(starts.sum()) == ids.shape[0]:       # one sequence per row: the padded batch as it is
-        return Plan(None, None, None, None, ids.shape[1], ids.shape[1])
+    # (two host reads: the starts' count comes with nonzero's output shape, which reads it anyway)
     cu = F.pad(torch.nonzero(starts).flatten(), (0, 1), value=starts.numel()).to(torch.int32)
+    if cu.numel() - 1 == ids.shape[0]:          # one sequence per row: the padded batch as it is
+        return Plan(None, None, None, None, ids.shape[1], ids.shape[1])
     longest = int((cu[1:] - cu[:-1]).max())
     return Plan(None, None, cu, cu, longest, longest)
 
@@ -92,8 +93,10 @@ def _plan(q, k, mask, ids, causal) -> Plan:
 
 
 def _gather(x, idx):
+    # index_select, not ``flat[idx]``: the same copy without advanced indexing's Python and TensorIterator setup,
+    # host time on every gather (eight a forward + backward)
     flat = x.reshape(-1, x.shape[-2], x.shape[-1])
-    return flat if idx is None else flat[idx]
+    return flat if idx is None else flat.index_select(0, idx)
 
 
 def _scatter(packed, idx, shape):
@@ -130,8 +133,8 @@ def _segmented_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
                                q_smoothing, backend, softcap, sinks)
     if plan.idx_q is None:
         return out.view(_out_shape(q, v)), lse_packed
-    lse = lse_packed.new_full((1, q.shape[2], q.shape[0] * q.shape[1]), float("inf"))
-    lse[:, :, plan.idx_q] = lse_packed
+    lse = lse_packed.new_full((1, q.shape[2], q.shape[0] * q.shape[1]), float("inf")).index_copy_(
+        2, plan.idx_q, lse_packed)
     return _scatter(out, plan.idx_q, _out_shape(q, v)), lse
 
 
@@ -158,7 +161,7 @@ def _segmented_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         dq, dk, dv, dsinks = _backward(t(dout), t(q), t(k), t(v), t(out), lse_bhn, None, None, plan.max_q,
                                        plan.max_k, scale, window, k_smoothing, q_smoothing, backend, softcap, sinks)
         return tuple(t(g).contiguous() for g in (dq, dk, dv)) + (_sinks_grad(dsinks, q),)
-    lse_packed = lse if plan.idx_q is None else lse[:, :, plan.idx_q].contiguous()
+    lse_packed = lse if plan.idx_q is None else lse.index_select(2, plan.idx_q)
     dq, dk, dv, dsinks = _backward(_gather(dout, plan.idx_q), _gather(q, plan.idx_q), _gather(k, plan.idx_k),
                                    _gather(v, plan.idx_k), _gather(out, plan.idx_q), lse_packed, plan.cu_q,
                                    plan.cu_k, plan.max_q, plan.max_k, scale, window, k_smoothing, q_smoothing,

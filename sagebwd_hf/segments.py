@@ -5,7 +5,8 @@ As FlashAttention does, the real tokens are gathered into one packed run, cut by
 results scattered back. Finding ``cu_seqlens`` reads the mask on the host and the gathered length depends
 on the data, which torch.compile cannot trace with static shapes. So the whole gather -> varlen -> scatter
 sits inside one custom op pair (``sagebwd::segmented_fwd/bwd``): its outputs have the shapes of its inputs,
-the compiler sees an opaque call, and eager and compiled models run the same code.
+the compiler sees an opaque call, and eager and compiled models run the same numbers. Eager calls keep the
+packed copies for the backward instead of the padded inputs (``SageBwdSegmentedAttention``).
 """
 import weakref
 from typing import NamedTuple, Optional, Tuple
@@ -13,7 +14,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .interface import OP_TAGS, _backend, _backward, _check_options, _forward, autograd_op
+from .interface import OP_TAGS, _backend, _backward, _backward_with, _check_options, _forward
 
 # Values derived from a mask or sequence-id tensor that every layer of one forward gets again: one host
 # read per forward instead of one per layer (and per backward). A few tensors per name: models whose layers
@@ -128,9 +129,21 @@ def _segmented_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         out, lse = _forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, plan.max_q,
                             plan.max_k, scale, window, k_smoothing, q_smoothing, backend, softcap, sinks)
         return out.transpose(1, 2).contiguous(), _to_tokens(lse)
-    out, lse_packed = _forward(_gather(q, plan.idx_q), _gather(k, plan.idx_k), _gather(v, plan.idx_k),
-                               plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale, window, k_smoothing,
-                               q_smoothing, backend, softcap, sinks)
+    _, _, _, out, lse_packed = _packed_forward(q, k, v, plan, scale, window, k_smoothing, q_smoothing, backend,
+                                               softcap, sinks)
+    return _unpacked(out, lse_packed, plan, q, v)
+
+
+def _packed_forward(q, k, v, plan, scale, window, k_smoothing, q_smoothing, backend, softcap, sinks):
+    """The packed run of a plan that cuts rows: ``(q, k, v, out, lse)`` packed, the inputs as gathered."""
+    q_packed, k_packed, v_packed = _gather(q, plan.idx_q), _gather(k, plan.idx_k), _gather(v, plan.idx_k)
+    out, lse = _forward(q_packed, k_packed, v_packed, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale, window,
+                        k_smoothing, q_smoothing, backend, softcap, sinks)
+    return q_packed, k_packed, v_packed, out, lse
+
+
+def _unpacked(out, lse_packed, plan, q, v):
+    """The packed run's out and lse in the op's outputs: ``[B, Nq, H, Dv]`` and ``[1, H, B * Nq]``."""
     if plan.idx_q is None:
         return out.view(_out_shape(q, v)), lse_packed
     lse = lse_packed.new_full((1, q.shape[2], q.shape[0] * q.shape[1]), float("inf")).index_copy_(
@@ -162,12 +175,21 @@ def _segmented_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                                        plan.max_k, scale, window, k_smoothing, q_smoothing, backend, softcap, sinks)
         return tuple(t(g).contiguous() for g in (dq, dk, dv)) + (_sinks_grad(dsinks, q),)
     lse_packed = lse if plan.idx_q is None else lse.index_select(2, plan.idx_q)
-    dq, dk, dv, dsinks = _backward(_gather(dout, plan.idx_q), _gather(q, plan.idx_q), _gather(k, plan.idx_k),
-                                   _gather(v, plan.idx_k), _gather(out, plan.idx_q), lse_packed, plan.cu_q,
-                                   plan.cu_k, plan.max_q, plan.max_k, scale, window, k_smoothing, q_smoothing,
-                                   backend, softcap, sinks)
-    return (_scatter(dq, plan.idx_q, q.shape), _scatter(dk, plan.idx_k, k.shape), _scatter(dv, plan.idx_k, v.shape),
-            _sinks_grad(dsinks, q))
+    return _packed_backward(dout, _gather(q, plan.idx_q), _gather(k, plan.idx_k), _gather(v, plan.idx_k), out,
+                            lse_packed, plan, (q.shape, k.shape, v.shape), scale, window, k_smoothing, q_smoothing,
+                            backend, softcap, sinks)
+
+
+def _packed_backward(dout, q_packed, k_packed, v_packed, out, lse_packed, plan, shapes, scale, window, k_smoothing,
+                     q_smoothing, backend, softcap, sinks):
+    """Gradients of a packed run (``_packed_forward``'s q, k, v and lse; ``dout`` and ``out`` padded), scattered
+    into the inputs' ``shapes``, and the sinks' (the op's backward outputs)."""
+    dq, dk, dv, dsinks = _backward(_gather(dout, plan.idx_q), q_packed, k_packed, v_packed, _gather(out, plan.idx_q),
+                                   lse_packed, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale, window,
+                                   k_smoothing, q_smoothing, backend, softcap, sinks)
+    q_shape, k_shape, v_shape = shapes
+    return (_scatter(dq, plan.idx_q, q_shape), _scatter(dk, plan.idx_k, k_shape), _scatter(dv, plan.idx_k, v_shape),
+            _sinks_grad(dsinks, q_packed))
 
 
 _segmented_bwd = torch.library.custom_op("sagebwd::segmented_bwd", _segmented_bwd_impl, mutates_args=(),
@@ -193,8 +215,54 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)    # no zero-filled gradient for lse every backward (interface._setup_context)
 
 
-_segmented = autograd_op("SageBwdSegmentedAttention", _segmented_fwd, _segmented_fwd_impl, _segmented_bwd,
-                         _segmented_bwd_impl, _setup_context, 14)
+NUM_INPUTS = 14
+_segmented_fwd.register_autograd(_backward_with(_segmented_bwd, NUM_INPUTS), setup_context=_setup_context)
+_op_backward = _backward_with(_segmented_bwd_impl, NUM_INPUTS)
+
+
+class SageBwdSegmentedAttention(torch.autograd.Function):
+    """Eager calls (no torch.library dispatch, as interface.autograd_op's). A call that cuts rows keeps the packed
+    q, k, v and lse its forward gathered for the backward instead of the padded inputs: the padding is not held
+    until the backward (FlashAttention's varlen path holds packed tensors too), and the backward gathers only dO
+    and out. Under torch.compile the op pair runs instead, whose saved tensors keep the inputs' static shapes."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, ids, causal, scale, window_left, window_right, k_smoothing, q_smoothing, backend,
+                softcap, sinks):
+        args = (causal, scale, window_left, window_right, k_smoothing, q_smoothing, backend, softcap)
+        plan = _plan(q, k, mask, ids, causal)
+        if plan.cu_q is None or plan.idx_q is None:    # no padding to leave out: saved as the op saves them
+            output = _segmented_fwd_impl(q, k, v, mask, ids, *args, sinks)
+            _setup_context(ctx, (q, k, v, mask, ids, *args, sinks), output)
+            ctx.packing = None
+            return output
+        q_packed, k_packed, v_packed, out_packed, lse_packed = _packed_forward(
+            q, k, v, plan, scale, (window_left, window_right), k_smoothing, q_smoothing, backend, softcap, sinks)
+        out, lse = _unpacked(out_packed, lse_packed, plan, q, v)
+        ctx.save_for_backward(q_packed, k_packed, v_packed, out, lse_packed, sinks)
+        ctx.packing = (plan, (q.shape, k.shape, v.shape))
+        ctx.args = args
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if ctx.packing is None:
+            return _op_backward(ctx, dout, dlse)
+        if dout is None:
+            return (None,) * NUM_INPUTS
+        q_packed, k_packed, v_packed, out, lse_packed, sinks = ctx.saved_tensors
+        plan, shapes = ctx.packing
+        _, scale, window_left, window_right, k_smoothing, q_smoothing, backend, softcap = ctx.args
+        dq, dk, dv, dsinks = _packed_backward(dout, q_packed, k_packed, v_packed, out, lse_packed, plan, shapes, scale,
+                                              (window_left, window_right), k_smoothing, q_smoothing, backend,
+                                              softcap, sinks)
+        return (dq, dk, dv) + (None,) * (NUM_INPUTS - 4) + (dsinks if sinks is not None else None,)
+
+
+def _segmented(*inputs):
+    return _segmented_fwd(*inputs) if torch.compiler.is_compiling() else SageBwdSegmentedAttention.apply(*inputs)
 
 
 def segmented_attention(q, k, v, mask=None, ids=None, *, causal, softmax_scale, window_size=(-1, -1),

@@ -150,3 +150,37 @@ def test_per_tensor_keeps_a_few_tensors_per_name():
     assert len(reads) == 2
     a.add_(1)
     assert per_tensor("test", a, read) == 6.0 and len(reads) == 3
+
+
+@pytest.mark.parametrize("case", ["self", "queries_after_cache", "sinks_cap"])
+def test_eager_call_holds_packed_tensors_and_equals_the_op(case):
+    """An eager call that cuts rows keeps the packed q, k, v (real tokens only) for its backward, not the padded
+    inputs, and computes the op pair's outputs and gradients bit for bit."""
+    from sagebwd_hf.interface import _backend
+    from sagebwd_hf.segments import _segmented_bwd_impl, _segmented_fwd_impl, query_rows
+    n_q = 8 if case == "queries_after_cache" else 24
+    q, k, v, do = qkv(2, n_q, 24, 4, 2, 32, "cpu", seed=3)
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[0, :7] = False                     # left padding in one row
+    mask[1, 20:] = False                    # right padding in the other
+    sinks = torch.randn(4) if case == "sinks_cap" else None
+    args = (True, SCALE, -1, 0, True, False, _backend(q, None), 5.0 if case == "sinks_cap" else 0.0)
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)] + ([sinks.clone().requires_grad_()] if sinks is not None
+                                                                else [])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = segmented_attention(*leaves[:3], mask, None, causal=True, softmax_scale=SCALE,
+                                  softcap=args[-1], sinks=leaves[3] if sinks is not None else None)
+    out.backward(do)
+    real_q = int(query_rows(mask, n_q, True).sum())
+    held = [t for t in saved if t.dim() == 3 and t.dtype == q.dtype]      # [tokens, heads, D]: packed q, k, v
+    assert sorted(t.shape[0] for t in held) == sorted([real_q, int(mask.sum()), int(mask.sum())])
+    padded = [t for t in saved if t.shape[:2] == q.shape[:2]]   # [B, N, ...]: only the output (the caller holds it)
+    assert [t.data_ptr() for t in padded] == [out.data_ptr()]
+
+    want_out, lse = _segmented_fwd_impl(q, k, v, mask, None, *args, sinks)
+    want = _segmented_bwd_impl(do, q, k, v, want_out, lse, mask, None, *args, sinks)
+    assert torch.equal(out.detach(), want_out)
+    for got, expected in zip(leaves, want):
+        assert torch.equal(got.grad, expected)

@@ -171,7 +171,7 @@ def test_eager_call_holds_packed_tensors_and_equals_the_op(case):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = segmented_attention(*leaves[:3], mask, None, causal=True, softmax_scale=SCALE,
-                                  softcap=args[-1], sinks=leaves[3] if sinks is not None else None)
+                                  softcap=args[7], sinks=leaves[3] if sinks is not None else None)
     out.backward(do)
     real_q = int(query_rows(mask, n_q, True).sum())
     held = [t for t in saved if t.dim() == 3 and t.dtype == q.dtype]      # [tokens, heads, D]: packed q, k, v

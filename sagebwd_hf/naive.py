@@ -23,6 +23,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .kernels.constants import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E, Q_SMOOTH_BLOCK
+from .numerics import ACCURATE, DS_TILE, E4M3_MAX, Numerics, round_e4m3
 
 
 def k_scale_block(head_dim: int) -> int:
@@ -118,6 +119,23 @@ def _row_quantize(x: torch.Tensor, dim: int, signed: bool):
     return torch.round(x * inv), x_max * (1.0 / 127.0)     # round half to even, as the kernels do
 
 
+def _e4m3_per_slice(x: torch.Tensor, dim: int):
+    """FP8 e4m3 with one scale per slice along ``dim`` (its largest magnitude maps to 448): (values as fp32, scales
+    keeping ``dim``)."""
+    x_max = x.abs().amax(dim, keepdim=True)
+    inv = torch.where(x_max > TINY_MAX, E4M3_MAX / x_max, torch.zeros_like(x_max))
+    return round_e4m3(x * inv), x_max * (1.0 / E4M3_MAX)
+
+
+def _tile_quantize(x: torch.Tensor, tile: int):
+    """Symmetric INT8 of ``[B, H, rows, cols]`` with one scale per ``tile`` x ``tile`` block (zero-padded at the
+    ends): values ``[B, H, row tiles, tile, col tiles, tile]``, scales ``[B, H, row tiles, col tiles]``."""
+    t = _tiles(_tiles(x, 2, tile), 4, tile)
+    x_max = t.abs().amax((3, 5), keepdim=True)
+    inv = torch.where(x_max > TINY_MAX, 127.0 / x_max, torch.zeros_like(x_max))
+    return torch.round(t * inv), (x_max * (1.0 / 127.0))[:, :, :, 0, :, 0]
+
+
 def _q_block_means(qf: torch.Tensor) -> torch.Tensor:
     """Per-token copy of the mean of its block of Q_SMOOTH_BLOCK tokens (blocks counted from ``qf``'s first row)."""
     n = qf.shape[2]
@@ -210,18 +228,24 @@ def _row_blocks(n_q: int, block_rows: int):
 
 
 def sagebwd_forward_naive(q, k, v, softmax_scale, window_size=(-1, -1), k_smoothing=True,
-                          q_smoothing=False, block_n=64, softcap=0.0, query_block=None):
+                          q_smoothing=False, block_n=64, softcap=0.0, query_block=None,
+                          numerics: Numerics = ACCURATE):
     """Returns (out in q's dtype, base-2 log-sum-exp fp32 with +inf for rows that see no key).
 
     ``block_n``: the forward kernel's key tile (P gets one scale per query per tile). ``query_block``: query rows
-    per pass (None: sized by SCORE_BLOCK_ELEMENTS); any value gives the same results."""
+    per pass (None: sized by SCORE_BLOCK_ELEMENTS); any value gives the same results. ``numerics``: the rules of
+    a precision preset (sagebwd_hf.numerics; the default is "accurate")."""
     b, h, n_q = q.shape[:3]
     n_k = k.shape[2]
     keys = _quantize_keys(k, h, k_smoothing)
     vf = v.float()
-    v_scale = vf.abs().amax(2, keepdim=True) * (1.0 / 127.0)               # per channel
-    v_inv = torch.where(v_scale > TINY_MAX / 127, 1.0 / v_scale, torch.zeros_like(v_scale))
-    v8 = _repeat_kv(torch.round(vf * v_inv), h)
+    if numerics.pv_e4m3:
+        v8, v_scale = _e4m3_per_slice(vf, 2)
+    else:
+        v_scale = vf.abs().amax(2, keepdim=True) * (1.0 / 127.0)               # per channel
+        v_inv = torch.where(v_scale > TINY_MAX / 127, 1.0 / v_scale, torch.zeros_like(v_scale))
+        v8 = torch.round(vf * v_inv)
+    v8 = _repeat_kv(v8, h)
     v_scale = _repeat_kv(v_scale, h)
 
     out = q.new_empty(b, h, n_q, v.shape[-1])
@@ -240,14 +264,21 @@ def sagebwd_forward_naive(q, k, v, softmax_scale, window_size=(-1, -1), k_smooth
             m_new = torch.maximum(m, tile_max)
             m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             alpha = torch.exp2(m - m_ref)
-            # P is quantized per row of the tile: its largest value in the tile maps to 127,
-            # e = 127 * p / max_tile(p) = 127 * exp2(s - tile_max), and p = e * p_scale
-            e_ref = torch.where(torch.isinf(tile_max), torch.zeros_like(tile_max), tile_max - math.log2(127.0))
-            e = torch.exp2(s_tile - e_ref[..., None])
-            p_scale = torch.exp2(tile_max - m_ref) * (1.0 / 127.0)
+            if numerics.p_static:
+                # P relative to the running max, which maps to p_max (127, or e4m3's 448): no per-tile scale
+                e = torch.exp2(s_tile - (m_ref - math.log2(numerics.p_max))[..., None])
+                p_scale = torch.full_like(m_ref, 1.0 / numerics.p_max)
+            else:
+                # P is quantized per row of the tile: its largest value in the tile maps to 127,
+                # e = 127 * p / max_tile(p) = 127 * exp2(s - tile_max), and p = e * p_scale
+                e_ref = torch.where(torch.isinf(tile_max), torch.zeros_like(tile_max),
+                                    tile_max - math.log2(numerics.p_max))
+                e = torch.exp2(s_tile - e_ref[..., None])
+                p_scale = torch.exp2(tile_max - m_ref) * (1.0 / numerics.p_max)
             l = l * alpha + e.sum(-1) * p_scale
             key0 = cols.start + start
-            acc = acc * alpha[..., None] + (torch.round(e) @ v8[:, :, key0:key0 + block_n]) * p_scale[..., None]
+            e8 = round_e4m3(e) if numerics.pv_e4m3 else torch.round(e)
+            acc = acc * alpha[..., None] + (e8 @ v8[:, :, key0:key0 + block_n]) * p_scale[..., None]
             m = m_new
         out[:, :, rows] = acc * torch.where(l > 0, 1.0 / l, torch.zeros_like(l))[..., None] * v_scale
         lse[:, :, rows] = torch.where(l > 0, m + torch.log2(l), torch.full_like(l, float("inf")))
@@ -269,7 +300,7 @@ def _tiles(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(-1, -1),
                            k_smoothing=True, q_smoothing=False, block_m_dkdv=64, block_n_dq=64, softcap=0.0,
-                           dq_int8=True, query_block=None, key_shard=False):
+                           dq_int8=True, query_block=None, key_shard=False, numerics: Numerics = ACCURATE):
     """Gradients (dq, dk, dv) of the quantized algorithm, in the inputs' dtypes.
 
     ``block_m_dkdv``: query tile of the dK/dV kernel (P and dS get one scale per key per tile);
@@ -279,7 +310,9 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
     rows per pass, a multiple of ``block_m_dkdv`` (None: sized by SCORE_BLOCK_ELEMENTS); dK and dV are summed
     over the passes in fp32. ``key_shard``: ``k`` and ``v`` are one shard of each row's keys, ``out`` and ``lse``
     merged over all shards (ring attention), so dS's rows do not sum to zero over these keys and dQ gets
-    ``rowsum(dS) * mean(k)`` (a cap gets it anyway)."""
+    ``rowsum(dS) * mean(k)`` (a cap gets it anyway). ``numerics``: the rules of a precision preset
+    (sagebwd_hf.numerics; with ``p_static`` dO gets one scale per channel per ``block_m_dkdv`` queries, with
+    ``ds_tile`` ``block_n_dq`` and the query blocks must be multiples of DS_TILE)."""
     b, h, n_q = q.shape[:3]
     n_k = k.shape[2]
     keys = _quantize_keys(k, h, k_smoothing)
@@ -289,11 +322,30 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
     dv = torch.zeros(b, h, n_k, v.shape[-1], device=q.device)
 
     # dV = P^T dO and dK = dS^T Q reduce over queries: one scale per key per query tile
-    def over_queries(x, x8, x_scale, signed):
+    def over_queries(x, x8, x_scale, signed, e4m3=False):
         t = _tiles(x * x_scale[..., :, None], 2, block_m_dkdv)                # [B, H, T, bm, Nk]
-        t8, t_scale = _row_quantize(t, 3, signed)
+        t8, t_scale = _e4m3_per_slice(t, 3) if e4m3 else _row_quantize(t, 3, signed)
         rhs = _tiles(x8, 2, block_m_dkdv)                                     # [B, H, T, bm, D]
         return ((t8.transpose(-1, -2) @ rhs) * t_scale.transpose(-1, -2)).sum(2)
+
+    def pt_do_static(p, do_rows):
+        """dV's part with P at its fixed scale (p_static): dO one scale per channel per query tile."""
+        do_t = _tiles(do_rows.float(), 2, block_m_dkdv)                        # [B, H, T, bm, D]
+        do8, do_t_scale = _e4m3_per_slice(do_t, 3) if numerics.pv_e4m3 else _row_quantize(do_t, 3, True)
+        p_max = numerics.p_max
+        p8 = _tiles(round_e4m3(p * p_max) if numerics.pv_e4m3 else torch.round(p * p_max), 2, block_m_dkdv)
+        return ((p8.transpose(-1, -2) @ do8) * do_t_scale).sum(2) * (1.0 / p_max)
+
+    if numerics.ds_tile:
+        if block_n_dq % DS_TILE or block_m_dkdv % DS_TILE:
+            raise ValueError(f"ds_tile needs tiles that are multiples of {DS_TILE}, got {block_m_dkdv} and "
+                             f"{block_n_dq}")
+        if k_scale_block(k.shape[-1]) % DS_TILE:   # dQ's K needs one scale per DS_TILE keys
+            kf = k.float() - k.float().mean(2, keepdim=True) if k_smoothing else k.float()
+            k8_ds, k_scale_ds = quantize_per_block(kf, DS_TILE)
+            k8_ds, k_scale_ds = _repeat_kv(k8_ds, h), _repeat_kv(k_scale_ds.unsqueeze(-1), h).squeeze(-1)
+        else:
+            k8_ds, k_scale_ds = keys.k8, keys.k_scale
 
     for rows in _row_blocks(n_q, query_block_rows(b * h, n_k, block_m_dkdv, query_block)):
         cols = _visible_keys(rows, n_q, n_k, window_size, block_n_dq)
@@ -312,10 +364,31 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
             ds = ds * torch.where(mask, 1.0 - (s / (softcap * LOG2E)) ** 2, torch.zeros_like(s))
         del s, dp
 
-        dv[:, :, cols] += over_queries(p, do8, do_scale, False)
-        dk[:, :, cols] += over_queries(ds, q8, q_scale_raw, True)
+        if numerics.p_static:
+            dv[:, :, cols] += pt_do_static(p, do_rows)
+        elif numerics.pv_e4m3:
+            do8e, do_scale_e = _e4m3_per_slice(do_rows.float(), -1)
+            dv[:, :, cols] += over_queries(p, do8e, do_scale_e.squeeze(-1), False, e4m3=True)
+        else:
+            dv[:, :, cols] += over_queries(p, do8, do_scale, False)
         k8, k_scale = keys.k8[:, :, cols], keys.k_scale[:, :, cols]
-        if dq_int8:   # dQ = dS K reduces over keys: one scale per query per key tile
+        ds8 = None
+        if numerics.ds_tile:   # one INT8 dS, one scale per DS_TILE x DS_TILE tile, for both dK and dQ
+            ds8, ds_scale = _tile_quantize(ds, DS_TILE)                   # [B, H, Tq, t, Tk, t], [B, H, Tq, Tk]
+            q8b, q_scale_b = quantize_per_block(q_rows, DS_TILE)
+            q8t, q_scale_t = _tiles(q8b, 2, DS_TILE), _tiles(q_scale_b, 2, DS_TILE)[..., 0]   # [B, H, Tq, t, D]
+            dk_tiles = torch.einsum("bhqikj,bhqid->bhqkjd", ds8, q8t)    # exact: integer sums below 2^24
+            dk_tiles = (dk_tiles * (ds_scale * q_scale_t[..., None])[..., None, None]).sum(2)   # [B, H, Tk, t, D]
+            dk[:, :, cols] += dk_tiles.flatten(2, 3)[:, :, :cols.stop - cols.start]
+        else:
+            dk[:, :, cols] += over_queries(ds, q8, q_scale_raw, True)
+        if ds8 is not None and dq_int8:
+            k8t = _tiles(k8_ds[:, :, cols], 2, DS_TILE)                              # [B, H, Tk, t, D]
+            k_scale_t = _tiles(k_scale_ds[:, :, cols], 2, DS_TILE)[..., 0]           # [B, H, Tk]
+            dq_tiles = torch.einsum("bhqikj,bhkjd->bhqkid", ds8, k8t)
+            dq_tiles = (dq_tiles * (ds_scale * k_scale_t[:, :, None, :])[..., None, None]).sum(3)  # [B, H, Tq, t, D]
+            dq_rows = dq_tiles.flatten(2, 3)[:, :, :rows.stop - rows.start] * softmax_scale
+        elif dq_int8:   # dQ = dS K reduces over keys: one scale per query per key tile
             t = _tiles(ds * k_scale[..., None, :], 3, block_n_dq)                 # [B, H, rows, T, bn]
             t8, t_scale = _row_quantize(t, 4, True)
             k_tiles = _tiles(k8, 2, block_n_dq)                                   # [B, H, T, bn, D]

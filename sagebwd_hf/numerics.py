@@ -1,0 +1,72 @@
+"""Numerics presets: which rounding each low-precision product of SageBwd uses.
+
+``precision="accurate"`` (the default) is the rule every kernel computes. ``precision="fast"`` swaps in cheaper
+rules, each one also selectable on its own by joining rule names with ``+`` (``precision="pv_e4m3+ds_tile"``):
+
+* ``pv_e4m3``: P·V (forward) and Pᵀ·dO (backward) in FP8 e4m3 instead of INT8. P, in [0, 1], is mapped onto
+  e4m3's largest value 448; V gets one scale per channel, dO one per token (one per channel of a query tile with
+  ``p_static``), each mapping its largest magnitude onto 448.
+* ``p_static``: P gets a fixed scale instead of one from a max: in the forward the running row max (which the
+  online softmax keeps anyway) maps to 127 (448 with e4m3) instead of each key tile's max; in the backward P ∈ [0, 1]
+  maps to 127 (448) without a per-key max over the query tile. dO's scale then may not vary along the queries a
+  tile sums over: one per channel per ``DS_TILE`` queries.
+* ``ds_tile``: dS gets one scale per ``DS_TILE`` x ``DS_TILE`` tile, so one INT8 dS serves dK = dSᵀ·Q and
+  dQ = dS·K, instead of one scale per key (dK) and another per query (dQ). Q's and K's scales in these two products
+  are then one per ``DS_TILE`` tokens (K's already is at head dims 64, 128 and 192).
+
+QKᵀ stays INT8 with K-smoothing and dP = dO·Vᵀ stays in 16-bit in every preset. The PyTorch reference
+(``sagebwd_hf.naive``) computes every rule; the kernels compute "accurate" only, and a kernel call with another
+precision raises NotImplementedError. docs/fast_preset.md has the rules' accuracy and costs.
+"""
+from typing import NamedTuple
+
+import torch
+
+E4M3_MAX = 448.0      # the largest finite float8 e4m3fn value
+INT8_MAX = 127.0
+DS_TILE = 64          # queries and keys per dS scale under ds_tile; tokens per Q scale in dK's product
+
+
+class Numerics(NamedTuple):
+    """Which cheaper rules a call uses (all False: "accurate")."""
+    pv_e4m3: bool = False
+    p_static: bool = False
+    ds_tile: bool = False
+
+    @property
+    def p_max(self) -> float:
+        """What P's largest value maps to: e4m3's 448 or INT8's 127."""
+        return E4M3_MAX if self.pv_e4m3 else INT8_MAX
+
+
+RULES = Numerics._fields
+ACCURATE = Numerics()
+FAST = Numerics(pv_e4m3=True, p_static=True, ds_tile=True)
+PRESETS = {"accurate": ACCURATE, "fast": FAST}
+ALLOWED = ("accurate", "fast", "rule names joined by '+': " + ", ".join(RULES))
+
+
+def parse_precision(precision: str, argument: str = "precision") -> Numerics:
+    """A preset name or rule names joined by ``+`` -> Numerics. ValueError naming ``argument`` otherwise."""
+    if isinstance(precision, str):
+        if precision in PRESETS:
+            return PRESETS[precision]
+        names = precision.split("+")
+        if all(name in RULES for name in names) and len(set(names)) == len(names):
+            return Numerics(**{name: True for name in names})
+    raise ValueError(f"{argument} must be 'accurate', 'fast' or rule names joined by '+' ({', '.join(RULES)}), "
+                     f"got {precision!r}")
+
+
+def precision_name(numerics: Numerics) -> str:
+    """The canonical string of ``numerics``: a preset's name, else its rules joined by ``+``."""
+    for name, preset in PRESETS.items():
+        if numerics == preset:
+            return name
+    return "+".join(name for name in RULES if getattr(numerics, name))
+
+
+def round_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32) rounded to float8 e4m3fn as a kernel's saturating convert does (nearest, ties to even; beyond
+    448 saturates), returned as fp32."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()

@@ -17,6 +17,9 @@ key            default meaning
                        batch), and a compiled model without a padding mask (which the segmented op also reads
                        on the host) can run with ``mode="reduce-overhead"``. It governs only what the backend
                        reads from position_ids: a mask Transformers builds with the packing in it still splits.
+``precision``  "accurate" the numerics preset (``sagebwd_attn_func``'s ``precision``): "accurate", "fast", or
+                       rule names joined by "+" (sagebwd_hf.numerics). Only the PyTorch path computes
+                       any but "accurate" so far: on the kernels another one raises NotImplementedError.
 ============== ======= ===================================================================================
 
 Three levels, the most specific wins: **per layer > per model > global default**.
@@ -26,7 +29,7 @@ Three levels, the most specific wins: **per layer > per model > global default**
 >>> sagebwd_hf.configure(model, k_smoothing=True)              # this model (saved in config.json)
 >>> sagebwd_hf.configure(model, layers=[0, 1], q_smoothing=False)  # layers 0 and 1 of this model
 >>> sagebwd_hf.get_options(model, layer=0)
-SageBwdOptions(k_smoothing=True, q_smoothing=False, packed_position_ids=True)
+SageBwdOptions(k_smoothing=True, q_smoothing=False, packed_position_ids=True, precision='accurate')
 
 Model and layer settings live in ``model.config.sagebwd``, a plain JSON dict such as
 ``{"k_smoothing": true, "layers": {"0": {"q_smoothing": false}}}`` (layer indices as strings, JSON's only
@@ -42,6 +45,8 @@ from typing import Any, Dict, Iterable, Optional, Union
 
 import torch
 
+from . import numerics
+
 CONFIG_ATTR = "sagebwd"
 LAYERS_KEY = "layers"
 
@@ -53,6 +58,7 @@ class SageBwdOptions:
     k_smoothing: bool = True
     q_smoothing: bool = False
     packed_position_ids: bool = True
+    precision: str = "accurate"
 
     def __post_init__(self):
         for f in fields(self):
@@ -65,13 +71,17 @@ class SageBwdOptions:
 
 
 OPTION_KEYS = tuple(f.name for f in fields(SageBwdOptions))
-OP_KEYS = ("k_smoothing", "q_smoothing")
-_ALLOWED = {name: (True, False) for name in OPTION_KEYS}   # every option so far is a switch
+OP_KEYS = ("k_smoothing", "q_smoothing", "precision")
+_ALLOWED = {name: (True, False) for name in OPTION_KEYS if name != "precision"}   # switches
+_ALLOWED["precision"] = numerics.ALLOWED
 
 
 def _check_value(key: str, value: Any) -> None:
     if key not in _ALLOWED:
         raise ValueError(f"unknown SageBwd option {key!r}; allowed options: {', '.join(OPTION_KEYS)}")
+    if key == "precision":   # a preset name or rules joined by "+", as sagebwd_attn_func takes it
+        numerics.parse_precision(value, f"SageBwd option {key!r}")
+        return
     # bool only: 0/1 or "true" in a hand-edited config.json are more likely mistakes than intent
     if not isinstance(value, bool) or value not in _ALLOWED[key]:
         allowed = " or ".join(repr(v) for v in _ALLOWED[key])
@@ -114,7 +124,8 @@ def get_global_options() -> SageBwdOptions:
 
 
 def reset_global_options() -> SageBwdOptions:
-    """Back to the built-in defaults (k_smoothing=True, q_smoothing=False, packed_position_ids=True)."""
+    """Back to the built-in defaults (k_smoothing=True, q_smoothing=False, packed_position_ids=True,
+    precision="accurate")."""
     global _global
     _global = SageBwdOptions()
     return _global

@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from . import naive, sinks as sink_math
+from . import naive, numerics as numerics_rules, sinks as sink_math
 from .kernels import dispatch
 from .kernels.backward import launch_backward
 from .kernels.forward import block_dim, launch_forward
@@ -187,11 +187,12 @@ def _kernel_softcap_shift(shift: Optional[Shift], lse_shape, device):
 
 
 def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, backend,
-             softcap=0.0, sinks=None):
-    """q/k/v padded ``[B, H, N, D]`` or packed ``[T, H, D]`` (then cu_* given). Returns (out, lse2)."""
+             softcap=0.0, sinks=None, precision="accurate"):
+    """q/k/v padded ``[B, H, N, D]`` or packed ``[T, H, D]`` (then cu_* given). Returns (out, lse2).
+    ``precision``: a checked preset or rule string (sagebwd_hf.numerics)."""
     need_shift = k_smoothing and (bool(softcap) or sinks is not None)
     out, lse, shift = _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing,
-                                       backend, softcap, need_shift, sinks)
+                                       backend, softcap, need_shift, sinks, precision)
     if sinks is not None and backend == "naive":   # the Triton and Gluon kernels add them in their epilogue
         _, lse = sink_math.add_sinks(as_bhnd(out, cu_q is not None), lse, sinks, _sink_shift(shift, softcap))
     return out, lse
@@ -204,21 +205,24 @@ def _sink_shift(shift: Optional[Shift], softcap):
 
 
 def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, backend,
-                     softcap, need_shift, sinks=None):
+                     softcap, need_shift, sinks=None, precision="accurate"):
     """(out, lse2, Shift or None). The Triton and Gluon kernels fold ``sinks`` into out and lse2; the PyTorch
     path leaves them to the caller."""
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device, v.shape[-1])
     out = _new_like(q, varlen, v.shape[-1])
+    rules = numerics_rules.parse_precision(precision)
     if backend == "naive":
         dispatch.count("fwd_naive")
         out_naive, lse = _per_sequence(
             lambda qs, ks, vs: naive.sagebwd_forward_naive(qs, ks, vs, scale, window, k_smoothing,
-                                                           q_smoothing, block_n=cfg["fwd"][1], softcap=softcap)
+                                                           q_smoothing, block_n=cfg["fwd"][1], softcap=softcap,
+                                                           numerics=rules)
             if qs.shape[2] and ks.shape[2] else   # an empty sequence: zeros, lse +inf (no key seen)
             (qs.new_zeros(*qs.shape[:3], vs.shape[3]), torch.full(qs.shape[:3], float("inf"), device=qs.device)),
             q, k, v, cu_q, cu_k)
         return out.copy_(out_naive), lse, _torch_shift(q, k, cu_q, cu_k, scale) if need_shift else None
+    check_kernels_compute(precision)
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
     lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
@@ -262,10 +266,11 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
 
 
 def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
-              q_smoothing, backend, softcap=0.0, sinks=None, deterministic=None, *, key_shard=False):
+              q_smoothing, backend, softcap=0.0, sinks=None, deterministic=None, *, key_shard=False,
+              precision="accurate"):
     """Returns (dq, dk, dv, dsinks or None). ``deterministic``: the caller's choice (None: SAGEBWD_BACKWARD's;
     kernels/dispatch.py). ``key_shard``: ``k`` and ``v`` are one shard of each row's keys and ``out``, ``lse`` were
-    merged over all shards (ring attention's backward of one shard).
+    merged over all shards (ring attention's backward of one shard). ``precision``: as ``_forward``'s.
 
     With a cap, sinks or ``key_shard``, dQ owes K-smoothing's ``rowsum(dS) * mean(k)`` (the rows' dS no longer sum
     to zero over these keys): the dQ kernels add it in their epilogue (with a cap or a key shard from their own dS
@@ -274,10 +279,11 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
         raise ValueError("key_shard: a shard of keys with sinks is not computed (the sink belongs to no shard)")
     need_shift = k_smoothing and (bool(softcap) or sinks is not None)
     if backend != "naive":
+        check_kernels_compute(precision)
         return _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
                                  q_smoothing, softcap, need_shift, sinks, deterministic, key_shard=key_shard)
     dq, dk, dv = _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, max_k, scale, window, k_smoothing,
-                                 q_smoothing, softcap, deterministic, key_shard=key_shard)
+                                 q_smoothing, softcap, deterministic, key_shard=key_shard, precision=precision)
     dsinks = None
     if sinks is not None:
         shift = _torch_shift(q, k, cu_q, cu_k, scale) if need_shift else None
@@ -289,7 +295,7 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
 
 
 def _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, max_k, scale, window, k_smoothing, q_smoothing, softcap,
-                    deterministic, *, key_shard=False):
+                    deterministic, *, key_shard=False, precision="accurate"):
     """The PyTorch path's dq, dk, dv (into the op's layouts), by the rule the kernels would compute on this
     device (backward_rule)."""
     varlen = cu_q is not None
@@ -297,7 +303,7 @@ def _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, max_k, scale, window, k
                          softcap=softcap, q_smoothing=q_smoothing, max_len_k=max_k if varlen else k.shape[2],
                          varlen=varlen, deterministic=deterministic, key_shard=key_shard)
     tiles = dict(block_m_dkdv=rule.block_m_dkdv, block_n_dq=rule.block_n_dq, softcap=softcap, dq_int8=rule.dq_int8,
-                 key_shard=key_shard)
+                 key_shard=key_shard, numerics=numerics_rules.parse_precision(precision))
     dq, dk, dv = _poisoned(_new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen))
     dispatch.count("bwd_naive")
     if varlen:
@@ -418,19 +424,20 @@ OP_TAGS = (torch.Tag.needs_exact_strides,) if hasattr(torch.Tag, "needs_exact_st
 def _attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
               cu_k: Optional[torch.Tensor], max_q: int, max_k: int, scale: float, window_left: int,
               window_right: int, k_smoothing: bool, q_smoothing: bool, backend: str, softcap: float,
-              deterministic: Optional[bool], sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+              deterministic: Optional[bool], precision: str,
+              sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, (window_left, window_right), k_smoothing,
-                    q_smoothing, backend, softcap, sinks)
+                    q_smoothing, backend, softcap, sinks, precision)
 
 
 def _attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor], max_q: int,
               max_k: int, scale: float, window_left: int, window_right: int, k_smoothing: bool,
-              q_smoothing: bool, backend: str, softcap: float, deterministic: Optional[bool],
+              q_smoothing: bool, backend: str, softcap: float, deterministic: Optional[bool], precision: str,
               sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale,
                                    (window_left, window_right), k_smoothing, q_smoothing, backend, softcap, sinks,
-                                   deterministic)
+                                   deterministic, precision)
     return dq, dk, dv, _no_sinks_grad(q) if dsinks is None else dsinks
 
 
@@ -444,7 +451,7 @@ def _no_sinks_grad(q):
 
 @_attn_fwd_op.register_fake
 def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing, q_smoothing, backend,
-      softcap, deterministic, sinks):
+      softcap, deterministic, precision, sinks):
     varlen = cu_q is not None
     lse_shape = (1, q.shape[1], q.shape[0]) if varlen else q.shape[:3]
     return _new_like(q, varlen, v.shape[-1]), q.new_empty(lse_shape, dtype=torch.float32)
@@ -452,7 +459,7 @@ def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smo
 
 @_attn_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing,
-      q_smoothing, backend, softcap, deterministic, sinks):
+      q_smoothing, backend, softcap, deterministic, precision, sinks):
     varlen = cu_q is not None
     dsinks = _no_sinks_grad(q) if sinks is None else sinks.new_empty(sinks.shape)
     return _new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen), dsinks
@@ -498,7 +505,7 @@ def autograd_op(name, fwd_op, fwd, bwd_op, bwd, setup_context, num_inputs):
     return call
 
 
-_attn = autograd_op("SageBwdAttention", _attn_fwd_op, _attn_fwd, _attn_bwd_op, _attn_bwd, _setup_context, 16)
+_attn = autograd_op("SageBwdAttention", _attn_fwd_op, _attn_fwd, _attn_bwd_op, _attn_bwd, _setup_context, 17)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -621,6 +628,24 @@ def _compute_dtype(q, k, v):
     return q, k, v, None
 
 
+def _check_precision(precision, backend) -> str:
+    """The canonical string of a ``precision`` argument (ValueError naming it if it is none of the allowed ones);
+    NotImplementedError where the kernels would run a rule they do not compute."""
+    name = numerics_rules.precision_name(numerics_rules.parse_precision(precision))
+    if backend != "naive":
+        check_kernels_compute(name)
+    return name
+
+
+def check_kernels_compute(precision: str) -> None:
+    """Raise NotImplementedError unless the Triton and Gluon kernels compute ``precision`` (only "accurate" so far;
+    the PyTorch path computes every preset and rule)."""
+    if numerics_rules.parse_precision(precision) != numerics_rules.ACCURATE:
+        raise NotImplementedError(
+            f"precision={precision!r} is computed only by the PyTorch path so far (CPU tensors, or backend='naive'); "
+            "the Triton and Gluon kernels compute precision='accurate'")
+
+
 def _backend(q, backend):
     if backend is None:
         return "triton" if _use_triton(q) else "naive"
@@ -639,7 +664,7 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                       softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
                       k_smoothing: bool = True, q_smoothing: bool = False, return_lse: bool = False,
                       backend: Optional[str] = None, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
-                      deterministic: Optional[bool] = None):
+                      deterministic: Optional[bool] = None, precision: str = "accurate"):
     """INT8 attention with an INT8 backward (SageBwd).
 
     Args:
@@ -664,6 +689,11 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
             three launches, each gradient written once. None (default): ``SAGEBWD_BACKWARD``'s choice, ``fast``
             (as False) unless it says ``deterministic``. ``torch.use_deterministic_algorithms(True)`` wins over
             False. ``backward_rule`` says which numbers a call computes.
+        precision: the numerics preset. "accurate" (default): INT8 with per-row and per-column scales, the rule
+            every kernel computes. "fast": cheaper rules (FP8 e4m3 P·V and Pᵀ·dO, fixed P scales, one dS scale
+            per tile; ``sagebwd_hf.numerics`` and docs/fast_preset.md), or single rules joined by "+"
+            ("pv_e4m3+ds_tile"). Only the PyTorch path (CPU tensors, or ``backend="naive"``) computes them so far:
+            on the kernels any precision but "accurate" raises NotImplementedError.
 
     Returns:
         ``out`` ``[batch, heads, seqlen_q, head_dim of v]`` in q's dtype, and ``lse`` if asked.
@@ -675,10 +705,11 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     window, scale = _check_options(window_size, softmax_scale, q.shape[-1], causal)
     softcap = _check_extras(softcap, sinks, q.shape[1], q.device)
     backend = _backend(q, backend)
+    precision = _check_precision(precision, backend)
     q, k, v, restore = _compute_dtype(q, k, v)
     out, lse = _attn(q, k, v, None, None, q.shape[2], k.shape[2], scale, *window,
                      bool(k_smoothing), bool(q_smoothing), backend, softcap, _check_deterministic(deterministic),
-                     sinks)
+                     precision, sinks)
     if restore is not None:
         out = out.to(restore)
     if not return_lse:
@@ -692,7 +723,8 @@ def sagebwd_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
                              k_smoothing: bool = True, q_smoothing: bool = False, return_lse: bool = False,
                              backend: Optional[str] = None, softcap: float = 0.0,
-                             sinks: Optional[torch.Tensor] = None, deterministic: Optional[bool] = None):
+                             sinks: Optional[torch.Tensor] = None, deterministic: Optional[bool] = None,
+                             precision: str = "accurate"):
     """Packed (padding-free) batches, as ``flash_attn_varlen_func``.
 
     ``q`` is ``[total_q, heads, head_dim]``, ``k``/``v`` ``[total_k, kv_heads, head_dim]`` (v's head dim may
@@ -709,10 +741,11 @@ def sagebwd_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     window, scale = _check_options(window_size, softmax_scale, q.shape[-1], causal)
     softcap = _check_extras(softcap, sinks, q.shape[1], q.device)
     backend = _backend(q, backend)
+    precision = _check_precision(precision, backend)
     q, k, v, restore = _compute_dtype(q, k, v)
     out, lse = _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *window,
                      bool(k_smoothing), bool(q_smoothing), backend, softcap, _check_deterministic(deterministic),
-                     sinks)
+                     precision, sinks)
     if restore is not None:
         out = out.to(restore)
     if not return_lse:

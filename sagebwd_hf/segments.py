@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .interface import OP_TAGS, _backend, _backward, _backward_with, _check_options, _forward
+from .interface import OP_TAGS, _backend, _backward, _backward_with, _check_options, _check_precision, _forward
 
 # Values derived from a mask or sequence-id tensor that every layer of one forward gets again: one host
 # read per forward instead of one per layer (and per backward). A few tensors per name: models whose layers
@@ -119,7 +119,7 @@ def _to_tokens(lse):
 
 def _segmented_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                         ids: Optional[torch.Tensor], causal: bool, scale: float, window_left: int, window_right: int,
-                        k_smoothing: bool, q_smoothing: bool, backend: str, softcap: float,
+                        k_smoothing: bool, q_smoothing: bool, backend: str, softcap: float, precision: str,
                         sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """q ``[B, Nq, H, D]``, k/v ``[B, Nk, Hkv, D]`` (any strides; v's head dim may differ). Returns out
     ``[B, Nq, H, Dv]`` (zeros for padding queries) and the kernels' base-2 lse ``[1, H, B * Nq]``."""
@@ -131,18 +131,19 @@ def _planned_forward(plan, q, k, v, scale, window, k_smoothing, q_smoothing, bac
     """``_segmented_fwd_impl`` for a plan already made."""
     if plan.cu_q is None:
         out, lse = _forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, plan.max_q,
-                            plan.max_k, scale, window, k_smoothing, q_smoothing, backend, softcap, sinks)
+                            plan.max_k, scale, window, k_smoothing, q_smoothing, backend, softcap, sinks,
+                            precision)
         return out.transpose(1, 2).contiguous(), _to_tokens(lse)
     _, _, _, out, lse_packed = _packed_forward(q, k, v, plan, scale, window, k_smoothing, q_smoothing, backend,
-                                               softcap, sinks)
+                                               softcap, sinks, precision)
     return _unpacked(out, lse_packed, plan, q, v)
 
 
-def _packed_forward(q, k, v, plan, scale, window, k_smoothing, q_smoothing, backend, softcap, sinks):
+def _packed_forward(q, k, v, plan, scale, window, k_smoothing, q_smoothing, backend, softcap, sinks, precision):
     """The packed run of a plan that cuts rows: ``(q, k, v, out, lse)`` packed, the inputs as gathered."""
     q_packed, k_packed, v_packed = _gather(q, plan.idx_q), _gather(k, plan.idx_k), _gather(v, plan.idx_k)
     out, lse = _forward(q_packed, k_packed, v_packed, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale, window,
-                        k_smoothing, q_smoothing, backend, softcap, sinks)
+                        k_smoothing, q_smoothing, backend, softcap, sinks, precision)
     return q_packed, k_packed, v_packed, out, lse
 
 
@@ -161,14 +162,14 @@ _segmented_fwd = torch.library.custom_op("sagebwd::segmented_fwd", _segmented_fw
 
 @_segmented_fwd.register_fake
 def _(q, k, v, mask, ids, causal, scale, window_left, window_right, k_smoothing, q_smoothing, backend, softcap,
-      sinks):
+      precision, sinks):
     return q.new_empty(_out_shape(q, v)), q.new_empty((1, q.shape[2], q.shape[0] * q.shape[1]), dtype=torch.float32)
 
 
 def _segmented_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, mask: Optional[torch.Tensor], ids: Optional[torch.Tensor], causal: bool,
                         scale: float, window_left: int, window_right: int, k_smoothing: bool, q_smoothing: bool,
-                        backend: str, softcap: float, sinks: Optional[torch.Tensor]
+                        backend: str, softcap: float, precision: str, sinks: Optional[torch.Tensor]
                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = _plan(q, k, mask, ids, causal)
     window = (window_left, window_right)
@@ -176,21 +177,22 @@ def _segmented_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         lse_bhn = lse.view(q.shape[2], q.shape[0], q.shape[1]).transpose(0, 1).contiguous()
         dq, dk, dv, dsinks = _backward(t(dout), t(q), t(k), t(v), t(out), lse_bhn, None, None, plan.max_q,
-                                       plan.max_k, scale, window, k_smoothing, q_smoothing, backend, softcap, sinks)
+                                       plan.max_k, scale, window, k_smoothing, q_smoothing, backend, softcap, sinks,
+                                       precision=precision)
         return tuple(t(g).contiguous() for g in (dq, dk, dv)) + (_sinks_grad(dsinks, q),)
     lse_packed = lse if plan.idx_q is None else lse.index_select(2, plan.idx_q)
     return _packed_backward(dout, _gather(q, plan.idx_q), _gather(k, plan.idx_k), _gather(v, plan.idx_k), out,
                             lse_packed, plan, (q.shape, k.shape, v.shape), scale, window, k_smoothing, q_smoothing,
-                            backend, softcap, sinks)
+                            backend, softcap, sinks, precision)
 
 
 def _packed_backward(dout, q_packed, k_packed, v_packed, out, lse_packed, plan, shapes, scale, window, k_smoothing,
-                     q_smoothing, backend, softcap, sinks):
+                     q_smoothing, backend, softcap, sinks, precision):
     """Gradients of a packed run (``_packed_forward``'s q, k, v and lse; ``dout`` and ``out`` padded), scattered
     into the inputs' ``shapes``, and the sinks' (the op's backward outputs)."""
     dq, dk, dv, dsinks = _backward(_gather(dout, plan.idx_q), q_packed, k_packed, v_packed, _gather(out, plan.idx_q),
                                    lse_packed, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale, window,
-                                   k_smoothing, q_smoothing, backend, softcap, sinks)
+                                   k_smoothing, q_smoothing, backend, softcap, sinks, precision=precision)
     q_shape, k_shape, v_shape = shapes
     return (_scatter(dq, plan.idx_q, q_shape), _scatter(dk, plan.idx_k, k_shape), _scatter(dv, plan.idx_k, v_shape),
             _sinks_grad(dsinks, q_packed))
@@ -206,7 +208,7 @@ def _sinks_grad(dsinks, q):
 
 @_segmented_bwd.register_fake
 def _(dout, q, k, v, out, lse, mask, ids, causal, scale, window_left, window_right, k_smoothing, q_smoothing,
-      backend, softcap, sinks):
+      backend, softcap, precision, sinks):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             _sinks_grad(None if sinks is None else sinks.new_empty(sinks.shape), q))
 
@@ -219,7 +221,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)    # no zero-filled gradient for lse every backward (interface._setup_context)
 
 
-NUM_INPUTS = 14
+NUM_INPUTS = 15
 _segmented_fwd.register_autograd(_backward_with(_segmented_bwd, NUM_INPUTS), setup_context=_setup_context)
 _op_backward = _backward_with(_segmented_bwd_impl, NUM_INPUTS)
 
@@ -232,8 +234,8 @@ class SageBwdSegmentedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, ids, causal, scale, window_left, window_right, k_smoothing, q_smoothing, backend,
-                softcap, sinks):
-        args = (causal, scale, window_left, window_right, k_smoothing, q_smoothing, backend, softcap)
+                softcap, precision, sinks):
+        args = (causal, scale, window_left, window_right, k_smoothing, q_smoothing, backend, softcap, precision)
         plan = _plan(q, k, mask, ids, causal)
         if plan.cu_q is None or plan.idx_q is None:    # no padding to leave out: saved as the op saves them
             output = _planned_forward(plan, q, k, v, scale, (window_left, window_right), k_smoothing, q_smoothing,
@@ -242,7 +244,8 @@ class SageBwdSegmentedAttention(torch.autograd.Function):
             ctx.packing = None
             return output
         q_packed, k_packed, v_packed, out_packed, lse_packed = _packed_forward(
-            q, k, v, plan, scale, (window_left, window_right), k_smoothing, q_smoothing, backend, softcap, sinks)
+            q, k, v, plan, scale, (window_left, window_right), k_smoothing, q_smoothing, backend, softcap, sinks,
+            precision)
         out, lse = _unpacked(out_packed, lse_packed, plan, q, v)
         ctx.save_for_backward(q_packed, k_packed, v_packed, out, lse_packed, sinks)
         ctx.packing = (plan, (q.shape, k.shape, v.shape))
@@ -259,10 +262,10 @@ class SageBwdSegmentedAttention(torch.autograd.Function):
             return (None,) * NUM_INPUTS
         q_packed, k_packed, v_packed, out, lse_packed, sinks = ctx.saved_tensors
         plan, shapes = ctx.packing
-        _, scale, window_left, window_right, k_smoothing, q_smoothing, backend, softcap = ctx.args
+        _, scale, window_left, window_right, k_smoothing, q_smoothing, backend, softcap, precision = ctx.args
         dq, dk, dv, dsinks = _packed_backward(dout, q_packed, k_packed, v_packed, out, lse_packed, plan, shapes, scale,
                                               (window_left, window_right), k_smoothing, q_smoothing, backend,
-                                              softcap, sinks)
+                                              softcap, sinks, precision)
         return (dq, dk, dv) + (None,) * (NUM_INPUTS - 4) + (dsinks if sinks is not None else None,)
 
 
@@ -271,12 +274,14 @@ def _segmented(*inputs):
 
 
 def segmented_attention(q, k, v, mask=None, ids=None, *, causal, softmax_scale, window_size=(-1, -1),
-                        k_smoothing=True, q_smoothing=False, softcap=0.0, sinks=None):
+                        k_smoothing=True, q_smoothing=False, softcap=0.0, sinks=None, precision="accurate"):
     """Attention over ``[B, N, H, D]`` rows cut by a padding ``mask`` ``[B, Nk]`` (bool, True = real token)
     or by sequence ``ids`` ``[B, N]`` (self-attention; a new sequence wherever the id changes). Padding
-    queries get zeros. Inputs must already be float16/bfloat16; validation is the caller's."""
+    queries get zeros. Inputs must already be float16/bfloat16; validation is the caller's but for ``precision``
+    (sagebwd_attn_func's argument), checked here."""
     if (mask is None) == (ids is None):
         raise ValueError("segmented_attention needs exactly one of mask and ids")
     window, scale = _check_options(window_size, softmax_scale, q.shape[-1], causal)   # causal: right = 0
+    backend = _backend(q, None)
     return _segmented(q, k, v, mask, ids, bool(causal), scale, *window, bool(k_smoothing), bool(q_smoothing),
-                      _backend(q, None), float(softcap), sinks)[0]
+                      backend, float(softcap), _check_precision(precision, backend), sinks)[0]

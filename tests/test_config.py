@@ -43,7 +43,7 @@ def resolved(model):
 
 def test_defaults():
     assert SageBwdOptions() == SageBwdOptions(k_smoothing=True, q_smoothing=False)
-    assert SageBwdOptions().op_kwargs() == {"k_smoothing": True, "q_smoothing": False}
+    assert SageBwdOptions().op_kwargs() == {"k_smoothing": True, "q_smoothing": False, "precision": "accurate"}
     # every option the op takes goes to it; the rest are the attention backend's
     import inspect
     from sagebwd_hf import sagebwd_attn_func

@@ -164,7 +164,8 @@ def test_eager_call_holds_packed_tensors_and_equals_the_op(case):
     mask[0, :7] = False                     # left padding in one row
     mask[1, 20:] = False                    # right padding in the other
     sinks = torch.randn(4) if case == "sinks_cap" else None
-    args = (True, SCALE, -1, 0, True, False, _backend(q, None), 5.0 if case == "sinks_cap" else 0.0)
+    args = (True, SCALE, -1, 0, True, False, _backend(q, None), 5.0 if case == "sinks_cap" else 0.0,
+            "accurate")
 
     leaves = [x.clone().requires_grad_() for x in (q, k, v)] + ([sinks.clone().requires_grad_()] if sinks is not None
                                                                 else [])

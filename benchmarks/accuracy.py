@@ -8,6 +8,11 @@ it shows what the smoothing buys. The bar: O and dV cosine >= 0.999, dQ and dK c
     python benchmarks/accuracy.py                      # GPU: D=128, N=4096; CPU: a small shape
     python benchmarks/accuracy.py --check --csv out.csv
     python benchmarks/accuracy.py --softcap 20 --sinks    # Gemma 2's cap / gpt-oss's sinks, on both sides
+    python benchmarks/accuracy.py --device cpu --seqlen 2048 --inputs k_outliers \
+        --precision accurate,fast,pv_e4m3,p_static,ds_tile     # numerics presets and single rules
+
+``--precision`` takes presets and rules (sagebwd_hf.numerics) joined by commas, one set of rows each. Only the
+PyTorch path computes precisions other than "accurate" so far: on a GPU add ``--backend naive``.
 
 With --softcap or --sinks, the bf16 baseline is eager attention (attention_exact) in the input dtype: SDPA
 computes neither.
@@ -51,6 +56,12 @@ def main():
     p.add_argument("--check", action="store_true", help="exit 1 if the bar is missed")
     p.add_argument("--softcap", type=float, default=0.0, help="logit soft-capping (Gemma 2 uses 50)")
     p.add_argument("--sinks", action="store_true", help="attention sinks: one N(0, 2^2) logit per head")
+    p.add_argument("--precision", default="accurate",
+                   help="comma-separated presets or rules: accurate, fast, pv_e4m3, p_static, ds_tile, "
+                        "pv_e4m3+ds_tile, ...")
+    p.add_argument("--inputs", default="gaussian,k_outliers", help="comma-separated: gaussian, k_outliers")
+    p.add_argument("--backend", default=None, choices=["naive", "triton"],
+                   help="force the op's backend (default: Triton on CUDA, PyTorch on CPU)")
     p.add_argument("--deterministic", action="store_true",
                    help="the deterministic backward (deterministic=True); default: the op's default (fast on Hopper "
                         "at head dim 64: the one launch)")
@@ -64,7 +75,7 @@ def main():
     print(f"# device {device_name} | torch {torch.__version__} | triton {triton.__version__} | "
           f"B={args.batch} H={args.heads}/{kv_heads} N={args.seqlen} D={args.head_dim} {args.dtype} | "
           f"reference {ref_dtype} | Triton interpreter: {os.environ.get('TRITON_INTERPRET') == '1'} | "
-          f"softcap {args.softcap:g} | sinks {args.sinks}")
+          f"softcap {args.softcap:g} | sinks {args.sinks} | backend {args.backend or 'default'}")
     extras = bool(args.softcap) or args.sinks
     gen = torch.Generator().manual_seed(args.seed + 1)
     sinks = (torch.randn(args.heads, generator=gen) * 2.0).to(args.device) if args.sinks else None
@@ -74,29 +85,31 @@ def main():
                                softcap=args.softcap, sinks=sinks)[0]
 
     rows = []
-    for inputs in ("gaussian", "k_outliers"):
+    precisions = args.precision.split(",")
+    for inputs in args.inputs.split(","):
         for causal in (False, True):
             q, k, v, do = make_qkv(args.batch, args.heads, kv_heads, args.seqlen, args.seqlen, args.head_dim,
                                    dtype, args.device, k_outliers=args.outlier if inputs == "k_outliers" else 0.0,
                                    seed=args.seed)
             ref = run_with_grads(lambda a, b, c: exact(a, b, c, causal, ref_dtype), q.to(ref_dtype),
                                  k.to(ref_dtype), v.to(ref_dtype), do.to(ref_dtype))
-            opts = dict(causal=causal, softcap=args.softcap, sinks=sinks, deterministic=args.deterministic or None)
-            reset_attention_stats()
-            ours = compare(run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, **opts), q, k, v, do), ref)
-            backward = "+".join(sorted(n for n in attention_stats()["kernels"] if n.startswith("bwd_")))
             base = compare(run_with_grads((lambda a, b, c: exact(a, b, c, causal, dtype)) if extras else
                                           (lambda a, b, c: sdpa(a, b, c, causal)), q, k, v, do), ref)
-            plain = compare(run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, k_smoothing=False, **opts),
-                                           q, k, v, do), ref)
-            exact_out = ref
-            del ref, exact_out
-            for name in ("O", "dQ", "dK", "dV"):
-                rows.append(dict(inputs=inputs, causal=causal, tensor=name, backward=backward,
-                                 sagebwd_cos=ours[name][0], sagebwd_rel_l2=ours[name][1],
-                                 sdpa_bf16_cos=base[name][0], sdpa_bf16_rel_l2=base[name][1],
-                                 no_k_smoothing_cos=plain[name][0], no_k_smoothing_rel_l2=plain[name][1],
-                                 bar_cos=BAR[name], meets_bar=ours[name][0] >= BAR[name]))
+            for precision in precisions:
+                opts = dict(causal=causal, softcap=args.softcap, sinks=sinks, deterministic=args.deterministic or None,
+                            precision=precision, backend=args.backend)
+                reset_attention_stats()
+                ours = compare(run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, **opts), q, k, v, do), ref)
+                backward = "+".join(sorted(n for n in attention_stats()["kernels"] if n.startswith("bwd_")))
+                plain = compare(run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, k_smoothing=False, **opts),
+                                               q, k, v, do), ref)
+                for name in ("O", "dQ", "dK", "dV"):
+                    rows.append(dict(inputs=inputs, causal=causal, precision=precision, tensor=name, backward=backward,
+                                     sagebwd_cos=ours[name][0], sagebwd_rel_l2=ours[name][1],
+                                     sdpa_bf16_cos=base[name][0], sdpa_bf16_rel_l2=base[name][1],
+                                     no_k_smoothing_cos=plain[name][0], no_k_smoothing_rel_l2=plain[name][1],
+                                     bar_cos=BAR[name], meets_bar=ours[name][0] >= BAR[name]))
+            del ref
             if args.device == "cuda":
                 torch.cuda.empty_cache()
 
@@ -106,11 +119,11 @@ def main():
             writer.writeheader()
             writer.writerows(rows)
     print(f"# backward kernels: {', '.join(sorted(set(r['backward'] for r in rows)))}")
-    print(f"{'inputs':<11} {'causal':<6} {'tensor':<6} {'sagebwd cos':>11} {'rel L2':>8}   "
+    print(f"{'inputs':<11} {'causal':<6} {'precision':<16} {'tensor':<6} {'sagebwd cos':>11} {'rel L2':>8}   "
           f"{'sdpa ' + {'bfloat16': 'bf16', 'float16': 'fp16'}[args.dtype] + ' cos':>13} {'rel L2':>8}   "
           f"{'no K-smooth cos':>15} {'rel L2':>8}   bar")
     for r in rows:
-        print(f"{r['inputs']:<11} {str(r['causal']):<6} {r['tensor']:<6} {r['sagebwd_cos']:>11.5f} "
+        print(f"{r['inputs']:<11} {str(r['causal']):<6} {r['precision']:<16} {r['tensor']:<6} {r['sagebwd_cos']:>11.5f} "
               f"{r['sagebwd_rel_l2']:>8.4f}   {r['sdpa_bf16_cos']:>13.5f} {r['sdpa_bf16_rel_l2']:>8.4f}   "
               f"{r['no_k_smoothing_cos']:>15.5f} {r['no_k_smoothing_rel_l2']:>8.4f}   "
               f">={r['bar_cos']} {'ok' if r['meets_bar'] else 'MISSED'}")

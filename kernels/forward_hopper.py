@@ -42,6 +42,7 @@ STAGES = gl.constexpr(2)      # K / V^T buffers in flight
 TURN_BARRIER = gl.constexpr(8)
 RELEASE_BARRIER = gl.constexpr(10)
 LOG2_127 = gl.constexpr(6.988684686772166)
+LOG2_448 = gl.constexpr(8.807354922057604)   # e4m3's largest value, 448, is P's largest with PV_E4M3
 
 
 @aggregate
@@ -89,6 +90,8 @@ class ForwardOptions:
     SOFTCAP: gl.constexpr
     SINK_MODE: gl.constexpr
     DYNAMIC: gl.constexpr
+    PV_E4M3: gl.constexpr
+    P_STATIC: gl.constexpr
 
 
 @gluon.jit
@@ -267,7 +270,13 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, ring, turns, row_consts, lo, hi, item
     seqlen_k = item.seqlen_k
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.int32, s_layout)
-    o_zero = gl.zeros(acc.shape, gl.int32, o_layout)
+    PV_E4M3: gl.constexpr = opts.PV_E4M3
+    P_STATIC: gl.constexpr = opts.P_STATIC
+    gl.static_assert(PV_E4M3 or not P_STATIC, "a fixed P scale only with e4m3 P V")
+    if PV_E4M3:
+        o_zero = gl.zeros(acc.shape, gl.float32, o_layout)
+    else:
+        o_zero = gl.zeros(acc.shape, gl.int32, o_layout)
     diag = seqlen_k - item.seqlen_q
     # In band-masked loops the next tile's K scale comes through a pointer of its own: with start_n in the
     # address, LLVM widened the loop counter to 64 bits, and every key index and mask compare with it (a masked
@@ -323,23 +332,51 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, ring, turns, row_consts, lo, hi, item
         m_new = gl.maximum(m_i, tile_max)
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_ref)
-        e_ref = gl.where(tile_max == float("-inf"), 0.0, tile_max - LOG2_127)
+        if P_STATIC:   # P relative to the running max, which maps to 448: P's scale is 1 / 448 in every tile
+            e_ref = m_ref - LOG2_448
+        elif PV_E4M3:
+            e_ref = gl.where(tile_max == float("-inf"), 0.0, tile_max - LOG2_448)
+        else:
+            e_ref = gl.where(tile_max == float("-inf"), 0.0, tile_max - LOG2_127)
         e = gl.exp2(gl.fma(t, row_mul[:, None], (row_add - e_ref)[:, None]))
-        p_scale = gl.exp2(tile_max - m_ref) * (1.0 / 127.0)
-        p8 = as_operand(round_to_int8(e), opts.V_ORDER, p_layout)
-        pv_tok = warpgroup_mma(p8, ring.vt.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-        # while P V runs: the row sum, and the rescaled accumulator less the int32_times offset
-        l_i = l_i * alpha + gl.sum(e, 1) * p_scale
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-        p_scale_o = gl.convert_layout(p_scale, gl.SliceLayout(1, o_layout))
-        acc = gl.fma(acc, alpha_o[:, None], (p_scale_o * -12582912.0)[:, None])
-        pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok, ))
+        if P_STATIC:
+            # The accumulator and the row sum hold 448 times O's and l's sums (the epilogue's 1 / l cancels it),
+            # so the product adds into the accumulator itself, rescaled before it is issued
+            p8 = as_operand(e.to(gl.float8e4nv), opts.V_ORDER, p_layout)
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+            acc = acc * alpha_o[:, None]
+            pv_tok = warpgroup_mma(p8, ring.vt.index(s).permute((1, 0)), acc, use_acc=True, is_async=True)
+            l_i = l_i * alpha + gl.sum(e, 1)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok, ))
+        elif PV_E4M3:
+            # P's scale per row of the tile, as in INT8: the tile's row maximum maps to 448
+            p_scale = gl.exp2(tile_max - m_ref) * (1.0 / 448.0)
+            p8 = as_operand(e.to(gl.float8e4nv), opts.V_ORDER, p_layout)
+            pv_tok = warpgroup_mma(p8, ring.vt.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+            l_i = l_i * alpha + gl.sum(e, 1) * p_scale
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+            p_scale_o = gl.convert_layout(p_scale, gl.SliceLayout(1, o_layout))
+            acc = acc * alpha_o[:, None]
+            pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok, ))
+        else:
+            p_scale = gl.exp2(tile_max - m_ref) * (1.0 / 127.0)
+            p8 = as_operand(round_to_int8(e), opts.V_ORDER, p_layout)
+            pv_tok = warpgroup_mma(p8, ring.vt.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+            # while P V runs: the row sum, and the rescaled accumulator less the int32_times offset
+            l_i = l_i * alpha + gl.sum(e, 1) * p_scale
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+            p_scale_o = gl.convert_layout(p_scale, gl.SliceLayout(1, o_layout))
+            acc = gl.fma(acc, alpha_o[:, None], (p_scale_o * -12582912.0)[:, None])
+            pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok, ))
         if NAMED_BARRIERS:
             named_barrier(True, RELEASE_BARRIER + s, 32 + opts.CONSUMERS * 128, 4)
         else:
             mbarrier.arrive(ring.empty.index(s), count=1)
         it += 1
-        acc = gl.fma((pv + 0x4B400000).to(gl.float32, bitcast=True), p_scale_o[:, None], acc)
+        if not PV_E4M3:
+            acc = gl.fma((pv + 0x4B400000).to(gl.float32, bitcast=True), p_scale_o[:, None], acc)
+        elif not P_STATIC:
+            acc = gl.fma(pv, p_scale_o[:, None], acc)
         m_i = m_new
         ks = ks_next
     return acc, m_i, l_i, it, ks
@@ -406,7 +443,10 @@ def _consumer(C: gl.constexpr, turns, q_bufs, ring, mailbox, seqs, scales, outpu
         mbarrier.arrive(q_bufs.empty, count=1)     # every S of the item was waited for: the next Q may land
 
         has_keys = l_i > 0
-        lse = gl.where(has_keys, m_i + gl.log2(l_i), float("inf"))   # +inf: the backward's exp2(s - lse) is 0
+        if opts.P_STATIC:   # l_i (and the accumulator) hold 448 times the sums
+            lse = gl.where(has_keys, m_i + (gl.log2(l_i) - LOG2_448), float("inf"))
+        else:
+            lse = gl.where(has_keys, m_i + gl.log2(l_i), float("inf"))   # +inf: the backward's exp2(s - lse) is 0
         inv_l = gl.where(has_keys, 1.0 / l_i, 0.0)
         if SINK_MODE > 0:   # the head's sink joins the denominator, as in forward.py's epilogue
             sink_row = gl.full([HALF_M], 0.0, gl.float32, row_layout) + gl.load(terms.SINKS + h).to(gl.float32)
@@ -421,6 +461,8 @@ def _consumer(C: gl.constexpr, turns, q_bufs, ring, mailbox, seqs, scales, outpu
         inv_l = gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
         v_scale = gl.load(scales.VS + vs_off + offs_d)
+        if opts.PV_E4M3:   # VS holds each channel's max |v| (quantize_v's e4m3): its scale is max / 448
+            v_scale = v_scale * (1.0 / 448.0)
         out = acc * inv_l[:, None] * v_scale[None, :]
         rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
         # 64-bit token offsets: a [B, H, N, D] output can pass 2^31 elements
@@ -440,6 +482,7 @@ def _attn_fwd_hopper_kernel(
     QK_SPLIT: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     PINGPONG: gl.constexpr, SINK_MODE: gl.constexpr, V_ORDER: gl.constexpr,
     SOFTCAP: gl.constexpr, NAMED_BARRIERS: gl.constexpr, DYNAMIC: gl.constexpr,
+    PV_E4M3: gl.constexpr = False, P_STATIC: gl.constexpr = False,
 ):
     # each consumer's Q rows, the K / V^T ring
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -477,7 +520,7 @@ def _attn_fwd_hopper_kernel(
     outputs = ForwardOutputs(O, LSE, s_ob, s_oh, s_ot, s_lb, s_lh)
     terms = ScoreTerms(softcap2, SHIFT, SINKS, SINK_SHIFT)
     opts = ForwardOptions(HEAD_DIM_V, QK_SPLIT, CONSUMERS, PINGPONG, NAMED_BARRIERS, V_ORDER, SOFTCAP, SINK_MODE,
-                          DYNAMIC)
+                          DYNAMIC, PV_E4M3, P_STATIC)
     # (the partition list must be written in the call: one built beforehand and extended for a third consumer
     # does not compile on Triton 3.6, "cannot convert JITFunction to tensor", hence one call per consumer count;
     # constexprs such as the consumer index go into each tuple literally)

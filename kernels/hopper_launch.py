@@ -119,7 +119,7 @@ def persistent_grid(num_items, programs, stand_in, counter=None):
 def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
                         window, v_starts=None, consumers=2, consumer_regs=None, loader_regs=24, pingpong=None,
                         sinks=None, sink_shift=None, softcap=0.0, shift=None, named_barriers=None,
-                        programs=None, v_operand_order=False, counter=None):
+                        programs=None, v_operand_order=False, counter=None, pv_e4m3=False, p_static=False):
     """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift``,
     ``softcap``, ``shift`` as there). ``pingpong`` defaults to on at V's head dim 128 and off at 64; the op
     passes ``dispatch.gluon_forward_pingpong``'s choice (off is faster for short unmasked calls and MLA's head
@@ -134,7 +134,12 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     (a static round-robin did not); None (or at least one per item): one program per work item.
     ``v_operand_order``: ``v8t`` from ``quantize_v(..., operand_order=True)`` (each 16 keys in the order P's
     registers hold them, so P goes to ``P V`` without shuffles: kernels alone 1.01-1.11x, H200); the op's.
-    ``counter``: the work counter, zeroed (``persistent_grid``'s)."""
+    ``counter``: the work counter, zeroed (``persistent_grid``'s).
+    ``pv_e4m3`` (sagebwd_hf.numerics' rule): ``P V`` in FP8 e4m3, ``v8t`` holding e4m3 bytes and ``v_scale`` each
+    channel's max |v| (``quantize_v(..., e4m3=True)``); ``p_static`` (with ``pv_e4m3``): P's scale fixed, the
+    running row max mapped to 448."""
+    if p_static and not pv_e4m3:
+        raise ValueError("the forward kernel takes p_static only with pv_e4m3 (a fixed INT8 P scale is not built)")
     assert sink_shift is None or (sinks is not None and sink_shift.stride() == lse.stride())
     assert not softcap or (shift is not None and shift.stride() == lse.stride())
     assert not (softcap and sink_shift is not None), "capped scores are already the caller's"
@@ -157,7 +162,11 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     k_desc = tma_desc_2d(k8.view(-1, d), [forward_hopper.BLOCK_N.value, d1])
     q2_desc = tma_desc_2d(q8.view(-1, d), [forward_hopper.HALF_M.value, d2]) if d2 else q_desc
     k2_desc = tma_desc_2d(k8.view(-1, d), [forward_hopper.BLOCK_N.value, d2]) if d2 else k_desc
-    vt_desc = tma_desc_2d(v8t.view(-1, v8t.shape[-1]), [head_dim_v, forward_hopper.BLOCK_N.value])
+    if pv_e4m3:   # the same bytes' layout, read as e4m3 (the wgmma's operand types come from the descriptor)
+        vt_desc = tma_desc_2d(v8t.view(torch.float8_e4m3fn).view(-1, v8t.shape[-1]),
+                              [head_dim_v, forward_hopper.BLOCK_N.value], gl.float8e4nv)
+    else:
+        vt_desc = tma_desc_2d(v8t.view(-1, v8t.shape[-1]), [head_dim_v, forward_hopper.BLOCK_N.value])
     cu_q = layout_q.cu_seqlens if layout_q.is_varlen else q_scale
     cu_k = layout_k.cu_seqlens if layout_k.is_varlen else q_scale
     if layout_k.is_varlen and v_starts is None:
@@ -177,8 +186,8 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
             LOADER_REGS=loader_regs, PINGPONG=pingpong,
             SINK_MODE=0 if sinks is None else 2 if sink_shift is not None else 1,
             V_ORDER=v_operand_order,
-            SOFTCAP=bool(softcap), NAMED_BARRIERS=bool(named_barriers), DYNAMIC=dynamic, num_warps=4,
-            ptx_options=ptx_options())
+            SOFTCAP=bool(softcap), NAMED_BARRIERS=bool(named_barriers), DYNAMIC=dynamic,
+            PV_E4M3=bool(pv_e4m3), P_STATIC=bool(p_static), num_warps=4, ptx_options=ptx_options())
 
 
 def launch_forward_hopper(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim, window,

@@ -185,7 +185,7 @@ def _quantize_program(
     WITH_SCALED: tl.constexpr, WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr,
     WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     OPERAND_ORDER: tl.constexpr = False, FROM_PARTS: tl.constexpr = False, ZERO_INTS: tl.constexpr = 0,
-    ZERO_ROWS: tl.constexpr = False,
+    ZERO_ROWS: tl.constexpr = False, E4M3: tl.constexpr = False,
 ):
     """One program of ``_quantize_kernel`` (``pid_bh`` int64: every head/batch offset in 64 bits, see
     _seq_bounds).
@@ -195,7 +195,8 @@ def _quantize_program(
     combines them, and written to ``SUB`` / ``CSCALE`` by each sequence's first program: one launch less.
     ``ZERO_INTS``: program (0, 0) zeroes that many int32s at ``ZEROS`` (the Gluon launches' work counters);
     ``ZERO_ROWS``: every program zeroes its tokens' rows of ``ZROWS`` (fp32, ``X``'s shape: the one-launch
-    backward's dQ accumulator)."""
+    backward's dQ accumulator). ``E4M3`` (with ``PER_CHANNEL``): FP8 e4m3 bytes instead of INT8, ``CSCALE`` holding
+    each channel's max |x|, which maps to e4m3's 448 (the pv_e4m3 rule's V: ``sagebwd_hf.naive``'s 448 / max)."""
     if ZERO_INTS > 0:   # (before any program returns: a first sequence may be empty)
         if pid_t == 0 and pid_bh == 0:
             tl.store(ZEROS + tl.arange(0, ZERO_INTS), tl.zeros([ZERO_INTS], tl.int32))
@@ -238,7 +239,12 @@ def _quantize_program(
             c_scale = combined
         else:
             c_scale = tl.load(CSCALE + h * s_csh + b * s_csb + offs_d, mask=d_ok, other=0.0)
-        y = x * tl.where(c_scale > 1e-32, 1.0 / c_scale, 0.0)[None, :]
+        if E4M3:   # c_scale is the channel's max |x|; a tiny one quantizes to zeros, as in the reference
+            # (rounded division: ``/`` is div.full.f32, within 2 ulp, and the reference's bytes need 448 / max's)
+            y = x * tl.where(c_scale > 1e-30, tl.math.div_rn(tl.full([BLOCK_D], 448.0, tl.float32), c_scale),
+                             0.0)[None, :]
+        else:
+            y = x * tl.where(c_scale > 1e-32, 1.0 / c_scale, 0.0)[None, :]
     else:
         amax = tl.max(tl.abs(x), 1)
         if BLOCK_SCALE:   # one scale for the program's BLOCK_T tokens (rows past the end hold zeros)
@@ -249,7 +255,11 @@ def _quantize_program(
         tl.store(SCALE + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / 127.0), mask=t_ok)
         if WITH_SCALED:   # Q's scale with the softmax scale folded in, as the forward kernels take it
             tl.store(SCALED + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / 127.0) * scaled_factor, mask=t_ok)
-    x8 = round_to_int8(y)
+    if E4M3:   # round to nearest even, saturating (cvt.rn.satfinite.e4m3x2.f32, two values an instruction)
+        tl.static_assert(PER_CHANNEL, "e4m3 bytes only with per-channel scales")
+        x8 = y.to(tl.float8e4nv).to(tl.int8, bitcast=True)
+    else:
+        x8 = round_to_int8(y)
     if WRITE_NATURAL:
         tl.store(X8 + bx * s_8b + h * s_8h + (t0 + rows)[:, None] * s_8t + offs_d[None, :], x8, mask=ok)
     if WRITE_T:
@@ -290,7 +300,7 @@ def _quantize_kernel(
     WITH_SCALED: tl.constexpr, WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr,
     WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     OPERAND_ORDER: tl.constexpr = False, FROM_PARTS: tl.constexpr = False, ZERO_INTS: tl.constexpr = 0,
-    ZERO_ROWS: tl.constexpr = False,
+    ZERO_ROWS: tl.constexpr = False, E4M3: tl.constexpr = False,
 ):
     """Quantizes one input (``quantize``): programs (token tile, sequence x head); ``_quantize_program``."""
     _quantize_program(
@@ -302,7 +312,7 @@ def _quantize_kernel(
         IS_VARLEN=IS_VARLEN, HAS_SUB=HAS_SUB, PER_CHANNEL=PER_CHANNEL, WITH_DELTA=WITH_DELTA,
         WITH_SCALED=WITH_SCALED, WRITE_NATURAL=WRITE_NATURAL, WRITE_T=WRITE_T, HAS_T_CU=HAS_T_CU, WITH_DOT=WITH_DOT,
         BLOCK_SCALE=BLOCK_SCALE, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, OPERAND_ORDER=OPERAND_ORDER,
-        FROM_PARTS=FROM_PARTS, ZERO_INTS=ZERO_INTS, ZERO_ROWS=ZERO_ROWS,
+        FROM_PARTS=FROM_PARTS, ZERO_INTS=ZERO_INTS, ZERO_ROWS=ZERO_ROWS, E4M3=E4M3,
     )
 
 
@@ -322,12 +332,12 @@ def _quantize_pair_kernel(
     WITH_SCALED: tl.constexpr, WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr,
     WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     OPERAND_ORDER: tl.constexpr, FROM_PARTS: tl.constexpr, ZERO_INTS: tl.constexpr,
-    ZERO_ROWS: tl.constexpr,
+    ZERO_ROWS: tl.constexpr, E4M3: tl.constexpr,
     IS_VARLEN_B: tl.constexpr, HAS_SUB_B: tl.constexpr, PER_CHANNEL_B: tl.constexpr, WITH_DELTA_B: tl.constexpr,
     WITH_SCALED_B: tl.constexpr, WRITE_NATURAL_B: tl.constexpr, WRITE_T_B: tl.constexpr, HAS_T_CU_B: tl.constexpr,
     WITH_DOT_B: tl.constexpr, BLOCK_SCALE_B: tl.constexpr, BLOCK_T_B: tl.constexpr, BLOCK_D_B: tl.constexpr,
     OPERAND_ORDER_B: tl.constexpr, FROM_PARTS_B: tl.constexpr, ZERO_INTS_B: tl.constexpr,
-    ZERO_ROWS_B: tl.constexpr,
+    ZERO_ROWS_B: tl.constexpr, E4M3_B: tl.constexpr,
 ):
     """Two inputs quantized in one launch (``quantize_pair``): grid axis 2 picks the input, its arguments the
     plain ones or those ending in ``_b`` / ``_B``; each program runs ``_quantize_program`` as ``_quantize_kernel``
@@ -346,6 +356,7 @@ def _quantize_pair_kernel(
                 WITH_SCALED=WITH_SCALED, WRITE_NATURAL=WRITE_NATURAL, WRITE_T=WRITE_T, HAS_T_CU=HAS_T_CU,
                 WITH_DOT=WITH_DOT, BLOCK_SCALE=BLOCK_SCALE, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
                 OPERAND_ORDER=OPERAND_ORDER, FROM_PARTS=FROM_PARTS, ZERO_INTS=ZERO_INTS, ZERO_ROWS=ZERO_ROWS,
+                E4M3=E4M3,
             )
     else:
         if pid_bh < programs_bh_b:
@@ -360,7 +371,7 @@ def _quantize_pair_kernel(
                 WITH_SCALED=WITH_SCALED_B, WRITE_NATURAL=WRITE_NATURAL_B, WRITE_T=WRITE_T_B, HAS_T_CU=HAS_T_CU_B,
                 WITH_DOT=WITH_DOT_B, BLOCK_SCALE=BLOCK_SCALE_B, BLOCK_T=BLOCK_T_B, BLOCK_D=BLOCK_D_B,
                 OPERAND_ORDER=OPERAND_ORDER_B, FROM_PARTS=FROM_PARTS_B, ZERO_INTS=ZERO_INTS_B,
-                ZERO_ROWS=ZERO_ROWS_B,
+                ZERO_ROWS=ZERO_ROWS_B, E4M3=E4M3_B,
             )
 
 
@@ -541,7 +552,7 @@ def aligned_starts(layout: SeqLayout) -> torch.Tensor:
 def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
                      channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
                      scaled=None, block_scale=False, operand_order=False, parts=None, zero_ints=None,
-                     zero_rows=None):
+                     zero_rows=None, e4m3=False):
     """``quantize``'s outputs and its launch, not made: (``Quantized``, grid, arguments, constexprs, warps)."""
     bsz, h, n, d = x4.shape
     dev = x4.device
@@ -561,6 +572,7 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
     any_out = next(t for t in (x8, x8t) if t is not None)
     block_t, num_warps = (K_SCALE_BLOCK, 8) if block_scale else QUANTIZE_TILE
     assert not (block_scale and channel_scale is not None)
+    assert not e4m3 or channel_scale is not None, "e4m3 bytes only with per-channel scales"
     assert parts is None or (channel_scale is not None or (sub is not None and sub_block == 1 << 30))
     assert zero_ints is None or (zero_ints.dtype == torch.int32 and zero_ints.numel() & (zero_ints.numel() - 1) == 0)
     assert zero_rows is None or (zero_rows.shape == x4.shape and zero_rows.stride(3) == 1)
@@ -588,7 +600,7 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
         WITH_DELTA=delta is not None, WITH_SCALED=scaled is not None, WRITE_NATURAL=natural, WRITE_T=transposed,
         HAS_T_CU=t_starts is not None, WITH_DOT=dot is not None, BLOCK_SCALE=block_scale, BLOCK_T=block_t,
         BLOCK_D=_block_d(d), OPERAND_ORDER=operand_order, FROM_PARTS=parts is not None,
-        ZERO_INTS=0 if zero_ints is None else zero_ints.numel(), ZERO_ROWS=zero_rows is not None,
+        ZERO_INTS=0 if zero_ints is None else zero_ints.numel(), ZERO_ROWS=zero_rows is not None, E4M3=e4m3,
     )
     return (Quantized(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot, scaled=scaled_out), grid, args,
             constexprs, num_warps)
@@ -596,7 +608,8 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
 
 def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
              channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
-             scaled=None, block_scale=False, operand_order=False, parts=None, zero_ints=None, zero_rows=None):
+             scaled=None, block_scale=False, operand_order=False, parts=None, zero_ints=None, zero_rows=None,
+             e4m3=False):
     """One pass over ``x4`` ``[B, H, N, D]`` -> ``Quantized`` with ``x8`` (natural ``[B, H, N, D]``), ``x8t``
     (``[B, H, D, N_pad]``), ``scale`` (per token ``[B, H, N]``, unless ``channel_scale`` given) and
     ``delta`` (``rowsum(x * out_for_delta)``) as asked. ``t_starts`` (packed batches): each sequence's first
@@ -609,11 +622,14 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
     (written here) combined in this pass from the statistics pass's chunks (``_stats(..., block_tokens=
     STATS_CHUNK)``; ``factor`` as the combine's), the same bits as the combine launch would give.
     ``zero_ints``: an int32 tensor (a power of two of them) zeroed by the pass; ``zero_rows``: an fp32 tensor of
-    ``x4``'s shape (contiguous last dim) whose rows the pass zeroes."""
+    ``x4``'s shape (contiguous last dim) whose rows the pass zeroes. ``e4m3`` (with ``channel_scale`` holding each
+    channel's max |x|, not a scale): FP8 e4m3 bytes in ``x8`` / ``x8t`` (int8 tensors holding them), the max mapped
+    to 448, round to nearest even."""
     result, grid, args, constexprs, num_warps = _quantize_launch(
         x4, layout, sub=sub, sub_cu=sub_cu, sub_block=sub_block, channel_scale=channel_scale, natural=natural,
         transposed=transposed, out_for_delta=out_for_delta, t_starts=t_starts, dot=dot, scaled=scaled,
-        block_scale=block_scale, operand_order=operand_order, parts=parts, zero_ints=zero_ints, zero_rows=zero_rows)
+        block_scale=block_scale, operand_order=operand_order, parts=parts, zero_ints=zero_ints, zero_rows=zero_rows,
+        e4m3=e4m3)
     launch(_quantize_kernel, grid, *args, **constexprs, num_warps=num_warps)
     return result
 
@@ -634,7 +650,7 @@ def quantize_pair(x4, layout, options, x4_b, layout_b, options_b):
 def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float,
                 k_smoothing: bool, q_smoothing: bool, transposed: bool = False, row_shift: bool = False, v4=None,
                 operand_order: bool = False, t_starts_q=None, t_starts_k=None, k_transposed: Optional[bool] = None,
-                fused: bool = False, zero_ints=None, zero_rows=None):
+                fused: bool = False, zero_ints=None, zero_rows=None, v_e4m3: bool = False):
     """INT8 Q and K for ``S = Q K^T`` (and, with ``transposed``, their token-major copies for the backward).
 
     Returns a ``QuantizedQK``: ``q8, q_scale`` (softmax scale and log2(e) folded in, so the kernels use exp2),
@@ -650,18 +666,22 @@ def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale:
     ``fused``: the same bytes in fewer launches: where a sequence is longer than a statistics chunk, K's pass
     combines K's mean from the chunks itself (no combine launch), and V's channel scales are left to
     ``quantize_v`` as chunks (``v_parts``; ``v_scale`` None); ``zero_ints`` / ``zero_rows`` are zeroed by Q's pass
-    (``quantize``'s)."""
+    (``quantize``'s). ``v_e4m3``: V's statistics for ``quantize_v(..., e4m3=True)`` (each channel's max |v|).
+    """
     return _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoothing, transposed, row_shift, v4,
-                        operand_order, t_starts_q, t_starts_k, k_transposed, fused, zero_ints, zero_rows)[0]
+                        operand_order, t_starts_q, t_starts_k, k_transposed, fused, zero_ints, zero_rows,
+                        v_e4m3=v_e4m3)[0]
 
 
 def _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoothing, transposed, row_shift, v4,
-                 operand_order, t_starts_q, t_starts_k, k_transposed, fused, zero_ints, zero_rows, partner=None):
+                 operand_order, t_starts_q, t_starts_k, k_transposed, fused, zero_ints, zero_rows, partner=None,
+                 v_e4m3=False):
     """quantize_qk, and with ``partner`` a second input quantized in Q's launch (``quantize_pair``):
     ``partner(v_scale, v_parts)`` gives its ``(x4, layout, options)``; returns (QuantizedQK, its Quantized or
     None)."""
     k_sub = k_cu = v_scale = k_parts = v_parts = None
-    v_stats = (v4, True, 1.0 / 127.0) if v4 is not None else None
+    v_factor = _v_stats_factor(v_e4m3)
+    v_stats = (v4, True, v_factor) if v4 is not None else None
     if fused and layout_k.max_len > STATS_CHUNK and (k_smoothing or v4 is not None):
         # the chunks _stats would combine, combined instead by the passes that read them
         chunks, chunks_cu, v_chunks = _stats(k4 if k_smoothing else v4, layout_k, not k_smoothing,
@@ -673,11 +693,11 @@ def _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoot
         else:
             v_chunks = chunks
         if v4 is not None:
-            v_parts = (v_chunks, chunks_cu, 1.0 / 127.0)
+            v_parts = (v_chunks, chunks_cu, v_factor)
     elif k_smoothing:   # softmax is unchanged: every score of a row moves by the same q . mean(k)
         k_sub, k_cu, v_scale = _stats(k4, layout_k, False, second=v_stats)
     elif v4 is not None:
-        v_scale = _stats(v4, layout_k, True, factor=1.0 / 127.0)[0]
+        v_scale = _stats(v4, layout_k, True, factor=v_factor)[0]
     k_transposed = transposed if k_transposed is None else k_transposed
     k = quantize(k4, layout_k, sub=k_sub, sub_cu=k_cu, sub_block=1 << 30, transposed=k_transposed,
                  block_scale=k4.shape[-1] in K_BLOCK_HEAD_DIMS, operand_order=operand_order, t_starts=t_starts_k,
@@ -709,40 +729,50 @@ def operand_order_columns(n: int) -> torch.Tensor:
     return torch.arange(n) - c + (c & 1) + ((c >> 3) & 1) * 2 + ((c >> 1) & 1) * 4 + ((c >> 2) & 1) * 8
 
 
-def quantize_v(v4: torch.Tensor, layout: SeqLayout, t_starts=None, v_scale=None, operand_order=False, v_parts=None):
+def quantize_v(v4: torch.Tensor, layout: SeqLayout, t_starts=None, v_scale=None, operand_order=False, v_parts=None,
+               e4m3=False):
     """Per-channel INT8 V in token-major layout: (``v8t [B, H, D, N_pad]``, ``v_scale`` viewed ``[S, H, D]``);
     ``t_starts`` as ``quantize``'s; ``v_scale`` ``[H, S, D]`` if already taken (``quantize_qk(..., v4=)``);
     ``operand_order``: each sequence's tokens permuted inside each 16 as the Gluon forward reads them
     (``operand_order_columns``); ``v_parts``: ``quantize_qk(..., fused=True)``'s, the scales combined by this pass.
+    ``e4m3`` (the pv_e4m3 rule): ``v8t`` holds FP8 e4m3 bytes, each channel's max |v| mapped to 448, and
+    ``v_scale`` that max itself (the scale times 448: the reference's 448 / max and max / 448 are both taken from it,
+    the second by the forward kernel; from ``quantize_qk(..., v_e4m3=True)`` if already taken).
     """
-    v_scale, options = _v_options(v4, layout, t_starts, v_scale, operand_order, v_parts)
+    v_scale, options = _v_options(v4, layout, t_starts, v_scale, operand_order, v_parts, e4m3)
     return quantize(v4, layout, **options).x8t, v_scale.transpose(0, 1)
 
 
-def _v_options(v4, layout, t_starts, v_scale, operand_order, v_parts):
+def _v_stats_factor(e4m3: bool) -> float:
+    """What V's channel maxima are multiplied by into ``quantize_v``'s ``v_scale``: 1/127 (INT8's scale), or 1 with
+    e4m3 (the max itself)."""
+    return 1.0 if e4m3 else 1.0 / 127.0
+
+
+def _v_options(v4, layout, t_starts, v_scale, operand_order, v_parts, e4m3=False):
     """(V's scales ``[H, S, D]``, ``quantize``'s options for V's pass) of ``quantize_v``."""
     if v_parts is not None:
         v_scale = torch.empty(v4.shape[1], layout.num_seqs, v4.shape[3], device=v4.device, dtype=torch.float32)
     elif v_scale is None:
-        v_scale = _stats(v4, layout, True, factor=1.0 / 127.0)[0]      # [H, S, D]
+        v_scale = _stats(v4, layout, True, factor=_v_stats_factor(e4m3))[0]      # [H, S, D]
     return v_scale, dict(channel_scale=v_scale, natural=False, transposed=True, t_starts=t_starts,
-                         operand_order=operand_order, parts=v_parts)
+                         operand_order=operand_order, parts=v_parts, e4m3=e4m3)
 
 
 def prepare_forward(q4, k4, v4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float, k_smoothing: bool,
                     q_smoothing: bool, row_shift: bool = False, v_starts=None, v_operand_order: bool = False,
-                    zero_ints=None):
+                    zero_ints=None, v_e4m3: bool = False):
     """The forward's preparation in the fewest launches: ``quantize_qk(..., v4=v4, fused=True)`` and
     ``quantize_v`` with V quantized in Q's launch (the same bytes as the separate passes). Returns
-    (``QuantizedQK``, ``v8t``, ``v_scale``) as those give them."""
+    (``QuantizedQK``, ``v8t``, ``v_scale``) as those give them; ``v_e4m3``: V as ``quantize_v(..., e4m3=True)``."""
     v_scale = []
 
     def v_pass(scale, parts):
-        scale, options = _v_options(v4, layout_k, v_starts, scale, v_operand_order, parts)
+        scale, options = _v_options(v4, layout_k, v_starts, scale, v_operand_order, parts, v_e4m3)
         v_scale.append(scale)
         return v4, layout_k, options
     quant, v = _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoothing, False, row_shift, v4,
-                            False, None, None, None, True, zero_ints, None, partner=v_pass)
+                            False, None, None, None, True, zero_ints, None, partner=v_pass, v_e4m3=v_e4m3)
     return quant, v.x8t, v_scale[0].transpose(0, 1)
 
 

@@ -7,7 +7,10 @@ quantized per row of every key tile with that tile's row maximum mapped to 127, 
 the end. Head dims 64 and 128, and MLA's 192 for Q/K with 128 for V (``QK_SPLIT``: Q's and K's channels as two
 power-of-two blocks); no Q-smoothing; padded or packed batches (V^T laid out by ``quantize.aligned_starts``:
 TMA needs 16-byte aligned tile coordinates); ``SOFTCAP`` (``cap * tanh(s / cap)``, ``tanh.approx``) and sinks
-(``SINK_MODE``) as compile-time options.
+(``SINK_MODE``) as compile-time options. ``PV_E4M3`` / ``P_STATIC`` compute the precision rules of those names
+(sagebwd_hf.numerics; ``naive.sagebwd_forward_naive`` is their spec): P V in FP8 e4m3 (P converted two scores an
+instruction, saturating; V^T in e4m3 with one scale per channel, ``quantize_v(..., e4m3=True)``), P's largest value in
+a tile's row, or with ``P_STATIC`` the running row max, mapped to 448; off, the kernel is the accurate one unchanged.
 
 Schedule (FlashAttention 3's):
 

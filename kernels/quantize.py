@@ -10,7 +10,8 @@ Scales (all fp32, symmetric, ``x ~ scale * x8``):
   max over the run), stored per token like the others, so every kernel may read it per token; the Hopper
   kernels, whose key tile is that run, read one number a tile (``constants.K_SCALE_BLOCK`` says why). Other head
   dims: per token.
-* V: one scale per channel per sequence; it leaves the ``P V`` reduction and is applied once at the end.
+* V: one scale per channel per sequence; it leaves the ``P V`` reduction and is applied once at the end. Under the
+  ``pv_e4m3`` rule (``quantize_v(..., e4m3=True)``) V is FP8 e4m3 instead, its channel max mapped to 448.
 
 Products that reduce over tokens need their INT8 operand token-contiguous (Hopper's 8-bit wgmma is K-major
 only), so those tensors get a transposed copy ``[B, H, D, N_pad]``, written by the same pass.

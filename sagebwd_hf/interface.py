@@ -222,7 +222,6 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
             (qs.new_zeros(*qs.shape[:3], vs.shape[3]), torch.full(qs.shape[:3], float("inf"), device=qs.device)),
             q, k, v, cu_q, cu_k)
         return out.copy_(out_naive), lse, _torch_shift(q, k, cu_q, cu_k, scale) if need_shift else None
-    check_kernels_compute(precision)
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
     lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
     lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
@@ -231,6 +230,8 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
                                                                       lay_k.max_len, softcap=bool(softcap),
                                                                       head_dim_v=v4.shape[3],
                                                                       masked=tuple(window) != (-1, -1))
+    # before any launch (an empty side has no P to round: its zeros and +inf lse are every rule's)
+    check_kernels_compute(precision, forward_on_gluon=gluon or q4.numel() == 0 or k4.numel() == 0)
     counters = None
     if gluon:
         from .kernels.hopper_launch import COUNTER_INTS, counter_slot, launch_forward_hopper   # imports Gluon
@@ -239,10 +240,10 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
     v_starts = aligned_starts(lay_k) if gluon and varlen else None
     # K's and V's statistics, K's pass (combining K's mean), Q's and V's in one launch (V's combining its scales;
     # Q's zeroing the launch's work counter); the Gluon forward reads V^T's keys in the order its P registers hold
-    # them (quantize.operand_order_columns)
+    # them (quantize.operand_order_columns); with pv_e4m3, V in e4m3
     quant, v8t, v_scale = prepare_forward(q4, k4, v4, lay_q, lay_k, scale, k_smoothing, q_smoothing,
                                           row_shift=need_shift, v_starts=v_starts, v_operand_order=gluon,
-                                          zero_ints=counters)
+                                          zero_ints=counters, v_e4m3=rules.pv_e4m3)
     shift = _kernel_shift(quant) if need_shift else None
     lse = torch.empty(q4.shape[:3], device=q.device, dtype=torch.float32)
     _poisoned(out, lse)
@@ -257,7 +258,7 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
                                                                       bool(softcap), lay_q.max_len)
         launch_forward_hopper(*args, v_starts=v_starts, consumers=consumers, pingpong=pingpong, v_operand_order=True,
                               programs=dispatch.gluon_programs(q.device), counter=counter_slot(counters, 0),
-                              **cap_args, **sink_args)
+                              pv_e4m3=rules.pv_e4m3, p_static=rules.p_static, **cap_args, **sink_args)
         dispatch.count("fwd_gluon")
     else:
         launch_forward(*args, cfg["fwd"], **cap_args, **sink_args)
@@ -630,20 +631,43 @@ def _compute_dtype(q, k, v):
 
 def _check_precision(precision, backend) -> str:
     """The canonical string of a ``precision`` argument (ValueError naming it if it is none of the allowed ones);
-    NotImplementedError where the kernels would run a rule they do not compute."""
+    NotImplementedError where no kernel computes its forward (check_kernels_compute: the forward and backward
+    check again where they run)."""
     name = numerics_rules.precision_name(numerics_rules.parse_precision(precision))
     if backend != "naive":
-        check_kernels_compute(name)
+        check_kernels_compute(name, forward_on_gluon=True)
     return name
 
 
-def check_kernels_compute(precision: str) -> None:
-    """Raise NotImplementedError unless the Triton and Gluon kernels compute ``precision`` (only "accurate" so far;
-    the PyTorch path computes every preset and rule)."""
-    if numerics_rules.parse_precision(precision) != numerics_rules.ACCURATE:
+# The forward rules the Gluon (Hopper) forward computes besides "accurate": P V in FP8 e4m3, P's scale per key tile
+# or fixed. A precision's forward rule is its rules less ds_tile, which changes only the backward's dS: the Gluon
+# forward of "pv_e4m3+ds_tile" and of "fast" is that of "pv_e4m3" and "pv_e4m3+p_static".
+GLUON_FORWARD_RULES = (numerics_rules.Numerics(pv_e4m3=True), numerics_rules.Numerics(pv_e4m3=True, p_static=True))
+
+
+def check_kernels_compute(precision: str, forward_on_gluon: Optional[bool] = None) -> None:
+    """Raise NotImplementedError unless the kernels compute ``precision``; the PyTorch path computes every preset
+    and rule. Every Triton and Gluon kernel computes "accurate"; the Gluon forward (``forward_on_gluon``: the pass
+    is a forward and it runs there) also the forward of the precisions GLUON_FORWARD_RULES names; a backward
+    (``forward_on_gluon`` None) "accurate" only. No kernel computes another rule in its place."""
+    rules = numerics_rules.parse_precision(precision)
+    if rules == numerics_rules.ACCURATE:
+        return
+    prefix = f"precision={precision!r} is computed only by the PyTorch path so far (CPU tensors, or backend='naive')"
+    gluon_forward = rules._replace(ds_tile=False) in GLUON_FORWARD_RULES
+    if forward_on_gluon is None:
         raise NotImplementedError(
-            f"precision={precision!r} is computed only by the PyTorch path so far (CPU tensors, or backend='naive'); "
-            "the Triton and Gluon kernels compute precision='accurate'")
+            f"{prefix}" + (" and, for the forward only, by the Gluon kernel on Hopper" if gluon_forward else "")
+            + "; the Triton and Gluon backward kernels compute precision='accurate'")
+    if not gluon_forward:
+        raise NotImplementedError(
+            f"{prefix}; the Triton and Gluon kernels compute precision='accurate', and the Gluon (Hopper) forward also "
+            "'pv_e4m3' and 'pv_e4m3+p_static' (with or without ds_tile, a backward rule)")
+    if not forward_on_gluon:
+        raise NotImplementedError(
+            f"{prefix} and, for the forward, by the Gluon kernel (an sm_90 GPU, Q/K and V head dims "
+            f"{', '.join(f'{a}/{b}' for a, b in dispatch.GLUON_HEAD_DIMS)}, no Q-smoothing, SAGEBWD_KERNELS not "
+            "'triton'); this call's forward runs the portable Triton kernels, which compute precision='accurate'")
 
 
 def _backend(q, backend):
@@ -692,8 +716,10 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
         precision: the numerics preset. "accurate" (default): INT8 with per-row and per-column scales, the rule
             every kernel computes. "fast": cheaper rules (FP8 e4m3 P·V and Pᵀ·dO, fixed P scales, one dS scale
             per tile; ``sagebwd_hf.numerics`` and docs/fast_preset.md), or single rules joined by "+"
-            ("pv_e4m3+ds_tile"). Only the PyTorch path (CPU tensors, or ``backend="naive"``) computes them so far:
-            on the kernels any precision but "accurate" raises NotImplementedError.
+            ("pv_e4m3+ds_tile"). The PyTorch path (CPU tensors, or ``backend="naive"``) computes them all; on the
+            kernels, the Gluon forward (Hopper) computes the forward of every precision with ``pv_e4m3``
+            ("pv_e4m3", "pv_e4m3+p_static", "fast", ...); any other kernel pass (the backward) or precision
+            raises NotImplementedError (``check_kernels_compute``).
 
     Returns:
         ``out`` ``[batch, heads, seqlen_q, head_dim of v]`` in q's dtype, and ``lse`` if asked.

@@ -4,9 +4,14 @@
 Kernel-only TFLOP/s-equivalent (4*B*H*N^2*D, halved when causal), median of CUDA-event timings; every variant's
 output is checked against the portable kernel's (relative L2) and the first variant's (largest difference: the
 schedule variants compute the same numbers) before it is timed. ``--varlen only`` runs a packed
-batch with uneven and empty sequences through each Gluon variant.
+batch with uneven and empty sequences through each Gluon variant. ``--precision`` runs each Gluon variant once
+per precision (sagebwd_hf.numerics: "accurate" or a forward the Gluon kernel computes, e.g. "pv_e4m3+p_static",
+the forward of "fast"), its rows named ``variant/precision`` (the first precision's without the suffix): "x first"
+is then the speed-up over the first variant's first precision, "relL2" the error against the portable kernel's
+accurate output.
 
     python benchmarks/forward_kernels.py [--seqlens 4096] [--head-dims 128 64]
+    python benchmarks/forward_kernels.py --variants gluon_order gluon_3c_order --precision accurate pv_e4m3+p_static
 """
 import argparse
 import statistics
@@ -18,6 +23,7 @@ from sagebwd_hf.kernels import dispatch
 from sagebwd_hf.kernels.forward import launch_forward
 from sagebwd_hf.kernels.layout import SeqLayout
 from sagebwd_hf.kernels.quantize import aligned_starts, quantize_qk, quantize_v
+from sagebwd_hf.numerics import parse_precision, precision_name
 from sagebwd_hf.testing import error_stats
 
 
@@ -45,13 +51,20 @@ def median_ms(fn, reps=30, warmup=3):
     return statistics.median(a.elapsed_time(b) for a, b in ev)
 
 
-def prepare(q, k, v, layout_q, layout_k, operand_order=False):
-    quant = quantize_qk(q, k, layout_q, layout_k, q.shape[-1] ** -0.5, True, False, v4=v)   # as the op does
-    v8t, v_scale = quantize_v(v, layout_k, v_scale=quant.v_scale, operand_order=operand_order)
+def prepare(q, k, v, layout_q, layout_k, operand_order=False, e4m3=False):
+    quant = quantize_qk(q, k, layout_q, layout_k, q.shape[-1] ** -0.5, True, False, v4=v,
+                        v_e4m3=e4m3)   # as the op does
+    v8t, v_scale = quantize_v(v, layout_k, v_scale=quant.v_scale, operand_order=operand_order, e4m3=e4m3)
     return quant, v8t, v_scale
 
 
-def check_varlen(variants):
+def rule_options(precision):
+    """The Gluon launch's keywords for a precision's forward rule."""
+    rules = parse_precision(precision)
+    return dict(pv_e4m3=rules.pv_e4m3, p_static=rules.p_static)
+
+
+def check_varlen(variants, precisions=("accurate", )):
     """A varlen batch with uneven and empty sequences through every Gluon variant (a crash or a mismatch)."""
     from sagebwd_hf.kernels import hopper_launch as fh
 
@@ -65,14 +78,18 @@ def check_varlen(variants):
     lse = torch.empty(q.shape[:3], device="cuda")
     launch_forward(quant, v8t, v_scale, ref, lse, lay, lay, h, h // hk, d, (-1, 0), tile_configs(d, q.device)["fwd"])
     starts = aligned_starts(lay)            # the Gluon kernel's V^T layout for packed batches
-    v8t_aligned = {order: quantize_v(v, lay, starts, operand_order=order)[0] for order in (False, True)}
-    for name, kw in variants.items():
-        out = torch.full_like(q, float("nan"))
-        fh.launch_forward_hopper(quant, v8t_aligned[kw.get("v_operand_order", False)], v_scale, out, lse, lay, lay,
-                                 h, h // hk, d, (-1, 0),
-                                 v_starts=starts, **kw)
-        torch.cuda.synchronize()
-        print(f"varlen {name}: rel L2 vs portable {error_stats(out, ref)[1]:.2e}")
+    for precision in precisions:
+        rule = rule_options(precision)
+        v_aligned = {order: quantize_v(v, lay, starts, operand_order=order, e4m3=rule["pv_e4m3"])
+                     for order in (False, True)}
+        for name, kw in variants.items():
+            out = torch.full_like(q, float("nan"))
+            v8t_kw, v_scale_kw = v_aligned[kw.get("v_operand_order", False)]
+            fh.launch_forward_hopper(quant, v8t_kw, v_scale_kw, out, lse, lay, lay, h, h // hk, d, (-1, 0),
+                                     v_starts=starts, **kw, **rule)
+            torch.cuda.synchronize()
+            label = name if precision == precisions[0] else f"{name}/{precision}"
+            print(f"varlen {label}: rel L2 vs portable {error_stats(out, ref)[1]:.2e}")
 
 
 def main():
@@ -81,7 +98,11 @@ def main():
     p.add_argument("--varlen", choices=["only", "skip", "first"], default="skip",
                    help="the varlen check alone (a crash then takes no timing with it), not at all, or first")
     p.add_argument("--variants", nargs="+", default=None, help="Gluon launch variants to run (default: all)")
+    p.add_argument("--precision", nargs="+", default=["accurate"],
+                   help="the forward rules to run each Gluon variant with (sagebwd_hf.numerics' presets or rules "
+                        "joined by '+'; default accurate)")
     args = p.parse_args()
+    precisions = [precision_name(parse_precision(x)) for x in args.precision]
     from sagebwd_hf.kernels import hopper_launch as fh
 
     variants = {"gluon": {}, "gluon_pingpong": dict(pingpong=True), "gluon_no_pingpong": dict(pingpong=False),
@@ -101,7 +122,7 @@ def main():
     print_versions()
 
     if args.varlen != "skip":
-        check_varlen(variants)
+        check_varlen(variants, precisions)
     if args.varlen == "only":
         return
 
@@ -115,7 +136,13 @@ def main():
                 lay = SeqLayout(b, n, None)
                 quant_ms = median_ms(lambda: prepare(q, k, v, lay, lay))
                 quant, v8t, v_scale = prepare(q, k, v, lay, lay)
-                v8t_ordered = quantize_v(v, lay, v_scale=quant.v_scale, operand_order=True)[0]
+                # each precision's V: (natural order, operand order) of (V^T, scales)
+                v_inputs = {}
+                for precision in precisions:
+                    e4m3 = rule_options(precision)["pv_e4m3"]
+                    quant_p = prepare(q, k, v, lay, lay, e4m3=e4m3)[0]
+                    v_inputs[precision] = tuple(quantize_v(v, lay, v_scale=quant_p.v_scale, operand_order=order,
+                                                           e4m3=e4m3) for order in (False, True))
                 lse = torch.empty(b, h, n, device="cuda")
                 window = (-1, 0) if causal else (-1, -1)
                 flops = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
@@ -127,18 +154,21 @@ def main():
                 print(f"{shape:<22} {quant_ms:8.3f} | {'portable':<21} {port_ms:7.3f} {flops / port_ms * 1e-9:8.0f}")
                 first = first_ms = None
                 for name, kw in variants.items():
-                    out = torch.full_like(q, float("nan"))
-                    v8t_kw = v8t_ordered if kw.get("v_operand_order") else v8t
-                    run = lambda: fh.launch_forward_hopper(quant, v8t_kw, v_scale, out, lse, lay, lay, h, 1, d,  # noqa
-                                                           window, **kw)
-                    run()
-                    rel = error_stats(out, ref)[1]
-                    ms = median_ms(run)
-                    if first is None:
-                        first, first_ms = out.clone(), ms
-                    diff = (out.float() - first.float()).abs().max().item()
-                    print(f"{'':<22} {'':>8} | {name:<21} {ms:7.3f} {flops / ms * 1e-9:8.0f} {port_ms / ms:6.2f} "
-                          f"{rel:8.1e} {first_ms / ms:7.3f} {diff:8.1e}", flush=True)
+                    for precision in precisions:
+                        out = torch.full_like(q, float("nan"))
+                        v8t_kw, v_scale_kw = v_inputs[precision][bool(kw.get("v_operand_order"))]
+                        rule = rule_options(precision)
+                        run = lambda: fh.launch_forward_hopper(  # noqa: E731
+                            quant, v8t_kw, v_scale_kw, out, lse, lay, lay, h, 1, d, window, **kw, **rule)
+                        run()
+                        rel = error_stats(out, ref)[1]
+                        ms = median_ms(run)
+                        if first is None:
+                            first, first_ms = out.clone(), ms
+                        diff = (out.float() - first.float()).abs().max().item()
+                        label = name if precision == precisions[0] else f"{name}/{precision}"
+                        print(f"{'':<22} {'':>8} | {label:<21} {ms:7.3f} {flops / ms * 1e-9:8.0f} "
+                              f"{port_ms / ms:6.2f} {rel:8.1e} {first_ms / ms:7.3f} {diff:8.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -343,14 +343,15 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, ring, turns, row_consts, lo, hi, item
             e_ref = gl.where(tile_max == float("-inf"), 0.0, tile_max - LOG2_127)
         e = gl.exp2(gl.fma(t, row_mul[:, None], (row_add - e_ref)[:, None]))
         if P_STATIC:
-            # The accumulator and the row sum hold 448 times O's and l's sums (the epilogue's 1 / l cancels it),
-            # so the product adds into the accumulator itself, rescaled before it is issued
+            # The accumulator and the row sum hold 448 times O's and l's sums (the epilogue's 1 / l cancels it):
+            # one FMA an output adds the tile's product. (Each tile's product starts from zero: a wgmma chain
+            # accumulates in the tensor core's own precision, ~14 bits with FP8 operands (DeepSeek-V3's report),
+            # so the running sum over a long sequence stays in fp32 registers.)
             p8 = as_operand(e.to(gl.float8e4nv), opts.V_ORDER, p_layout)
-            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-            acc = acc * alpha_o[:, None]
-            pv_tok = warpgroup_mma(p8, ring.vt.index(s).permute((1, 0)), acc, use_acc=True, is_async=True)
+            pv_tok = warpgroup_mma(p8, ring.vt.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
             l_i = l_i * alpha + gl.sum(e, 1)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok, ))
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+            pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok, ))
         elif PV_E4M3:
             # P's scale per row of the tile, as in INT8: the tile's row maximum maps to 448
             p_scale = gl.exp2(tile_max - m_ref) * (1.0 / 448.0)
@@ -378,7 +379,9 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, ring, turns, row_consts, lo, hi, item
         it += 1
         if not PV_E4M3:
             acc = gl.fma((pv + 0x4B400000).to(gl.float32, bitcast=True), p_scale_o[:, None], acc)
-        elif not P_STATIC:
+        elif P_STATIC:
+            acc = gl.fma(acc, alpha_o[:, None], pv)
+        else:
             acc = gl.fma(pv, p_scale_o[:, None], acc)
         m_i = m_new
         ks = ks_next

@@ -438,7 +438,7 @@ def _attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale,
                                    (window_left, window_right), k_smoothing, q_smoothing, backend, softcap, sinks,
-                                   deterministic, precision)
+                                   deterministic, precision=precision)
     return dq, dk, dv, _no_sinks_grad(q) if dsinks is None else dsinks
 
 

@@ -117,7 +117,7 @@ def test_opcheck(softcap, with_sinks):
     for x in (q, k, v):
         x.requires_grad_()
     sinks = torch.randn(4, requires_grad=True) if with_sinks else None
-    args = (True, SCALE, -1, 0, True, False, "naive", softcap, sinks)
+    args = (True, SCALE, -1, 0, True, False, "naive", softcap, "accurate", sinks)
     torch.library.opcheck(_segmented_fwd, (q, k, v, mask, None) + args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 

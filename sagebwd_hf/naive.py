@@ -121,9 +121,13 @@ def _row_quantize(x: torch.Tensor, dim: int, signed: bool):
 
 def _e4m3_per_slice(x: torch.Tensor, dim: int):
     """FP8 e4m3 with one scale per slice along ``dim`` (its largest magnitude maps to 448): (values as fp32, scales
-    keeping ``dim``)."""
+    keeping ``dim``). Each value is x times 448 / max, that quotient rounded once (a kernel's div.rn.f32), then
+    rounded to e4m3."""
     x_max = x.abs().amax(dim, keepdim=True)
-    inv = torch.where(x_max > TINY_MAX, E4M3_MAX / x_max, torch.zeros_like(x_max))
+    # A tensor divided by a tensor: IEEE division on the CPU and CUDA. ``448.0 / x_max`` would be PyTorch's
+    # reciprocal times 448, rounded twice; on bf16 inputs x / max is often a ratio of small integers whose product
+    # with 448 lies exactly on an e4m3 tie, which the second rounding pushes off it.
+    inv = torch.where(x_max > TINY_MAX, torch.full_like(x_max, E4M3_MAX) / x_max, torch.zeros_like(x_max))
     return round_e4m3(x * inv), x_max * (1.0 / E4M3_MAX)
 
 

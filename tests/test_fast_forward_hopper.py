@@ -2,6 +2,7 @@
 of "fast"): on an sm_90 GPU, against the PyTorch reference of the same rule and against float64 attention, V's e4m3
 preparation byte for byte against the reference's; everywhere, which kernel pass computes which precision (a pass
 that does not compute it raises, it never computes "accurate" instead)."""
+import functools
 import math
 import os
 import re
@@ -23,10 +24,10 @@ def on_hopper(test):
 
 FP8_RULES = ["pv_e4m3", "pv_e4m3+p_static"]
 
-# Kernel against the reference of the same rule: the same V bytes and P rule; P's bytes differ only where the GPU's
-# exp2 approximation and the fp32 order move a value across an e4m3 rounding boundary (3 mantissa bits: rare), and
-# the FP8 product accumulates in the tensor core's own precision. Both outputs are rounded to bf16 (2^-9).
-REF_MAX_REL = {"O": 5e-3, "lse": 1e-4}
+# O against the reference of the same rule: the share of the e4m3 roundings' effect the kernel may move (see
+# _check_against_reference). lse does not see P's rounding.
+E4M3_SHARE = 0.05
+REF_MAX_REL_LSE = 1e-4
 # Against float64 attention on K-outlier inputs (docs/fast_preset.md, CPU: O cos 0.9993-0.9994, rel L2
 # 0.033-0.038 for these rules; accurate 0.017-0.020): the accuracy bar on O, and a bound that a wrong scale misses.
 EXACT_MIN_COS_O = 0.999
@@ -42,12 +43,40 @@ def _case_id(c):
     return f"b{c[0]}h{c[1]}kv{c[2]}-n{c[3]}-d{c[4]}{f'v{c[6]}' if len(c) > 6 else ''}-{'causal' if c[5] else 'full'}"
 
 
-def _check_against_reference(got, ref, label):
+def _check_against_reference(attn, got, rule, label):
+    """``got`` (out, lse) of ``attn(precision=rule, return_lse=True)`` against the reference's; returns the accurate
+    kernel's out.
+
+    O's bound, both outputs rounded to bf16. V's e4m3 bytes are the reference's (the V pass test), and the scores,
+    running max, row sum and epilogue are the accurate kernel's code: what those differ by is measured here, as the
+    accurate kernel against its reference. The e4m3 P V adds two mechanisms, each a
+    fraction of what rounding P and V to e4m3 moves O by (the rule's reference against the accurate reference,
+    rel L2 0.034-0.039 on these inputs):
+
+    - P's bytes: a P whose fp32 value lies within the kernel's difference from the reference (ex2.approx against
+      exp2, the FMA'd argument: a few ulp) of an e4m3 rounding midpoint rounds the other way, one step (1/16 to
+      1/8 of the value) instead of a rounding error of rms step / sqrt(12). The reference recomputed with each
+      exp2 result, or each score, moved by 1 to 4 ulp at random differs from itself by 0.1%-1.3% of that share
+      (CPU, N=1K, D=128, both rules).
+    - the FP8 wgmma sums each tile's product in the tensor core's own precision (~14 bits, DeepSeek-V3's report):
+      emulated as each k=32 step's products and incoming sum aligned to the largest and truncated to 13-14 bits,
+      1.5%-2.5% of that share (CPU, N=1K, D=128, p_static).
+
+    Their sum, at most 3.8%, is bounded by E4M3_SHARE of the share."""
     out, lse = got
     assert torch.isfinite(out).all() and torch.isfinite(lse).all(), f"{label}: an element the kernel never wrote"
-    for name, x, want in (("O", out, ref[0]), ("lse", lse, ref[1])):
-        rel = error_stats(x, want)[1]
-        assert rel <= REF_MAX_REL[name], f"{label} {name}: kernel vs reference rel L2 {rel:.2e}"
+    ref = attn(precision=rule, return_lse=True, backend="naive")
+    accurate, accurate_ref = attn(), attn(backend="naive")
+    shared = error_stats(accurate, accurate_ref)[1]
+    e4m3_share = error_stats(ref[0], accurate_ref)[1]
+    bound = shared + E4M3_SHARE * e4m3_share
+    rel = error_stats(out, ref[0])[1]
+    assert rel <= bound, (f"{label} O: kernel vs reference rel L2 {rel:.2e} > {bound:.2e} (accurate kernel vs its "
+                          f"reference {shared:.2e} + {E4M3_SHARE} x the rule's reference vs the accurate one "
+                          f"{e4m3_share:.2e})")
+    rel = error_stats(lse, ref[1])[1]
+    assert rel <= REF_MAX_REL_LSE, f"{label} lse: kernel vs reference rel L2 {rel:.2e}"
+    return accurate
 
 
 @on_hopper
@@ -59,16 +88,15 @@ def test_gluon_forward_computes_the_rule(case, rule):
                           head_dim_v=case[6] if len(case) > 6 else None)
     dispatch.reset_kernel_counts()
     # (the op fills out and lse with NaN before the kernel writes them: tests/conftest.py sets SAGEBWD_POISON)
-    got = sagebwd_attn_func(q, k, v, causal=causal, precision=rule, return_lse=True)
+    attn = functools.partial(sagebwd_attn_func, q, k, v, causal=causal)
+    got = attn(precision=rule, return_lse=True)
     assert dispatch.kernel_counts().get("fwd_gluon") == 1, dispatch.kernel_counts()
-    ref = sagebwd_attn_func(q, k, v, causal=causal, precision=rule, return_lse=True, backend="naive")
-    _check_against_reference(got, ref, f"{rule}")
+    accurate = _check_against_reference(attn, got, rule, rule)
     out_exact, lse_exact = naive.attention_exact(q, k, v, window_size=(-1, 0) if causal else (-1, -1))
     cos, rel = error_stats(got[0], out_exact)
     assert cos >= EXACT_MIN_COS_O and rel <= EXACT_MAX_REL_O, f"{rule} O against float64: cos {cos:.5f}, rel {rel:.4f}"
     # (as tests/test_kernels.py's test_lse_matches_exact: the INT8 scores' error grows with the scores)
     assert torch.allclose(got[1].double(), lse_exact, atol=2e-2, rtol=1e-2)
-    accurate = sagebwd_attn_func(q, k, v, causal=causal)
     assert not torch.equal(accurate, got[0])        # the precision reaches the kernel
     assert error_stats(accurate, out_exact)[1] < rel     # and e4m3 costs accuracy, as the rule's table says
 
@@ -96,24 +124,39 @@ def test_packed_sinks_and_cap(rule):
     q, k, v, _ = make_qkv(1, 4, 2, total, total, 64, torch.bfloat16, "cuda", k_outliers=10.0, seed=12)
     flat = lambda x: x[0].transpose(0, 1).contiguous()  # noqa: E731
     args = (flat(q), flat(k), flat(v), cu, cu, max(lengths), max(lengths))
-    got = sagebwd_attn_varlen_func(*args, causal=True, precision=rule, return_lse=True)
-    ref = sagebwd_attn_varlen_func(*args, causal=True, precision=rule, return_lse=True, backend="naive")
-    _check_against_reference(got, ref, f"{rule} packed")
+    attn = functools.partial(sagebwd_attn_varlen_func, *args, causal=True)
+    _check_against_reference(attn, attn(precision=rule, return_lse=True), rule, f"{rule} packed")
     q, k, v, _ = make_qkv(2, 4, 2, 1000, 1000, 128, torch.bfloat16, "cuda", k_outliers=10.0, seed=13)
     sinks = torch.randn(4, device="cuda")
-    got = sagebwd_attn_func(q, k, v, causal=True, sinks=sinks, softcap=30.0, precision=rule, return_lse=True)
-    ref = sagebwd_attn_func(q, k, v, causal=True, sinks=sinks, softcap=30.0, precision=rule, return_lse=True,
-                            backend="naive")
-    _check_against_reference(got, ref, f"{rule} sinks and cap")
+    attn = functools.partial(sagebwd_attn_func, q, k, v, causal=True, sinks=sinks, softcap=30.0)
+    _check_against_reference(attn, attn(precision=rule, return_lse=True), rule, f"{rule} sinks and cap")
+
+
+def _assert_same_e4m3(got8, want8, v, label):
+    """``got8`` == ``want8`` (e4m3 values as fp32, V's [B, H, N, D] with the max over N); else which elements differ
+    and by how much: V, its channel's max, 448 v / max in float64 (a value on an e4m3 tie shows a rounding of the
+    quotient deciding it), both values and their distance in e4m3 steps."""
+    if torch.equal(got8, want8):
+        return
+    vd = v.double()
+    v_max = vd.abs().amax(2, keepdim=True).expand_as(vd)
+    codes = lambda x: x.to(torch.float8_e4m3fn).view(torch.uint8).int()  # noqa: E731
+    bad = (got8 != want8).nonzero().tolist()
+    rows = [f"{tuple(i)}: v {vd[tuple(i)].item():.8g} max {v_max[tuple(i)].item():.8g} "
+            f"448 v / max {(448.0 * vd / v_max)[tuple(i)].item():.10g} got {got8[tuple(i)].item():g} "
+            f"want {want8[tuple(i)].item():g} ({(codes(got8) - codes(want8))[tuple(i)].item():+d} codes)"
+            for i in bad[:12]]
+    raise AssertionError(f"{label}: {len(bad)} of {got8.numel()} e4m3 values differ from the reference's; first:\n"
+                         + "\n".join(rows))
 
 
 @on_hopper
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_v_pass_writes_the_reference_bytes(head_dim):
-    """quantize_v(..., e4m3=True): V^T's bytes are the reference's e4m3 V (each channel's max mapped to 448, round to
-    nearest even; an all-zero channel gives zeros) bit for bit, padded and in the op's fused preparation, and the
-    channel maxima are the reference's (its scale is max / 448); a packed batch's aligned, operand-ordered copy holds
-    the same bytes moved."""
+    """quantize_v(..., e4m3=True): V^T's bytes are the reference's e4m3 V (v times 448 / its channel's max, that
+    quotient rounded once, then to e4m3 nearest even; an all-zero channel gives zeros) bit for bit, padded and in
+    the op's fused preparation, and the channel maxima are the reference's (its scale is max / 448); a packed
+    batch's aligned, operand-ordered copy holds the same bytes moved."""
     from sagebwd_hf.kernels.layout import SeqLayout
     from sagebwd_hf.kernels.quantize import aligned_starts, operand_order_columns, prepare_forward, quantize_v
 
@@ -125,7 +168,7 @@ def test_v_pass_writes_the_reference_bytes(head_dim):
     lay = SeqLayout(2, 700, None)
     v8t, v_max = quantize_v(v, lay, e4m3=True)
     got8 = v8t[..., :700].view(torch.float8_e4m3fn).float().transpose(-1, -2)
-    assert torch.equal(got8, want8)
+    _assert_same_e4m3(got8, want8, v, "V pass")
     assert torch.equal(v_max.transpose(0, 1).unsqueeze(2) * (1.0 / 448.0), want_scale)
     q = torch.randn_like(v)
     _, v8t_fused, v_max_fused = prepare_forward(q, v, v, lay, lay, head_dim ** -0.5, True, False, v_e4m3=True)
@@ -145,7 +188,8 @@ def test_v_pass_writes_the_reference_bytes(head_dim):
         assert torch.equal(ordered[..., (s + perm[:n]).to("cuda")], natural[..., a:a + n])
         if n:
             want8 = naive._e4m3_per_slice(v[:, :, a:a + n].float(), 2)[0]
-            assert torch.equal(natural[..., a:a + n].view(torch.float8_e4m3fn).float().transpose(-1, -2), want8)
+            _assert_same_e4m3(natural[..., a:a + n].view(torch.float8_e4m3fn).float().transpose(-1, -2), want8,
+                              v[:, :, a:a + n], f"packed sequence {i}")
 
 
 def test_which_pass_computes_which_precision():

@@ -65,6 +65,15 @@ def test_tile_and_slice_quantizers_match_float64():
     torch.testing.assert_close(v8.double(), e4m3_float64(x / v_scale), rtol=0, atol=0)
 
 
+def _inverse(x_max: torch.Tensor, rules: Numerics) -> torch.Tensor:
+    """p_max / x_max in fp32 as the reference scales by it: e4m3's 448 / max rounded once (a tensor divided by a
+    tensor; ``448.0 / x_max`` is PyTorch's reciprocal times 448, rounded twice, and decides exact e4m3 ties of bf16
+    inputs the other way). INT8's 127 / max as before (the reference's 1 / (max / 127) is within the bound)."""
+    if rules.pv_e4m3:
+        return torch.full_like(x_max, rules.p_max) / x_max
+    return rules.p_max / x_max
+
+
 @pytest.mark.parametrize("rules", [Numerics(pv_e4m3=True), Numerics(p_static=True), Numerics(True, True, False)])
 def test_forward_rule_matches_float64(rules):
     """O over one key tile from the rule's definition: P = exp2(s - m) mapped onto p_max (m the tile's row max, which
@@ -77,7 +86,7 @@ def test_forward_rule_matches_float64(rules):
     m = s.amax(-1, keepdim=True)
     e = torch.exp2(s - (m - math.log2(rules.p_max))).double()     # as the kernels compute it, in fp32
     v_max = v.float().abs().amax(2, keepdim=True)
-    v_quotient = (v.float() * (rules.p_max / v_max)).double()     # the kernels multiply by the inverse, in fp32
+    v_quotient = (v.float() * _inverse(v_max, rules)).double()    # the kernels multiply by the inverse, in fp32
     rnd = e4m3_float64 if rules.pv_e4m3 else torch.round
     want = (rnd(e) @ rnd(v_quotient)) * (v_max.double() / rules.p_max) / e.sum(-1, keepdim=True)
     assert (out.double() - want).norm() / want.norm() < 4e-3       # bf16 result
@@ -101,7 +110,7 @@ def test_backward_rules_match_float64():
                                                   numerics=rules)
         rnd = e4m3_float64 if e4m3 else torch.round
         do_max = do.float().abs().amax(2, keepdim=True)                    # one scale per channel of the query tile
-        do_quotient = (do.float() * (rules.p_max / do_max)).double()
+        do_quotient = (do.float() * _inverse(do_max, rules)).double()
         want_dv = (rnd(pd * rules.p_max).transpose(-1, -2) @ rnd(do_quotient)) * do_max.double() / rules.p_max ** 2
         assert (dv.double() - want_dv).norm() / want_dv.norm() < 4e-3      # bf16 result
         ds_scale = ds.abs().max() / 127

@@ -186,7 +186,7 @@ def _quantize_program(
     WITH_SCALED: tl.constexpr, WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr,
     WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     OPERAND_ORDER: tl.constexpr = False, FROM_PARTS: tl.constexpr = False, ZERO_INTS: tl.constexpr = 0,
-    ZERO_ROWS: tl.constexpr = False, E4M3: tl.constexpr = False,
+    ZERO_ROWS: tl.constexpr = False, E4M3: tl.constexpr = False, TILE_CHANNELS: tl.constexpr = False,
 ):
     """One program of ``_quantize_kernel`` (``pid_bh`` int64: every head/batch offset in 64 bits, see
     _seq_bounds).
@@ -196,8 +196,11 @@ def _quantize_program(
     combines them, and written to ``SUB`` / ``CSCALE`` by each sequence's first program: one launch less.
     ``ZERO_INTS``: program (0, 0) zeroes that many int32s at ``ZEROS`` (the Gluon launches' work counters);
     ``ZERO_ROWS``: every program zeroes its tokens' rows of ``ZROWS`` (fp32, ``X``'s shape: the one-launch
-    backward's dQ accumulator). ``E4M3`` (with ``PER_CHANNEL``): FP8 e4m3 bytes instead of INT8, ``CSCALE`` holding
-    each channel's max |x|, which maps to e4m3's 448 (the pv_e4m3 rule's V: ``sagebwd_hf.naive``'s 448 / max)."""
+    backward's dQ accumulator). ``E4M3``: FP8 e4m3 bytes instead of INT8, each scale's max |x| mapped to e4m3's 448
+    (448 / max rounded once: ``sagebwd_hf.naive``'s); with ``PER_CHANNEL`` ``CSCALE`` holds each channel's max (the
+    pv_e4m3 rule's V), else ``SCALE`` gets max / 448 per token (its dO), or with ``TILE_CHANNELS`` one max / 448 per
+    channel of the program's ``BLOCK_T`` tokens goes to ``CSCALE`` ``[S, H, tiles, D]`` (sequence and head strides
+    ``s_csb``, ``s_csh``; pv_e4m3+p_static's dO, whose tiles are the dK/dV kernel's query tiles)."""
     if ZERO_INTS > 0:   # (before any program returns: a first sequence may be empty)
         if pid_t == 0 and pid_bh == 0:
             tl.store(ZEROS + tl.arange(0, ZERO_INTS), tl.zeros([ZERO_INTS], tl.int32))
@@ -246,6 +249,15 @@ def _quantize_program(
                              0.0)[None, :]
         else:
             y = x * tl.where(c_scale > 1e-32, 1.0 / c_scale, 0.0)[None, :]
+    elif TILE_CHANNELS:   # (e4m3) one scale per channel over the program's tokens, max |x| to 448 (rows past the
+        # end hold zeros), written as max / 448 to CSCALE [S, H, tiles, D] at (sequence, head, this tile)
+        c_max = tl.max(tl.abs(x), 0)
+        y = x * tl.where(c_max > 1e-30, tl.math.div_rn(tl.full([BLOCK_D], 448.0, tl.float32), c_max), 0.0)[None, :]
+        tl.store(CSCALE + h * s_csh + b * s_csb + pid_t * head_dim + offs_d, c_max * (1.0 / 448.0), mask=d_ok)
+    elif E4M3:   # one scale per token, max |x| to 448 (448 / max rounded once, as the reference divides)
+        amax = tl.max(tl.abs(x), 1)
+        y = x * tl.where(amax > 1e-30, tl.math.div_rn(tl.full([BLOCK_T], 448.0, tl.float32), amax), 0.0)[:, None]
+        tl.store(SCALE + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / 448.0), mask=t_ok)
     else:
         amax = tl.max(tl.abs(x), 1)
         if BLOCK_SCALE:   # one scale for the program's BLOCK_T tokens (rows past the end hold zeros)
@@ -257,7 +269,7 @@ def _quantize_program(
         if WITH_SCALED:   # Q's scale with the softmax scale folded in, as the forward kernels take it
             tl.store(SCALED + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / 127.0) * scaled_factor, mask=t_ok)
     if E4M3:   # round to nearest even, saturating (cvt.rn.satfinite.e4m3x2.f32, two values an instruction)
-        tl.static_assert(PER_CHANNEL, "e4m3 bytes only with per-channel scales")
+        tl.static_assert(not (BLOCK_SCALE or WITH_SCALED), "e4m3 bytes: per channel, per token or per tile channel")
         x8 = y.to(tl.float8e4nv).to(tl.int8, bitcast=True)
     else:
         x8 = round_to_int8(y)
@@ -301,7 +313,7 @@ def _quantize_kernel(
     WITH_SCALED: tl.constexpr, WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr,
     WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     OPERAND_ORDER: tl.constexpr = False, FROM_PARTS: tl.constexpr = False, ZERO_INTS: tl.constexpr = 0,
-    ZERO_ROWS: tl.constexpr = False, E4M3: tl.constexpr = False,
+    ZERO_ROWS: tl.constexpr = False, E4M3: tl.constexpr = False, TILE_CHANNELS: tl.constexpr = False,
 ):
     """Quantizes one input (``quantize``): programs (token tile, sequence x head); ``_quantize_program``."""
     _quantize_program(
@@ -313,7 +325,7 @@ def _quantize_kernel(
         IS_VARLEN=IS_VARLEN, HAS_SUB=HAS_SUB, PER_CHANNEL=PER_CHANNEL, WITH_DELTA=WITH_DELTA,
         WITH_SCALED=WITH_SCALED, WRITE_NATURAL=WRITE_NATURAL, WRITE_T=WRITE_T, HAS_T_CU=HAS_T_CU, WITH_DOT=WITH_DOT,
         BLOCK_SCALE=BLOCK_SCALE, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, OPERAND_ORDER=OPERAND_ORDER,
-        FROM_PARTS=FROM_PARTS, ZERO_INTS=ZERO_INTS, ZERO_ROWS=ZERO_ROWS, E4M3=E4M3,
+        FROM_PARTS=FROM_PARTS, ZERO_INTS=ZERO_INTS, ZERO_ROWS=ZERO_ROWS, E4M3=E4M3, TILE_CHANNELS=TILE_CHANNELS,
     )
 
 
@@ -333,12 +345,12 @@ def _quantize_pair_kernel(
     WITH_SCALED: tl.constexpr, WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr,
     WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     OPERAND_ORDER: tl.constexpr, FROM_PARTS: tl.constexpr, ZERO_INTS: tl.constexpr,
-    ZERO_ROWS: tl.constexpr, E4M3: tl.constexpr,
+    ZERO_ROWS: tl.constexpr, E4M3: tl.constexpr, TILE_CHANNELS: tl.constexpr,
     IS_VARLEN_B: tl.constexpr, HAS_SUB_B: tl.constexpr, PER_CHANNEL_B: tl.constexpr, WITH_DELTA_B: tl.constexpr,
     WITH_SCALED_B: tl.constexpr, WRITE_NATURAL_B: tl.constexpr, WRITE_T_B: tl.constexpr, HAS_T_CU_B: tl.constexpr,
     WITH_DOT_B: tl.constexpr, BLOCK_SCALE_B: tl.constexpr, BLOCK_T_B: tl.constexpr, BLOCK_D_B: tl.constexpr,
     OPERAND_ORDER_B: tl.constexpr, FROM_PARTS_B: tl.constexpr, ZERO_INTS_B: tl.constexpr,
-    ZERO_ROWS_B: tl.constexpr, E4M3_B: tl.constexpr,
+    ZERO_ROWS_B: tl.constexpr, E4M3_B: tl.constexpr, TILE_CHANNELS_B: tl.constexpr,
 ):
     """Two inputs quantized in one launch (``quantize_pair``): grid axis 2 picks the input, its arguments the
     plain ones or those ending in ``_b`` / ``_B``; each program runs ``_quantize_program`` as ``_quantize_kernel``
@@ -357,7 +369,7 @@ def _quantize_pair_kernel(
                 WITH_SCALED=WITH_SCALED, WRITE_NATURAL=WRITE_NATURAL, WRITE_T=WRITE_T, HAS_T_CU=HAS_T_CU,
                 WITH_DOT=WITH_DOT, BLOCK_SCALE=BLOCK_SCALE, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
                 OPERAND_ORDER=OPERAND_ORDER, FROM_PARTS=FROM_PARTS, ZERO_INTS=ZERO_INTS, ZERO_ROWS=ZERO_ROWS,
-                E4M3=E4M3,
+                E4M3=E4M3, TILE_CHANNELS=TILE_CHANNELS,
             )
     else:
         if pid_bh < programs_bh_b:
@@ -372,7 +384,7 @@ def _quantize_pair_kernel(
                 WITH_SCALED=WITH_SCALED_B, WRITE_NATURAL=WRITE_NATURAL_B, WRITE_T=WRITE_T_B, HAS_T_CU=HAS_T_CU_B,
                 WITH_DOT=WITH_DOT_B, BLOCK_SCALE=BLOCK_SCALE_B, BLOCK_T=BLOCK_T_B, BLOCK_D=BLOCK_D_B,
                 OPERAND_ORDER=OPERAND_ORDER_B, FROM_PARTS=FROM_PARTS_B, ZERO_INTS=ZERO_INTS_B,
-                ZERO_ROWS=ZERO_ROWS_B, E4M3=E4M3_B,
+                ZERO_ROWS=ZERO_ROWS_B, E4M3=E4M3_B, TILE_CHANNELS=TILE_CHANNELS_B,
             )
 
 
@@ -553,7 +565,7 @@ def aligned_starts(layout: SeqLayout) -> torch.Tensor:
 def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
                      channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
                      scaled=None, block_scale=False, operand_order=False, parts=None, zero_ints=None,
-                     zero_rows=None, e4m3=False):
+                     zero_rows=None, e4m3=False, channel_tile=None):
     """``quantize``'s outputs and its launch, not made: (``Quantized``, grid, arguments, constexprs, warps)."""
     bsz, h, n, d = x4.shape
     dev = x4.device
@@ -564,6 +576,11 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
     every_column = t_starts is None and not layout.is_varlen and width == n
     x8t = ((torch.empty if every_column else torch.zeros)(bsz, h, d, width, dtype=torch.int8, device=dev)
            if transposed else None)
+    if channel_tile is not None:   # one scale per channel per channel_tile tokens of each sequence
+        assert e4m3 and channel_scale is None and scaled is None and dot is None and not block_scale
+        tile_scale = torch.empty(layout.num_seqs, h, cdiv(max(layout.max_len, 1), channel_tile), d,
+                                 dtype=torch.float32, device=dev)
+        channel_scale = tile_scale     # (the pass writes it where it reads V's channel scales)
     scale = None if channel_scale is not None else torch.empty(bsz, h, n, dtype=torch.float32, device=dev)
     delta = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if out_for_delta is not None else None
     row_dot = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if dot is not None else None
@@ -572,8 +589,10 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
     assert dot is None or scale is not None    # row_dot shares scale's strides
     any_out = next(t for t in (x8, x8t) if t is not None)
     block_t, num_warps = (K_SCALE_BLOCK, 8) if block_scale else QUANTIZE_TILE
+    if channel_tile is not None:   # a program a tile (8 warps for 128 tokens, as K's pass)
+        block_t, num_warps = channel_tile, QUANTIZE_TILE[1] if channel_tile == QUANTIZE_TILE[0] else 8
     assert not (block_scale and channel_scale is not None)
-    assert not e4m3 or channel_scale is not None, "e4m3 bytes only with per-channel scales"
+    assert not e4m3 or not (block_scale or scaled is not None), "e4m3 bytes per channel, token or tile channel"
     assert parts is None or (channel_scale is not None or (sub is not None and sub_block == 1 << 30))
     assert zero_ints is None or (zero_ints.dtype == torch.int32 and zero_ints.numel() & (zero_ints.numel() - 1) == 0)
     assert zero_rows is None or (zero_rows.shape == x4.shape and zero_rows.stride(3) == 1)
@@ -589,7 +608,9 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
         dot[0] if dot is not None else x4, row_dot if row_dot is not None else x4,
         parts[0] if parts is not None else x4, parts[1] if parts is not None else any_out,
         zero_ints if zero_ints is not None else any_out, zero_rows if zero_rows is not None else x4,
-        *strides4(x4), *strides3(sub)[:2], *strides3(channel_scale)[:2], *strides4(out_for_delta),
+        *strides4(x4), *strides3(sub)[:2],
+        *(channel_scale.stride()[1::-1] if channel_tile is not None else strides3(channel_scale)[:2]),
+        *strides4(out_for_delta),
         *strides4(x8)[:3], *strides4(x8t)[:3], *strides3(scale if scale is not None else delta)[:2],
         *strides3(dot[0] if dot is not None else None)[:2],
         *strides3(parts[0] if parts is not None else None)[:2], *strides4(zero_rows)[:3],
@@ -597,12 +618,14 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
         float(scaled) if scaled is not None else 1.0, STATS_CHUNK, float(parts[2]) if parts is not None else 1.0,
     )
     constexprs = dict(
-        IS_VARLEN=layout.is_varlen, HAS_SUB=sub is not None, PER_CHANNEL=channel_scale is not None,
+        IS_VARLEN=layout.is_varlen, HAS_SUB=sub is not None,
+        PER_CHANNEL=channel_scale is not None and channel_tile is None, TILE_CHANNELS=channel_tile is not None,
         WITH_DELTA=delta is not None, WITH_SCALED=scaled is not None, WRITE_NATURAL=natural, WRITE_T=transposed,
         HAS_T_CU=t_starts is not None, WITH_DOT=dot is not None, BLOCK_SCALE=block_scale, BLOCK_T=block_t,
         BLOCK_D=_block_d(d), OPERAND_ORDER=operand_order, FROM_PARTS=parts is not None,
         ZERO_INTS=0 if zero_ints is None else zero_ints.numel(), ZERO_ROWS=zero_rows is not None, E4M3=e4m3,
     )
+    scale = channel_scale if channel_tile is not None else scale
     return (Quantized(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot, scaled=scaled_out), grid, args,
             constexprs, num_warps)
 
@@ -610,7 +633,7 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
 def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
              channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
              scaled=None, block_scale=False, operand_order=False, parts=None, zero_ints=None, zero_rows=None,
-             e4m3=False):
+             e4m3=False, channel_tile=None):
     """One pass over ``x4`` ``[B, H, N, D]`` -> ``Quantized`` with ``x8`` (natural ``[B, H, N, D]``), ``x8t``
     (``[B, H, D, N_pad]``), ``scale`` (per token ``[B, H, N]``, unless ``channel_scale`` given) and
     ``delta`` (``rowsum(x * out_for_delta)``) as asked. ``t_starts`` (packed batches): each sequence's first
@@ -625,12 +648,14 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
     ``zero_ints``: an int32 tensor (a power of two of them) zeroed by the pass; ``zero_rows``: an fp32 tensor of
     ``x4``'s shape (contiguous last dim) whose rows the pass zeroes. ``e4m3`` (with ``channel_scale`` holding each
     channel's max |x|, not a scale): FP8 e4m3 bytes in ``x8`` / ``x8t`` (int8 tensors holding them), the max mapped
-    to 448, round to nearest even."""
+    to 448, round to nearest even; without ``channel_scale`` one scale per token, max / 448 in ``scale`` (448 / max
+    rounded once, as ``sagebwd_hf.naive``'s e4m3 divides); with ``channel_tile`` too, one per channel per
+    ``channel_tile`` tokens of each sequence, ``scale`` ``[S, H, tiles, D]`` holding max / 448."""
     result, grid, args, constexprs, num_warps = _quantize_launch(
         x4, layout, sub=sub, sub_cu=sub_cu, sub_block=sub_block, channel_scale=channel_scale, natural=natural,
         transposed=transposed, out_for_delta=out_for_delta, t_starts=t_starts, dot=dot, scaled=scaled,
         block_scale=block_scale, operand_order=operand_order, parts=parts, zero_ints=zero_ints, zero_rows=zero_rows,
-        e4m3=e4m3)
+        e4m3=e4m3, channel_tile=channel_tile)
     launch(_quantize_kernel, grid, *args, **constexprs, num_warps=num_warps)
     return result
 
@@ -779,12 +804,18 @@ def prepare_forward(q4, k4, v4, layout_q: SeqLayout, layout_k: SeqLayout, softma
 
 def prepare_backward(q4, k4, do4, o4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float,
                      k_smoothing: bool, q_smoothing: bool, row_shift: bool = False, operand_order: bool = False,
-                     t_starts_q=None, t_starts_k=None, k_transposed: bool = True, zero_ints=None, zero_rows=None):
+                     t_starts_q=None, t_starts_k=None, k_transposed: bool = True, zero_ints=None, zero_rows=None,
+                     do_e4m3: bool = False, do_channel_tile: Optional[int] = None):
     """The backward's preparation in the fewest launches: ``quantize_qk(..., transposed=True, fused=True)`` and dO's
     pass (``quantize(do4, natural=False, transposed=True, out_for_delta=o4)``: token-major INT8, scales, delta) in
-    Q's launch (the same bytes as the separate passes). Returns (``QuantizedQK``, dO's ``Quantized``)."""
+    Q's launch (the same bytes as the separate passes). Returns (``QuantizedQK``, dO's ``Quantized``).
+    ``do_e4m3`` (the pv_e4m3 rule's dV): dO in FP8 e4m3, one scale per token (``quantize``'s ``e4m3``), or with
+    ``do_channel_tile`` one per channel per that many queries of each sequence (with p_static: the dK/dV kernel's
+    query tile); a pass of its own unless its program tile is Q's."""
     do_options = dict(natural=False, transposed=True, out_for_delta=o4, operand_order=operand_order,
-                      t_starts=t_starts_q)
-    return _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoothing, True, row_shift, None,
-                        operand_order, t_starts_q, t_starts_k, k_transposed, True, zero_ints, zero_rows,
-                        partner=lambda scale, parts: (do4, layout_q, do_options))
+                      t_starts=t_starts_q, e4m3=do_e4m3, channel_tile=do_channel_tile)
+    alone = do_channel_tile is not None and do_channel_tile != QUANTIZE_TILE[0]
+    quant, do_q = _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoothing, True, row_shift,
+                               None, operand_order, t_starts_q, t_starts_k, k_transposed, True, zero_ints, zero_rows,
+                               partner=None if alone else lambda scale, parts: (do4, layout_q, do_options))
+    return quant, quantize(do4, layout_q, **do_options) if alone else do_q

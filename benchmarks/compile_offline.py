@@ -84,6 +84,7 @@ def make_inputs(mod, a):
     arguments, or with ``--kernel dv | dk | dkdvq | dq`` the backward's (``mod``: hopper_launch)."""
     from sagebwd_hf.kernels.layout import SeqLayout
     b, h, hk, n, d, dv = a.batch, a.heads, a.kv_heads or a.heads, a.seqlen, a.head_dim, a.head_dim_v or a.head_dim
+    num_seqs, max_len = b, n
     if a.packed:    # one [1, H, T, D] batch of a.batch sequences of a.seqlen tokens (what compiles is the same)
         lay_packed = SeqLayout(b, n, torch.arange(b + 1, dtype=torch.int32) * n)
         starts = torch.arange(b + 1, dtype=torch.int32) * (-(-n // 16) * 16)
@@ -102,6 +103,10 @@ def make_inputs(mod, a):
     layout = SeqLayout(b, n, None)
     window = (-1, 0) if a.causal else (-1, -1)
     kw = json.loads(a.kw)
+    from sagebwd_hf.numerics import parse_precision
+    rules = parse_precision(a.precision)
+    if rules.pv_e4m3 or rules.p_static:   # (the kernels' rules: the builders refuse the others)
+        kw.update(pv_e4m3=rules.pv_e4m3, p_static=rules.p_static)
     if a.kernel == "fwd":
         if a.softcap:   # a capped call: the cap and the row shift (lse's layout) as interface passes them
             kw.update(softcap=a.softcap, shift=torch.empty(b, h, n))
@@ -122,11 +127,15 @@ def make_inputs(mod, a):
         return mod.dq_hopper_args(quant, lse, do4, vec(), v4, torch.empty(b, h, n, d, dtype=torch.bfloat16), h,
                                   h // hk, d, window, d ** -0.5, **kw)
     do8t = torch.empty(b, h, dv, npad, dtype=torch.int8)
+    do_scale = vec()
+    if rules.p_static:   # dO's scales per channel per query tile [S, H, tiles, Dv] (quantize's channel_tile)
+        block_q = kw.get("block_q") or (mod.ONE_LAUNCH_QUERY_TILE if a.kernel == "dkdvq" else mod.dkdv_query_tile(d))
+        do_scale = torch.empty(num_seqs, h, -(-max_len // block_q), dv)
     grads = torch.empty(b, hk, n, dv, dtype=torch.bfloat16), torch.empty(b, hk, n, d, dtype=torch.bfloat16)
     if a.kernel == "dkdvq":
         kw.update(dq_acc=torch.empty(b, h, n, d))
-    return mod.dkdv_hopper_args(a.kernel, quant, lse, do4, do8t, vec(), vec(), v4, grads[0], grads[1], h, h // hk, d,
-                                window, d ** -0.5, **kw)
+    return mod.dkdv_hopper_args(a.kernel, quant, lse, do4, do8t, do_scale, vec(), v4, grads[0], grads[1], h, h // hk,
+                                d, window, d ** -0.5, **kw)
 
 
 SASS_RE = re.compile(r"^\s*(?:/\*([0-9a-f]+)\*/)?\s*(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)[^;]*;")
@@ -205,6 +214,9 @@ def main():
     p.add_argument("--softcap", type=float, default=0.0, help="a capped call (e.g. 50)")
     p.add_argument("--row-sums", action="store_true",
                    help="dq: a shard of each row's keys (K-smoothing's row term from the kernel's own dS sums)")
+    p.add_argument("--precision", default="accurate",
+                   help="fwd, dv, dkdvq: the numerics rule the kernel computes (sagebwd_hf.numerics: accurate, "
+                        "pv_e4m3, pv_e4m3+p_static); the builders' pv_e4m3 / p_static")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
@@ -261,7 +273,8 @@ def main():
         spills=spills, loops=loops, tile_loops=tile_loops(sass, loops))
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
-    print(f"{os.path.basename(src_file)} {a.kernel} D={a.head_dim} causal={a.causal} kw={a.kw}: n_regs {regs}, "
+    print(f"{os.path.basename(src_file)} {a.kernel} D={a.head_dim} causal={a.causal} precision={a.precision} "
+          f"kw={a.kw}: n_regs {regs}, "
           f"n_spills {local // 4} (ptxas: {m.group(0) if m else '?'}), shared {ck.metadata.shared} B, "
           f"{summary['instructions']} SASS instructions, STL {ops['STL']}, LDL {ops['LDL']} -> {a.out}")
     for s in summary["spills_by_source"][:12]:

@@ -68,6 +68,8 @@ VQS, VLSE, VDOS, VDELTA, VQSR, VSHIFT, NVEC = (gl.constexpr(i) for i in range(7)
 # (_k_operand) on 9 + C; consumer C announces its dS^T tile of parity p on 11 + 2C + p (_dq_signal)
 K_OPERAND_BARRIER = gl.constexpr(9)
 DQ_SIGNALS = gl.constexpr(11)
+E4M3_MAX = gl.constexpr(448.0)               # e4m3's largest value: P^T's (PV_E4M3) or dO's largest maps to it
+LOG2_448 = gl.constexpr(8.807354922057604)
 
 
 @aggregate
@@ -119,7 +121,9 @@ class ItemKV:
 class QueryVectors:
     """The per-query inputs [B, H, N] the key-tile launches' loader stages beside each query tile: Q's scale
     (``QS``), lse, dO's scale (``DOS``), delta, Q's raw scale (``QSR``), the row shift under a cap (``SHIFT``),
-    their batch and head strides, and ``1 / cap`` (``inv_cap``)."""
+    their batch and head strides, and ``1 / cap`` (``inv_cap``). With ``P_STATIC`` ``DOS`` holds dO's scales per
+    channel per query tile instead, ``[S, H, tiles, Dv]`` with sequence and head strides ``s_dtb``, ``s_dth``
+    (else None)."""
     QS: gl.tensor
     LSE: gl.tensor
     DOS: gl.tensor
@@ -129,6 +133,8 @@ class QueryVectors:
     s_qsb: Scalar
     s_qsh: Scalar
     inv_cap: gl.tensor
+    s_dtb: Scalar
+    s_dth: Scalar
 
 
 @aggregate
@@ -195,6 +201,8 @@ class KeyTileOptions:
     ORDER: gl.constexpr
     TILE_KS: gl.constexpr
     DYNAMIC: gl.constexpr
+    PV_E4M3: gl.constexpr
+    P_STATIC: gl.constexpr
 
 
 @aggregate
@@ -373,7 +381,17 @@ def _loader(descs, ring, own, mailbox, COUNTER, seqs, vectors, key_scales, calle
                     ring.vec.index(NVEC * s + VSHIFT).store(shift)
                 ring.vec.index(NVEC * s + VQS).store(q_scale)
                 lse = gl.load(vectors.LSE + base, mask=ok, other=float("inf"))
-                if DO_DV:
+                if DO_DV and opts.P_STATIC:
+                    # dO's scales per channel of this query tile (the row's first HEAD_DIM_V entries), with P^T's
+                    # fixed 1/448; P^T = 448 p needs no per-query factor (FOLD: 448 into its exponent)
+                    # (32-bit offsets: the scales number dO's elements / BLOCK_Q)
+                    tile_row = (item.b * vectors.s_dtb + (hk * seqs.group + g) * vectors.s_dth
+                                + (start_m // BLOCK_Q) * opts.HEAD_DIM_V)
+                    tile_scales = gl.load(vectors.DOS + tile_row + offs, mask=offs < opts.HEAD_DIM_V, other=0.0)
+                    ring.vec.index(NVEC * s + VDOS).store(tile_scales * (1.0 / E4M3_MAX))
+                    if FOLD:
+                        lse = lse - LOG2_448
+                elif DO_DV:
                     do_scale = gl.load(vectors.DOS + base, mask=ok, other=0.0)
                     ring.vec.index(NVEC * s + VDOS).store(do_scale)
                     if FOLD:    # log2 of dO's scale folded into P^T's exponent (log2(0) - lse = -inf: P^T 0)
@@ -436,6 +454,31 @@ def _accumulate_product(acc, x8, x_scale, b_smem):
 
 
 @gluon.jit
+def _e4m3_rows(x, x_max, ORDER: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
+    """``x`` (>= 0) in FP8 e4m3 per row (``x_max`` its row maxima, mapped to 448: 448 / max rounded once, as the
+    reference divides; converted two an instruction, saturating) as a wgmma A operand (_quantize_rows's), and the
+    row scales max / 448 in the product's row layout."""
+    inv = gl.where(x_max > 1e-30, gl.div_rn(gl.full(x_max.shape, 448.0, gl.float32, x_max.type.layout), x_max), 0.0)
+    x8 = as_operand((x * inv[:, None]).to(gl.float8e4nv), ORDER, p_layout)
+    return x8, gl.convert_layout(x_max * (1.0 / E4M3_MAX), gl.SliceLayout(1, o_layout))
+
+
+@gluon.jit
+def _accumulate_e4m3(acc, x8, x_scale, b_smem, PER_COLUMN: gl.constexpr):
+    """``acc += (x8 @ B) * x_scale``, ``x8`` and ``B`` (shared memory) in e4m3: an e4m3 x e4m3 -> fp32 wgmma from
+    zero (an FP8 wgmma chain keeps ~14 bits: forward_hopper), joined to the fp32 ``acc`` by one FMA. ``x_scale``:
+    per row (moved to ``acc``'s row layout), or ``PER_COLUMN`` per column (in ``acc``'s column layout)."""
+    o_layout: gl.constexpr = acc.type.layout
+    x8 = gl.convert_layout(x8, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4), assert_trivial=True)
+    prod = warpgroup_mma(x8, b_smem.permute((1, 0)), gl.zeros(acc.shape, gl.float32, o_layout), use_acc=False)
+    if PER_COLUMN:
+        acc = gl.fma(prod, x_scale[None, :], acc)
+    else:
+        acc = gl.fma(prod, gl.convert_layout(x_scale, gl.SliceLayout(1, o_layout), assert_trivial=True)[:, None], acc)
+    return acc
+
+
+@gluon.jit
 def _quantized_product(acc, acc2, x, x_max, factor, b_smem, b2_smem, empty_bar, SPLIT: gl.constexpr,
                        ORDER: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
     """``acc += factor * (x @ B)`` with ``x`` quantized per row, then ``B``'s ring stage released (``empty_bar``).
@@ -466,6 +509,9 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, lo, hi, item, seq
     SOFTCAP: gl.constexpr = opts.SOFTCAP
     TILE_KS: gl.constexpr = opts.TILE_KS
     ORDER: gl.constexpr = opts.ORDER
+    PV_E4M3: gl.constexpr = opts.PV_E4M3
+    P_STATIC: gl.constexpr = opts.P_STATIC
+    gl.static_assert(PV_E4M3 or not P_STATIC, "a fixed P scale only with e4m3 P^T dO")
     MASK_LEFT: gl.constexpr = seqs.MASK_LEFT
     MASK_RIGHT: gl.constexpr = seqs.MASK_RIGHT
     C: gl.constexpr = key_ops.C
@@ -525,9 +571,17 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, lo, hi, item, seq
         # registers: each is loaded where it is used. FOLD: dO's scale already sits in P^T's exponent.)
         if DO_DV:
             xv = pt
-            if not FOLD:
-                xv = xv * ring.vec.index(NVEC * s + VDOS).load(col_layout)[None, :]
-            pv8, pv_scale = _quantize_rows(xv, gl.max(xv, 1), ORDER, p_layout, o_layout)
+            if P_STATIC:   # P^T = 448 p straight to e4m3 (no per-key max); dO's scales are per channel
+                if not FOLD:
+                    xv = xv * E4M3_MAX
+                pv8 = as_operand(xv.to(gl.float8e4nv), ORDER, p_layout)
+            else:
+                if not FOLD:
+                    xv = xv * ring.vec.index(NVEC * s + VDOS).load(col_layout)[None, :]
+                if PV_E4M3:
+                    pv8, pv_scale = _e4m3_rows(xv, gl.max(xv, 1), ORDER, p_layout, o_layout)
+                else:
+                    pv8, pv_scale = _quantize_rows(xv, gl.max(xv, 1), ORDER, p_layout, o_layout)
         if DO_DK:
             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_tok, ))
             delta = ring.vec.index(NVEC * s + VDELTA).load(col_layout)
@@ -545,7 +599,16 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, lo, hi, item, seq
                     xk = xk * (1.0 - tht * tht)
             ds8, ds_scale = _quantize_rows(xk, gl.max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
         if DO_DV:
-            dv_acc = _accumulate_product(dv_acc, pv8, pv_scale, ring.dot.index(s))
+            if P_STATIC:   # dO's channel scales of this tile (times 1/448: the loader's)
+                dos_row = ring.vec.index(NVEC * s + VDOS)
+                if opts.HEAD_DIM_V < BLOCK_Q:
+                    dos_row = dos_row.slice(0, opts.HEAD_DIM_V)
+                dv_acc = _accumulate_e4m3(dv_acc, pv8, dos_row.load(gl.SliceLayout(0, dv_acc.type.layout)),
+                                          ring.dot.index(s), True)
+            elif PV_E4M3:
+                dv_acc = _accumulate_e4m3(dv_acc, pv8, pv_scale, ring.dot.index(s), False)
+            else:
+                dv_acc = _accumulate_product(dv_acc, pv8, pv_scale, ring.dot.index(s))
         if DO_DQ:   # the other consumer's dS^T of this tile is stored by now, or soon
             named_barrier(False, DQ_SIGNALS + 2 * (1 - C) + it % 2, 256, 4)
             if it % 2 == 0:
@@ -706,13 +769,13 @@ def _bwd_consumer(C: gl.constexpr, k8, k8b, v16, own, ring, mailbox, seqs, key_s
 def _attn_bwd_dkdv_hopper_kernel(
     q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, dq_desc, QS, LSE, DOS, DELTA, QSR,
     SHIFT, KS, DV, DK, COUNTER, CU_Q, CU_K, CU_QT, s_qsb, s_qsh, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt,
-    do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right,
-    softmax_scale, softcap2, num_items, num_n, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr,
+    s_dtb, s_dth, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group, window_left,
+    window_right, softmax_scale, softcap2, num_items, num_n, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr,
     MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr,
     BLOCK_Q: gl.constexpr, DYNAMIC: gl.constexpr, ORDER: gl.constexpr, TILE_KS: gl.constexpr,
-    DO_DQ: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+    DO_DQ: gl.constexpr, DQ_BUFFERS: gl.constexpr, PV_E4M3: gl.constexpr = False, P_STATIC: gl.constexpr = False,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
@@ -780,7 +843,7 @@ def _attn_bwd_dkdv_hopper_kernel(
     grads = KeyGradients(DV, s_dvb, s_dvh, s_dvt, DK, s_dkb, s_dkh, s_dkt, softmax_scale)
     dq_x = DqExchange(ds_smem, kb_smem, dq_smem, dq_desc)
     opts = KeyTileOptions(HEAD_DIM, HEAD_DIM_V, D1, D2, QK_SPLIT, DO_DK, DO_DV, DO_DQ, FOLD, SOFTCAP, BLOCK_Q, ORDER,
-                          TILE_KS, DYNAMIC)
+                          TILE_KS, DYNAMIC, PV_E4M3, P_STATIC)
     # (K and V by constant indices: a run-time index of a wgmma operand's shared memory read wrong rows,
     # forward_hopper)
     gl.warp_specialize([
@@ -789,7 +852,8 @@ def _attn_bwd_dkdv_hopper_kernel(
         (_bwd_consumer, (1, k_smem.index(1), k2_smem.index(1), v_smem.index(1), own, ring, mailbox, seqs, key_scales,
                          grads, softcap2, dq_x, opts)),
         (_loader, (descs, ring, own, mailbox, COUNTER, seqs,
-                   QueryVectors(QS, LSE, DOS, DELTA, QSR, SHIFT, s_qsb, s_qsh, 1.0 / softcap2), key_scales,
+                   QueryVectors(QS, LSE, DOS, DELTA, QSR, SHIFT, s_qsb, s_qsh, 1.0 / softcap2, s_dtb, s_dth),
+                   key_scales,
                    CallerRows(do_rb, do_rh, do_ch, v_rb, v_rh, v_ch), opts)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 

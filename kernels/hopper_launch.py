@@ -246,7 +246,7 @@ def _caller_desc(x4, block_shape, dtype):
 def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
                      window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None, block_q=None, softcap=0.0,
                      shift=None, programs=None, operand_order=False, packing=None, tile_ks=None, dq_acc=None,
-                     dq_buffers=3, counter=None):
+                     dq_buffers=3, counter=None, pv_e4m3=False, p_static=False):
     """(grid, args, kwargs) of one key-tile launch, ``part`` "dv", "dk" or "dkdvq" (the one launch): ``[B, H, N, D]``
     tensors as ``backward.launch_backward`` takes them (``quant`` from ``quantize_qk(..., transposed=True)``;
     ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None where not written. ``operand_order``:
@@ -257,10 +257,19 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     a key block): the loader folds the item's K scale into the per-query vectors, one FMA a score less in S^T's
     dequantization (with a cap: in the cap's argument). ``part="dkdvq"``: dV and dK, and dQ added to ``dq_acc``
     (fp32, ``[B, H, N, D]`` contiguous, zeroed) by reduce-adds (backward_hopper._reduce_dq; dS K in the input
-    dtype: backward_hopper._k_operand). ``counter``: the work counter, zeroed (``persistent_grid``'s)."""
+    dtype: backward_hopper._k_operand). ``counter``: the work counter, zeroed (``persistent_grid``'s).
+    ``pv_e4m3`` (sagebwd_hf.numerics' rule; parts "dv" and "dkdvq"): dV = P^T dO in FP8 e4m3, ``do8t`` holding dO's
+    e4m3 bytes and ``do_scale`` its per-token scales max / 448 (``quantize(..., e4m3=True)``), P^T's largest value
+    per key over the query tile mapped to 448; with ``p_static`` P^T = 448 p (no per-key max) and ``do_scale``
+    dO's scales per channel per query tile, ``[S, H, tiles, Dv]`` (``quantize(..., e4m3=True,
+    channel_tile=block_q)``)."""
     head_dim_v = v4.shape[3]
     assert part in ("dv", "dk", "dkdvq") and (head_dim, head_dim_v) in GLUON_HEAD_DIMS
     do_dv, do_dk, do_dq = part in ("dv", "dkdvq"), part in ("dk", "dkdvq"), part == "dkdvq"
+    if p_static and not pv_e4m3:
+        raise ValueError("the key-tile kernel takes p_static only with pv_e4m3 (a fixed INT8 P scale is not built)")
+    if pv_e4m3 and not do_dv:
+        raise ValueError(f"pv_e4m3 is a rule of dV's product: part {part!r} computes none")
     if fold is None:    # dV alone 1.09-1.12x with it (H100); dK alone 1.00-1.03x (H200)
         fold = part in ("dv", "dk")
     assert not (fold and do_dv and do_dk), "FOLD scales P^T by one product's scale: the other needs it unscaled"
@@ -275,7 +284,13 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     hk, n_k = k8.shape[1], k8.shape[2]
     q_scale_raw = quant.q_scale_raw
     shift = shift if softcap else lse
-    for t in (lse, do_scale, delta, q_scale_raw, shift):
+    tile_strides = (None, None)
+    if p_static:   # dO's scales per channel of each query tile: a tile's Dv of them fill a vector row
+        num_seqs = packing[0].num_seqs if packing is not None else bsz
+        assert do_scale.shape[:2] == (num_seqs, hq) and do_scale.shape[3] == head_dim_v <= block_q
+        assert do_scale.stride(3) == 1 and do_scale.stride(2) == head_dim_v
+        tile_strides = do_scale.stride()[:2]
+    for t in (lse, delta, q_scale_raw, shift) + (() if p_static else (do_scale, )):
         assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
     io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
     d1, d2 = qk_blocks(d)
@@ -283,7 +298,11 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     k_desc = tma_desc_2d(_rows(k8), [backward_hopper.HALF_N.value, d1], gl.int8)
     q2_desc = tma_desc_2d(_rows(q8), [block_q, d2], gl.int8) if d2 else q_desc
     k2_desc = tma_desc_2d(_rows(k8), [backward_hopper.HALF_N.value, d2], gl.int8) if d2 else k_desc
-    dot_desc = tma_desc_2d(do8t.reshape(-1, do8t.shape[-1]), [head_dim_v, block_q], gl.int8) if do_dv else q_desc
+    if pv_e4m3:   # the same bytes' layout, read as e4m3 (the wgmma's operand types come from the descriptor)
+        dot_desc = tma_desc_2d(do8t.view(torch.float8_e4m3fn).reshape(-1, do8t.shape[-1]), [head_dim_v, block_q],
+                               gl.float8e4nv)
+    else:
+        dot_desc = tma_desc_2d(do8t.reshape(-1, do8t.shape[-1]), [head_dim_v, block_q], gl.int8) if do_dv else q_desc
     if do_dk:
         qt = quant.q8t
         qt_desc = tma_desc_2d(qt.reshape(-1, qt.shape[-1]), [d1, block_q], gl.int8)
@@ -310,7 +329,8 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
         q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, dq_desc, q_scale, lse,
         do_scale, delta, q_scale_raw, shift, k_scale, dv4, dk4, counter, cu_q, cu_k, cu_qt, q_scale.stride(0),
         q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
-        *dv4.stride()[:3], *dk4.stride()[:3], *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0], window[1],
+        *dv4.stride()[:3], *dk4.stride()[:3], *tile_strides, *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0],
+        window[1],
         softmax_scale, float(softcap) * LOG2E if softcap else 1.0, num_items, num_n,
     ), dict(IS_VARLEN=varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
             HEAD_DIM_V=head_dim_v,
@@ -318,7 +338,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, SOFTCAP=bool(softcap),
             BLOCK_Q=block_q, DYNAMIC=dynamic, ORDER=operand_order, TILE_KS=tile_ks,
             DO_DQ=do_dq,
-            DQ_BUFFERS=dq_buffers, num_warps=4,
+            DQ_BUFFERS=dq_buffers, PV_E4M3=bool(pv_e4m3), P_STATIC=bool(p_static), num_warps=4,
             ptx_options=ptx_options())
 
 
@@ -406,7 +426,8 @@ def _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing):
 
 def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4, dv4, num_heads, num_kv_heads,
                            head_dim, window, softmax_scale, softcap=0.0, shift=None, row_ds=None,
-                           k_mean=None, packing=None, fused_dq=False, counters=None, dq_acc=None, **tuning):
+                           k_mean=None, packing=None, fused_dq=False, counters=None, dq_acc=None, pv_e4m3=False,
+                           p_static=False, **tuning):
     """backward.launch_backward's contract on the Gluon kernels, without Q-smoothing: dV, dK and dQ as three
     launches, each gradient written once (deterministic). ``softcap`` > 0: capped scores
     (``shift`` as the forward's); ``k_mean``, ``row_ds``: as there. ``packing``: None for a padded batch; for a
@@ -416,7 +437,8 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
     K-smoothing term is added after it: _add_sinks_row_term); ``dq4`` None: the fp32 dQ is returned instead of
     copied into it (the caller frees the launch's inputs first). ``counters``: COUNTER_INTS zeroed int32s, the
     launches' work counters (``counter_slot``), instead of one zeroed a launch; ``dq_acc``: the one launch's fp32 dQ
-    accumulator, zeroed (``[B, H, N, D]`` contiguous), instead of one zeroed here."""
+    accumulator, zeroed (``[B, H, N, D]`` contiguous), instead of one zeroed here. ``pv_e4m3``, ``p_static``: dV's
+    rule (dkdv_hopper_args'; ``do8t`` and ``do_scale`` as it takes them); dK and dQ are the same in every rule."""
     group = num_heads // num_kv_heads
     common = (num_heads, group, head_dim, window, softmax_scale)
     lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides
@@ -430,7 +452,8 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
         if dq_acc is None:
             dq_acc = torch.zeros(quant.q8.shape, dtype=torch.float32, device=quant.q8.device)
         launch_dkdv_hopper("dkdvq", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common,
-                           packing=key_tiles_packing, dq_acc=dq_acc, counter=counter_slot(counters, 0), **tuning)
+                           packing=key_tiles_packing, dq_acc=dq_acc, counter=counter_slot(counters, 0),
+                           pv_e4m3=pv_e4m3, p_static=p_static, **tuning)
         if k_mean is not None:   # (its key-tile programs cannot sum dS's rows: the sinks' only, given)
             assert row_ds is not None, "the one launch takes the sinks' row term, not its own row sums"
             _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing)
@@ -439,7 +462,8 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
         dq4.copy_(dq_acc)
         return None
     launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, None, *common,
-                       packing=key_tiles_packing, counter=counter_slot(counters, 0), **tuning)
+                       packing=key_tiles_packing, counter=counter_slot(counters, 0), pv_e4m3=pv_e4m3,
+                       p_static=p_static, **tuning)
     launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, None, dk4, *common,
                        packing=key_tiles_packing, counter=counter_slot(counters, 1), **tuning)
     launch_dq_hopper(quant, lse, do4, delta, v4, dq4, *common, row_ds=row_ds, k_mean=k_mean, packing=dq_packing,

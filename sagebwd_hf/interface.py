@@ -279,10 +279,10 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
     if key_shard and sinks is not None:
         raise ValueError("key_shard: a shard of keys with sinks is not computed (the sink belongs to no shard)")
     need_shift = k_smoothing and (bool(softcap) or sinks is not None)
-    if backend != "naive":
-        check_kernels_compute(precision)
+    if backend != "naive":   # (the kernels check the precision before any launch)
         return _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
-                                 q_smoothing, softcap, need_shift, sinks, deterministic, key_shard=key_shard)
+                                 q_smoothing, softcap, need_shift, sinks, deterministic, key_shard=key_shard,
+                                 precision=precision)
     dq, dk, dv = _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, max_k, scale, window, k_smoothing,
                                  q_smoothing, softcap, deterministic, key_shard=key_shard, precision=precision)
     dsinks = None
@@ -322,8 +322,10 @@ def _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, max_k, scale, window, k
 
 
 def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
-                      q_smoothing, softcap, need_shift, sinks, deterministic=None, *, key_shard=False):
-    """The Triton or Gluon kernels' (dq, dk, dv, dsinks or None)."""
+                      q_smoothing, softcap, need_shift, sinks, deterministic=None, *, key_shard=False,
+                      precision="accurate"):
+    """The Triton or Gluon kernels' (dq, dk, dv, dsinks or None). ``precision``: "accurate", or on the Gluon kernels
+    a rule of GLUON_BACKWARD_RULES (dV's product; check_kernels_compute refuses the others before any launch)."""
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device, v.shape[-1])
     dk, dv = _poisoned(_new_like(k, varlen), _new_like(v, varlen))
@@ -334,9 +336,18 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     gluon = q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
                                                                       lay_k.max_len, backward=True,
                                                                       softcap=bool(softcap), head_dim_v=v4.shape[3])
-    one_launch = gluon and backward_rule(q.device, q4.shape[3], v4.shape[3], masked=tuple(window) != (-1, -1),
-                                         softcap=softcap, q_smoothing=q_smoothing, max_len_k=lay_k.max_len,
-                                         varlen=varlen, deterministic=deterministic, key_shard=key_shard).one_launch
+    rule = backward_rule(q.device, q4.shape[3], v4.shape[3], masked=tuple(window) != (-1, -1), softcap=softcap,
+                         q_smoothing=q_smoothing, max_len_k=lay_k.max_len, varlen=varlen, deterministic=deterministic,
+                         key_shard=key_shard)
+    one_launch = gluon and rule.one_launch
+    # before any launch (an empty side has no P to round: its zero gradients are every rule's)
+    check_kernels_compute(precision, backward_on_gluon=gluon or q4.numel() == 0 or k4.numel() == 0)
+    rules = numerics_rules.parse_precision(precision) if gluon else numerics_rules.ACCURATE
+    if rules.p_static and v4.shape[3] > rule.block_m_dkdv:
+        raise NotImplementedError(
+            f"precision={precision!r}: the Gluon dV kernel stages dO's per-channel scales of a query tile in one "
+            f"vector of {rule.block_m_dkdv} (its query tile), fewer than V's head dim {v4.shape[3]}; the PyTorch path "
+            "(backend='naive') computes it")
     # the one launch's dQ accumulates in fp32 (B*H*N*D*4 bytes): its bf16 dQ is made only once the launch's
     # inputs are freed, which keeps the op's peak memory below flash attention's (docs/benchmarks.md)
     dq = None if one_launch else _poisoned(_new_like(q, varlen))[0]
@@ -355,7 +366,8 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     # K's statistics, K's pass, then Q's and dO's (with delta = rowsum(dO * O)) in one launch
     quant, do_q = prepare_backward(q4, k4, do4, o4, lay_q, lay_k, scale, k_smoothing, q_smoothing,
                                    row_shift=need_shift, operand_order=gluon, t_starts_q=starts_q, t_starts_k=starts_k,
-                                   k_transposed=not one_launch, zero_ints=counters, zero_rows=dq_acc)
+                                   k_transposed=not one_launch, zero_ints=counters, zero_rows=dq_acc,
+                                   do_e4m3=rules.pv_e4m3, do_channel_tile=rule.block_m_dkdv if rules.p_static else None)
     shift = _kernel_shift(quant) if need_shift else None
     if q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
         raw = quantize(q4, lay_q, natural=False, transposed=True)
@@ -375,8 +387,8 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
                                         as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3], window, scale,
                                         programs=dispatch.gluon_programs(q.device, backward=True),
                                         operand_order=True, packing=(lay_q, lay_k, starts_q, starts_k) if varlen
-                                        else None, fused_dq=one_launch, counters=counters, dq_acc=dq_acc, **term,
-                                        **cap_args)
+                                        else None, fused_dq=one_launch, counters=counters, dq_acc=dq_acc,
+                                        pv_e4m3=rules.pv_e4m3, p_static=rules.p_static, **term, **cap_args)
         dispatch.count("bwd_gluon_one_launch" if one_launch else "bwd_gluon")
         if one_launch:
             del quant, q8rt, q_scale_raw, do_q, term
@@ -639,26 +651,40 @@ def _check_precision(precision, backend) -> str:
     return name
 
 
-# The forward rules the Gluon (Hopper) forward computes besides "accurate": P V in FP8 e4m3, P's scale per key tile
-# or fixed. A precision's forward rule is its rules less ds_tile, which changes only the backward's dS: the Gluon
-# forward of "pv_e4m3+ds_tile" and of "fast" is that of "pv_e4m3" and "pv_e4m3+p_static".
+# The rules the Gluon (Hopper) kernels compute besides "accurate": P V (forward) and P^T dO (the backward's dV) in
+# FP8 e4m3, P's scale per key tile (per key over a query tile) or fixed. A precision's forward rule is its rules less
+# ds_tile, which changes only the backward's dS: the Gluon forward of "pv_e4m3+ds_tile" and of "fast" is that of
+# "pv_e4m3" and "pv_e4m3+p_static"; no backward kernel computes ds_tile yet.
 GLUON_FORWARD_RULES = (numerics_rules.Numerics(pv_e4m3=True), numerics_rules.Numerics(pv_e4m3=True, p_static=True))
+GLUON_BACKWARD_RULES = GLUON_FORWARD_RULES
 
 
-def check_kernels_compute(precision: str, forward_on_gluon: Optional[bool] = None) -> None:
+def check_kernels_compute(precision: str, forward_on_gluon: Optional[bool] = None, *,
+                          backward_on_gluon: bool = False) -> None:
     """Raise NotImplementedError unless the kernels compute ``precision``; the PyTorch path computes every preset
     and rule. Every Triton and Gluon kernel computes "accurate"; the Gluon forward (``forward_on_gluon``: the pass
     is a forward and it runs there) also the forward of the precisions GLUON_FORWARD_RULES names; a backward
-    (``forward_on_gluon`` None) "accurate" only. No kernel computes another rule in its place."""
+    (``forward_on_gluon`` None) on the Gluon kernels (``backward_on_gluon``) the rules GLUON_BACKWARD_RULES names
+    (dV's product; dK and dQ are the same in them), on the portable kernels "accurate" only. No kernel computes
+    another rule in its place."""
     rules = numerics_rules.parse_precision(precision)
     if rules == numerics_rules.ACCURATE:
         return
     prefix = f"precision={precision!r} is computed only by the PyTorch path so far (CPU tensors, or backend='naive')"
     gluon_forward = rules._replace(ds_tile=False) in GLUON_FORWARD_RULES
     if forward_on_gluon is None:
-        raise NotImplementedError(
-            f"{prefix}" + (" and, for the forward only, by the Gluon kernel on Hopper" if gluon_forward else "")
-            + "; the Triton and Gluon backward kernels compute precision='accurate'")
+        if rules in GLUON_BACKWARD_RULES and backward_on_gluon:
+            return
+        if rules._replace(ds_tile=False) in GLUON_BACKWARD_RULES:   # what is missing: ds_tile, or the Gluon kernels
+            missing = ("ds_tile (one dS scale per 64x64 tile for dK and dQ) is computed by no backward kernel yet"
+                       if rules.ds_tile else "this call's backward runs the portable Triton kernels, which compute "
+                       "precision='accurate'")
+            raise NotImplementedError(
+                f"{prefix} and by the Gluon kernels (an sm_90 GPU, Q/K and V head dims "
+                f"{', '.join(f'{a}/{b}' for a, b in dispatch.GLUON_HEAD_DIMS)}, no Q-smoothing, SAGEBWD_KERNELS not "
+                f"'triton'), which compute its forward and, without ds_tile, its backward; {missing}")
+        raise NotImplementedError(f"{prefix}; the Triton and Gluon backward kernels compute precision='accurate', and "
+                                  "the Gluon (Hopper) backward also 'pv_e4m3' and 'pv_e4m3+p_static'")
     if not gluon_forward:
         raise NotImplementedError(
             f"{prefix}; the Triton and Gluon kernels compute precision='accurate', and the Gluon (Hopper) forward also "
@@ -717,9 +743,9 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
             every kernel computes. "fast": cheaper rules (FP8 e4m3 P·V and Pᵀ·dO, fixed P scales, one dS scale
             per tile; ``sagebwd_hf.numerics`` and docs/fast_preset.md), or single rules joined by "+"
             ("pv_e4m3+ds_tile"). The PyTorch path (CPU tensors, or ``backend="naive"``) computes them all; on the
-            kernels, the Gluon forward (Hopper) computes the forward of every precision with ``pv_e4m3``
-            ("pv_e4m3", "pv_e4m3+p_static", "fast", ...); any other kernel pass (the backward) or precision
-            raises NotImplementedError (``check_kernels_compute``).
+            kernels, the Gluon kernels (Hopper) compute "pv_e4m3" and "pv_e4m3+p_static" forward and backward, and
+            the forward of the precisions that add ds_tile ("fast", ...); any other kernel pass (a backward with
+            ds_tile, the portable kernels) or precision raises NotImplementedError (``check_kernels_compute``).
 
     Returns:
         ``out`` ``[batch, heads, seqlen_q, head_dim of v]`` in q's dtype, and ``lse`` if asked.

@@ -194,8 +194,8 @@ def test_v_pass_writes_the_reference_bytes(head_dim):
 
 def test_which_pass_computes_which_precision():
     """check_kernels_compute: every kernel computes "accurate"; the Gluon forward the forward of every precision
-    with pv_e4m3 (ds_tile is a backward rule); no backward kernel anything else; no kernel a fixed INT8 P scale or
-    ds_tile alone."""
+    with pv_e4m3 (ds_tile is a backward rule); a backward on the portable kernels nothing else (the Gluon backward's
+    rules: tests/test_fast_backward_hopper.py); no kernel a fixed INT8 P scale or ds_tile alone."""
     for precision in ("accurate", "pv_e4m3", "pv_e4m3+p_static", "pv_e4m3+ds_tile", "fast"):
         check_kernels_compute(precision, forward_on_gluon=True)
     check_kernels_compute("accurate", forward_on_gluon=False)
@@ -204,8 +204,8 @@ def test_which_pass_computes_which_precision():
         with pytest.raises(NotImplementedError, match=rf"precision='{re.escape(precision)}' is computed only by the "
                                                       r"PyTorch path .*runs the portable Triton kernels"):
             check_kernels_compute(precision, forward_on_gluon=False)
-        with pytest.raises(NotImplementedError, match=r"for the forward only, by the Gluon kernel on Hopper; the "
-                                                      r"Triton and Gluon backward kernels compute"):
+        with pytest.raises(NotImplementedError, match=r"by the Gluon kernels \(an sm_90 GPU.*which compute its "
+                                                      r"forward and, without ds_tile, its backward"):
             check_kernels_compute(precision)
     for precision in ("p_static", "ds_tile", "p_static+ds_tile"):
         for forward_on_gluon in (True, False, None):
@@ -215,9 +215,9 @@ def test_which_pass_computes_which_precision():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="the kernels need CUDA or TRITON_INTERPRET=1")
-def test_portable_forward_and_every_backward_refuse_the_fp8_rules(monkeypatch):
+def test_portable_forward_and_a_ds_tile_backward_refuse_the_fp8_rules(monkeypatch):
     """The op: a forward on the portable kernels (the interpreter, or SAGEBWD_KERNELS=triton on a GPU) raises
-    before any launch; on Hopper the Gluon forward runs and the backward raises."""
+    before any launch; on Hopper the Gluon forward of "fast" runs and its backward raises, naming ds_tile."""
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     q, k, v, do = make_qkv(1, 2, 2, 200, 200, 64, torch.bfloat16, device, seed=14)
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
@@ -228,6 +228,7 @@ def test_portable_forward_and_every_backward_refuse_the_fp8_rules(monkeypatch):
         return
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out = sagebwd_attn_func(*leaves, causal=True, precision="fast")
-    with pytest.raises(NotImplementedError, match="backward kernels compute precision='accurate'"):
+    with pytest.raises(NotImplementedError, match=r"ds_tile \(one dS scale per 64x64 tile for dK and dQ\) is "
+                                                  r"computed by no backward kernel yet"):
         out.backward(do)
     assert math.isfinite(out.float().sum().item())

@@ -455,10 +455,11 @@ def _accumulate_product(acc, x8, x_scale, b_smem):
 
 @gluon.jit
 def _e4m3_rows(x, x_max, ORDER: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
-    """``x`` (>= 0) in FP8 e4m3 per row (``x_max`` its row maxima, mapped to 448: 448 / max rounded once, as the
-    reference divides; converted two an instruction, saturating) as a wgmma A operand (_quantize_rows's), and the
-    row scales max / 448 in the product's row layout."""
-    inv = gl.where(x_max > 1e-30, gl.div_rn(gl.full(x_max.shape, 448.0, gl.float32, x_max.type.layout), x_max), 0.0)
+    """``x`` (>= 0) in FP8 e4m3 per row (``x_max`` its row maxima, mapped to 448; converted two an instruction,
+    saturating) as a wgmma A operand (_quantize_rows's), and the row scales max / 448 in the product's row layout.
+    448 / max is ``/``'s (div.full.f32, within 2 ulp, as _quantize_rows's 127 / max): P^T's values already differ
+    from the reference's by a few ulp (ex2.approx), so a correctly rounded quotient would not give its bytes."""
+    inv = gl.where(x_max > 1e-30, E4M3_MAX / x_max, 0.0)
     x8 = as_operand((x * inv[:, None]).to(gl.float8e4nv), ORDER, p_layout)
     return x8, gl.convert_layout(x_max * (1.0 / E4M3_MAX), gl.SliceLayout(1, o_layout))
 

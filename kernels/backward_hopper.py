@@ -8,7 +8,12 @@ scales), the dQ launch walks 128-key tiles (dS's per-query scales):
 * dV (``_attn_bwd_dkdv_hopper_kernel``, ``DO_DV``): ``S^T = K8 Q8^T`` in INT8, dequantized with the item's one K
   scale (``TILE_KS``: the loader folds it into the per-query vectors, one FMA a score) and the per-token Q
   scales; ``P^T = exp2(S^T - lse)``; ``dV += P^T dO`` in INT8 (dO's per-token scale folded into P^T, ``FOLD``:
-  as log2 in its exponent; P^T quantized per key over each query tile).
+  as log2 in its exponent; P^T quantized per key over each query tile). ``PV_E4M3`` / ``P_STATIC`` compute the
+  precision rules of those names (sagebwd_hf.numerics; ``naive.sagebwd_backward_naive`` is their spec): P^T and
+  dO in FP8 e4m3 (P^T from registers, two scores a conversion, each key's max over the tile mapped to 448; dO^T's
+  e4m3 bytes from shared memory, per-token scales folded as in INT8), or with ``P_STATIC`` P^T = 448 p and dO's
+  scales per channel per query tile (the loader stages them; each tile's product takes them by one FMA); off,
+  the kernel is the accurate one unchanged. dK and dQ are the same in these rules.
 * dK (same kernel, ``DO_DK``): S^T and P^T again, ``dP^T = V dO^T`` in bf16/fp16, ``dS^T = P^T (dP^T - delta)``,
   ``dK += dS^T Q`` in INT8 (Q's per-token scale folded into dS^T).
 * dQ (``_attn_bwd_dq_hopper_kernel``): ``S = Q8 K8^T``, ``dP = dO V^T``, ``dS = P (dP - delta)``, ``dQ += dS K``

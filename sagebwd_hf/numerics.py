@@ -15,10 +15,10 @@ rules, each one also selectable on its own by joining rule names with ``+`` (``p
   are then one per ``DS_TILE`` tokens (K's already is at head dims 64, 128 and 192).
 
 QKᵀ stays INT8 with K-smoothing and dP = dO·Vᵀ stays in 16-bit in every preset. The PyTorch reference
-(``sagebwd_hf.naive``) computes every rule; the Gluon forward (Hopper) computes "accurate", ``pv_e4m3`` and
-``pv_e4m3+p_static`` (so the forward of every precision with ``pv_e4m3``), the portable forward and every backward
-kernel "accurate" only; a kernel call that needs another rule from them raises NotImplementedError
-(``interface.check_kernels_compute``). docs/fast_preset.md has the rules' accuracy and costs.
+(``sagebwd_hf.naive``) computes every rule; the Gluon kernels (Hopper) compute "accurate", ``pv_e4m3`` and
+``pv_e4m3+p_static`` forward and backward (so the forward of every precision with ``pv_e4m3``; ``ds_tile`` in no
+kernel yet), the portable kernels "accurate" only; a kernel call that needs another rule from them raises
+NotImplementedError (``interface.check_kernels_compute``). docs/fast_preset.md has the rules' accuracy and costs.
 """
 from typing import NamedTuple
 

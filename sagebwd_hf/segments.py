@@ -124,10 +124,10 @@ def _segmented_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     """q ``[B, Nq, H, D]``, k/v ``[B, Nk, Hkv, D]`` (any strides; v's head dim may differ). Returns out
     ``[B, Nq, H, Dv]`` (zeros for padding queries) and the kernels' base-2 lse ``[1, H, B * Nq]``."""
     return _planned_forward(_plan(q, k, mask, ids, causal), q, k, v, scale, (window_left, window_right), k_smoothing,
-                            q_smoothing, backend, softcap, sinks)
+                            q_smoothing, backend, softcap, sinks, precision)
 
 
-def _planned_forward(plan, q, k, v, scale, window, k_smoothing, q_smoothing, backend, softcap, sinks):
+def _planned_forward(plan, q, k, v, scale, window, k_smoothing, q_smoothing, backend, softcap, sinks, precision):
     """``_segmented_fwd_impl`` for a plan already made."""
     if plan.cu_q is None:
         out, lse = _forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, plan.max_q,
@@ -239,7 +239,7 @@ class SageBwdSegmentedAttention(torch.autograd.Function):
         plan = _plan(q, k, mask, ids, causal)
         if plan.cu_q is None or plan.idx_q is None:    # no padding to leave out: saved as the op saves them
             output = _planned_forward(plan, q, k, v, scale, (window_left, window_right), k_smoothing, q_smoothing,
-                                      backend, softcap, sinks)
+                                      backend, softcap, sinks, precision)
             _setup_context(ctx, (q, k, v, mask, ids, *args, sinks), output)
             ctx.packing = None
             return output

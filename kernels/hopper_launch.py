@@ -290,7 +290,8 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
         assert do_scale.shape[:2] == (num_seqs, hq) and do_scale.shape[3] == head_dim_v <= block_q
         assert do_scale.stride(3) == 1 and do_scale.stride(2) == head_dim_v
         tile_strides = do_scale.stride()[:2]
-    for t in (lse, delta, q_scale_raw, shift) + (() if p_static else (do_scale, )):
+    # dO's scales are dV's alone: the dK part gets (and never reads) whichever dV's rule prepared
+    for t in (lse, delta, q_scale_raw, shift) + ((do_scale, ) if do_dv and not p_static else ()):
         assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
     io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
     d1, d2 = qk_blocks(d)

@@ -33,8 +33,9 @@ from .constants import GLUON_HEAD_DIMS, ONE_LAUNCH_QUERY_TILE, TESTED_TRITON  # 
 ENV_VAR = "SAGEBWD_KERNELS"
 CHOICES = ("auto", "gluon", "triton")
 GLUON_TESTED = TESTED_TRITON   # the name README and callers use
-# Three consumer warpgroups in the Gluon forward (192 query rows a program) measured faster only without a mask,
-# from this many query rows, and with a cap only at head dim 64 (docs/history.md)
+# Three consumer warpgroups in the Gluon forward (192 query rows a program) measured faster only without a mask
+# (with P·V in e4m3: masked too), from this many query rows, and with a cap only at head dim 64 (docs/history.md,
+# docs/fast_preset.md)
 GLUON_THREE_CONSUMERS_MIN_QUERIES = 2048
 # Ping-pong turns between two consumers at V's head dim 128 paid off only for masked square-head calls from this
 # many query rows (capped calls keep them; docs/history.md)
@@ -127,9 +128,11 @@ def _warn_untested_triton(device: torch.device) -> None:
                   f"keeps the portable ones without this warning.", stacklevel=4)
 
 
-def gluon_forward_consumers(head_dim: int, masked: bool, softcap: bool, max_len_q: int) -> int:
-    """Consumer warpgroups of a Gluon forward launch (``forward_hopper_args``'s ``consumers``)."""
-    three = (head_dim in (64, 128, 192) and not masked and (not softcap or head_dim == 64)
+def gluon_forward_consumers(head_dim: int, masked: bool, softcap: bool, max_len_q: int,
+                            pv_e4m3: bool = False) -> int:
+    """Consumer warpgroups of a Gluon forward launch (``forward_hopper_args``'s ``consumers``); ``pv_e4m3``: the
+    numerics rule of P·V (its tile loop is shorter, and causal calls ran faster with three too)."""
+    three = (head_dim in (64, 128, 192) and (not masked or (pv_e4m3 and head_dim in (64, 128))) and (not softcap or head_dim == 64)
              and max_len_q >= GLUON_THREE_CONSUMERS_MIN_QUERIES)
     return 3 if three else 2
 

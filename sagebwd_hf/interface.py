@@ -253,7 +253,8 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
     cap_args = dict(softcap=softcap, shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
     if gluon:
         masked = tuple(window) != (-1, -1)
-        consumers = dispatch.gluon_forward_consumers(q4.shape[3], masked, bool(softcap), lay_q.max_len)
+        consumers = dispatch.gluon_forward_consumers(q4.shape[3], masked, bool(softcap), lay_q.max_len,
+                                                      rules.pv_e4m3)
         pingpong = consumers == 2 and dispatch.gluon_forward_pingpong(q4.shape[3], v4.shape[3], masked,
                                                                       bool(softcap), lay_q.max_len)
         launch_forward_hopper(*args, v_starts=v_starts, consumers=consumers, pingpong=pingpong, v_operand_order=True,
@@ -653,8 +654,8 @@ def _check_precision(precision, backend) -> str:
 
 # The rules the Gluon (Hopper) kernels compute besides "accurate": P V (forward) and P^T dO (the backward's dV) in
 # FP8 e4m3, P's scale per key tile (per key over a query tile) or fixed. A precision's forward rule is its rules less
-# ds_tile, which changes only the backward's dS: the Gluon forward of "pv_e4m3+ds_tile" and of "fast" is that of
-# "pv_e4m3" and "pv_e4m3+p_static"; no backward kernel computes ds_tile yet.
+# ds_tile, which changes only the backward's dS: the Gluon forward of "pv_e4m3+ds_tile" is that of "pv_e4m3"; no
+# backward kernel computes ds_tile. "fast" is "pv_e4m3+p_static".
 GLUON_FORWARD_RULES = (numerics_rules.Numerics(pv_e4m3=True), numerics_rules.Numerics(pv_e4m3=True, p_static=True))
 GLUON_BACKWARD_RULES = GLUON_FORWARD_RULES
 
@@ -676,7 +677,7 @@ def check_kernels_compute(precision: str, forward_on_gluon: Optional[bool] = Non
         if rules in GLUON_BACKWARD_RULES and backward_on_gluon:
             return
         if rules._replace(ds_tile=False) in GLUON_BACKWARD_RULES:   # what is missing: ds_tile, or the Gluon kernels
-            missing = ("ds_tile (one dS scale per 64x64 tile for dK and dQ) is computed by no backward kernel yet"
+            missing = ("ds_tile (one dS scale per 64x64 tile for dK and dQ) is computed by no backward kernel"
                        if rules.ds_tile else "this call's backward runs the portable Triton kernels, which compute "
                        "precision='accurate'")
             raise NotImplementedError(
@@ -740,12 +741,12 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
             (as False) unless it says ``deterministic``. ``torch.use_deterministic_algorithms(True)`` wins over
             False. ``backward_rule`` says which numbers a call computes.
         precision: the numerics preset. "accurate" (default): INT8 with per-row and per-column scales, the rule
-            every kernel computes. "fast": cheaper rules (FP8 e4m3 P·V and Pᵀ·dO, fixed P scales, one dS scale
-            per tile; ``sagebwd_hf.numerics`` and docs/fast_preset.md), or single rules joined by "+"
-            ("pv_e4m3+ds_tile"). The PyTorch path (CPU tensors, or ``backend="naive"``) computes them all; on the
-            kernels, the Gluon kernels (Hopper) compute "pv_e4m3" and "pv_e4m3+p_static" forward and backward, and
-            the forward of the precisions that add ds_tile ("fast", ...); any other kernel pass (a backward with
-            ds_tile, the portable kernels) or precision raises NotImplementedError (``check_kernels_compute``).
+            every kernel computes. "fast": FP8 e4m3 P·V and Pᵀ·dO with fixed P scales ("pv_e4m3+p_static";
+            ``sagebwd_hf.numerics`` and docs/fast_preset.md), or single rules joined by "+" ("pv_e4m3",
+            "pv_e4m3+ds_tile"). The PyTorch path (CPU tensors, or ``backend="naive"``) computes them all; on the
+            kernels, the Gluon kernels (Hopper) compute "pv_e4m3" and "fast" forward and backward, and the forward
+            of those with ds_tile; any other kernel pass (a backward with ds_tile, the portable kernels) or
+            precision raises NotImplementedError (``check_kernels_compute``).
 
     Returns:
         ``out`` ``[batch, heads, seqlen_q, head_dim of v]`` in q's dtype, and ``lse`` if asked.

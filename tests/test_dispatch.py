@@ -107,6 +107,12 @@ def test_three_consumer_warpgroups_only_where_measured_faster():
     assert consumers(192, False, False, long_enough) == 3           # MLA (V's head dim 128)
     assert consumers(192, True, False, 8 * long_enough) == 2
     assert consumers(96, False, False, 8 * long_enough) == 2        # not a Gluon head dim: as the default
+    # P·V in e4m3: masked calls too at 64 and 128 (a cap as without it)
+    assert consumers(128, True, False, long_enough, pv_e4m3=True) == 3
+    assert consumers(64, True, False, long_enough, pv_e4m3=True) == 3
+    assert consumers(128, True, False, long_enough - 1, pv_e4m3=True) == 2
+    assert consumers(128, False, True, 8 * long_enough, pv_e4m3=True) == 2
+    assert consumers(192, True, False, 8 * long_enough, pv_e4m3=True) == 2    # MLA: not measured
 
 
 def test_ping_pong_only_where_measured_faster():

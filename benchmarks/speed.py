@@ -41,7 +41,7 @@ QUICK_SEQLENS = [1024, 4096]
 GQA_SHAPES = [(128, 16, 4, 4096, True), (64, 32, 8, 8192, True)]
 # --mla: DeepSeek V2/V3's attention heads: Q/K head dim 192, V's 128, 16 heads
 MLA_HEADS, MLA_HEAD_DIMS = 16, (192, 128)
-METHODS = ["sagebwd", "sagebwd_portable", "sagebwd_sinks", "sagebwd_softcap", "sagebwd_softcap_portable", "cudnn",
+METHODS = ["sagebwd", "sagebwd_fast", "sagebwd_portable", "sagebwd_sinks", "sagebwd_softcap", "sagebwd_softcap_portable", "cudnn",
            "flash", "sageattn"]
 # The model-zoo options on the same shapes: sinks (one logit per head, gpt-oss) and a soft cap of 50 (Gemma 2)
 # on the default kernels (on Hopper both passes Gluon), the cap on the portable kernels alone too.
@@ -53,7 +53,9 @@ SOFTCAP = 50.0
 # sagebwd runs what the dispatch picks (SAGEBWD_KERNELS=gluon: the Gluon forward on Hopper); sagebwd_portable
 # forces the tl.dot kernels. Not in the default list while the dispatch picks those anyway.
 DEFAULT_METHODS = ["sagebwd", "cudnn", "flash", "sageattn"]
-TRAIN_METHODS = {"sagebwd", "sagebwd_portable", "sagebwd_sinks", "sagebwd_softcap", "sagebwd_softcap_portable",
+# sagebwd_fast: the same kernels with precision="fast" (sagebwd_hf.numerics: FP8 e4m3 P·V and P^T·dO, fixed P
+# scales); its rows are summarized against cuDNN and against sagebwd (the accurate preset) of the same run
+TRAIN_METHODS = {"sagebwd", "sagebwd_fast", "sagebwd_portable", "sagebwd_sinks", "sagebwd_softcap", "sagebwd_softcap_portable",
                  "cudnn", "flash", "efficient"}   # sageattn has no backward
 REFS = ("cudnn", "flash")
 
@@ -134,6 +136,8 @@ def make_method(name, shape, torch, F, ctx):
     causal, group = shape.causal, shape.heads // shape.kv_heads
     if name == "sagebwd":
         return (lambda q, k, v: ctx["sagebwd_attn_func"](q, k, v, causal=causal)), ""
+    if name == "sagebwd_fast":
+        return (lambda q, k, v: ctx["sagebwd_attn_func"](q, k, v, causal=causal, precision="fast")), ""
     if name == "sagebwd_sinks":
         sinks = torch.randn(shape.heads, device="cuda", requires_grad=True)   # its gradient is computed too
         return (lambda q, k, v: ctx["sagebwd_attn_func"](q, k, v, causal=causal, sinks=sinks)), ""
@@ -310,8 +314,23 @@ def print_summary(rows_list, shapes, meta):
               f"{fmt(sb.get('peak_gib'), '.2f', 4)} {fmt(g('cudnn', 'peak_gib'), '.2f', 5)} "
               f"{fmt(g('flash', 'peak_gib'), '.2f', 5)} | {fmt(sb.get('out_cos'), '.4f', 6)}")
     print_targets(rows, shapes)
+    print_fast(rows, shapes)
     print_features(rows, shapes)
     print_mla(rows, shapes)
+
+
+def print_fast(rows, shapes):
+    """The fast preset against cuDNN and against the accurate preset (time ratios, above 1 faster)."""
+    if not any((s.name, "sagebwd_fast") in rows for s in shapes):
+        return
+    print("precision='fast' (fwd / bwd / f+b): x cuDNN | x accurate | peak GiB")
+    for s in shapes:
+        if (s.name, "sagebwd_fast") not in rows:
+            continue
+        keys = ("fwd_ms", "bwd_ms", "fwd_bwd_ms")
+        rc = " ".join(fmt(ratio(rows, s.name, "sagebwd_fast", "cudnn", k), ".2f") for k in keys)
+        ra = " ".join(fmt(ratio(rows, s.name, "sagebwd_fast", "sagebwd", k), ".2f") for k in keys)
+        print(f"  {s.name:<24} {rc} | {ra} | {fmt(rows[(s.name, 'sagebwd_fast')].get('peak_gib'), '.2f', 5)}")
 
 
 def print_mla(rows, shapes):

@@ -1,7 +1,8 @@
 """Numerics presets: which rounding each low-precision product of SageBwd uses.
 
-``precision="accurate"`` (the default) is the rule every kernel computes. ``precision="fast"`` swaps in cheaper
-rules, each one also selectable on its own by joining rule names with ``+`` (``precision="pv_e4m3+ds_tile"``):
+``precision="accurate"`` (the default) is the rule every kernel computes. ``precision="fast"`` is ``pv_e4m3`` with
+``p_static``: the cheaper rules the Hopper kernels compute forward and backward. Each rule is also selectable on its
+own by joining rule names with ``+`` (``precision="pv_e4m3+ds_tile"``):
 
 * ``pv_e4m3``: P·V (forward) and Pᵀ·dO (backward) in FP8 e4m3 instead of INT8. P, in [0, 1], is mapped onto
   e4m3's largest value 448; V gets one scale per channel, dO one per token (one per channel of a query tile with
@@ -16,9 +17,10 @@ rules, each one also selectable on its own by joining rule names with ``+`` (``p
 
 QKᵀ stays INT8 with K-smoothing and dP = dO·Vᵀ stays in 16-bit in every preset. The PyTorch reference
 (``sagebwd_hf.naive``) computes every rule; the Gluon kernels (Hopper) compute "accurate", ``pv_e4m3`` and
-``pv_e4m3+p_static`` forward and backward (so the forward of every precision with ``pv_e4m3``; ``ds_tile`` in no
-kernel yet), the portable kernels "accurate" only; a kernel call that needs another rule from them raises
-NotImplementedError (``interface.check_kernels_compute``). docs/fast_preset.md has the rules' accuracy and costs.
+``pv_e4m3+p_static`` ("fast") forward and backward (and the forward of those rules with ``ds_tile``, a backward rule
+no kernel computes: its accuracy is measured, its speed is not), the portable kernels "accurate" only; a kernel call
+that needs another rule from them raises NotImplementedError (``interface.check_kernels_compute``).
+docs/fast_preset.md has the rules' accuracy and costs.
 """
 from typing import NamedTuple
 
@@ -43,7 +45,7 @@ class Numerics(NamedTuple):
 
 RULES = Numerics._fields
 ACCURATE = Numerics()
-FAST = Numerics(pv_e4m3=True, p_static=True, ds_tile=True)
+FAST = Numerics(pv_e4m3=True, p_static=True)
 PRESETS = {"accurate": ACCURATE, "fast": FAST}
 ALLOWED = ("accurate", "fast", "rule names joined by '+': " + ", ".join(RULES))
 

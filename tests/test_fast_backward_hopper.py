@@ -213,17 +213,17 @@ def test_which_backward_computes_which_precision():
     """check_kernels_compute for a backward: the Gluon kernels compute accurate, pv_e4m3 and pv_e4m3+p_static; with
     ds_tile the refusal names ds_tile; the portable kernels accurate only; no kernel p_static or ds_tile alone."""
     assert GLUON_BACKWARD_RULES == tuple(parse_precision(r) for r in FP8_RULES)
-    for precision in ["accurate"] + FP8_RULES:
+    for precision in ["accurate", "fast"] + FP8_RULES:
         check_kernels_compute(precision, backward_on_gluon=True)
     check_kernels_compute("accurate")
     for precision in FP8_RULES:
         with pytest.raises(NotImplementedError, match=rf"precision='{re.escape(precision)}' is computed only by the "
                                                       r"PyTorch path .*backward runs the portable Triton kernels"):
             check_kernels_compute(precision)
-    for precision in ("fast", "pv_e4m3+ds_tile"):
+    for precision in ("pv_e4m3+p_static+ds_tile", "pv_e4m3+ds_tile"):
         for backward_on_gluon in (True, False):
             with pytest.raises(NotImplementedError, match=r"ds_tile \(one dS scale per 64x64 tile for dK and dQ\) "
-                                                          r"is computed by no backward kernel yet"):
+                                                          r"is computed by no backward kernel"):
                 check_kernels_compute(precision, backward_on_gluon=backward_on_gluon)
     for precision in ("p_static", "ds_tile", "p_static+ds_tile"):
         with pytest.raises(NotImplementedError, match=rf"precision='{re.escape(precision)}' is computed only .*"

@@ -103,11 +103,13 @@ def test_gluon_forward_computes_the_rule(case, rule):
 
 @on_hopper
 def test_fast_forward_is_the_fp8_rules():
-    """"fast" adds ds_tile, a backward rule, to pv_e4m3+p_static: the same forward, the same bits."""
+    """"fast" is pv_e4m3+p_static: the same forward, the same bits; ds_tile, a backward rule, changes no forward
+    bit."""
     q, k, v, _ = make_qkv(2, 4, 2, 1000, 1000, 128, torch.bfloat16, "cuda", k_outliers=10.0, seed=11)
     fast = sagebwd_attn_func(q, k, v, causal=True, precision="fast", return_lse=True)
     rules = sagebwd_attn_func(q, k, v, causal=True, precision="pv_e4m3+p_static", return_lse=True)
     assert torch.equal(fast[0], rules[0]) and torch.equal(fast[1], rules[1])
+    assert torch.equal(fast[0], sagebwd_attn_func(q, k, v, causal=True, precision="pv_e4m3+p_static+ds_tile"))
     per_tile = sagebwd_attn_func(q, k, v, causal=True, precision="pv_e4m3+ds_tile")
     assert torch.equal(per_tile, sagebwd_attn_func(q, k, v, causal=True, precision="pv_e4m3"))
     assert not torch.equal(per_tile, fast[0])       # a fixed P scale is another rule
@@ -217,7 +219,8 @@ def test_which_pass_computes_which_precision():
                     reason="the kernels need CUDA or TRITON_INTERPRET=1")
 def test_portable_forward_and_a_ds_tile_backward_refuse_the_fp8_rules(monkeypatch):
     """The op: a forward on the portable kernels (the interpreter, or SAGEBWD_KERNELS=triton on a GPU) raises
-    before any launch; on Hopper the Gluon forward of "fast" runs and its backward raises, naming ds_tile."""
+    before any launch; on Hopper the Gluon forward of "pv_e4m3+p_static+ds_tile" runs and its backward raises,
+    naming ds_tile."""
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     q, k, v, do = make_qkv(1, 2, 2, 200, 200, 64, torch.bfloat16, device, seed=14)
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
@@ -227,8 +230,8 @@ def test_portable_forward_and_a_ds_tile_backward_refuse_the_fp8_rules(monkeypatc
     if not IS_SM90:
         return
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = sagebwd_attn_func(*leaves, causal=True, precision="fast")
+    out = sagebwd_attn_func(*leaves, causal=True, precision="pv_e4m3+p_static+ds_tile")
     with pytest.raises(NotImplementedError, match=r"ds_tile \(one dS scale per 64x64 tile for dK and dQ\) is "
-                                                  r"computed by no backward kernel yet"):
+                                                  r"computed by no backward kernel"):
         out.backward(do)
     assert math.isfinite(out.float().sum().item())

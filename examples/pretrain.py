@@ -14,8 +14,9 @@ wraps the model for DDP/FSDP, autocasts (--mixed_precision) and accumulates grad
 Model: a size preset (--size tiny|60m|1b, --model_type llama|qwen3) or --config_name (a config.json, a
 folder, or a hub name), built with random weights. SageBwd's stability switches (arXiv 2603.02170): --qk_norm
 adds Qwen3-style QK-norm to a Llama (needed above ~2^19 tokens per step), --no_k_smoothing turns off
-K-smoothing (on by default; the paper finds it essential), --q_smoothing turns on Q-smoothing. The tokens per
-optimizer step are printed and checked by sagebwd_hf.check_training_setup.
+K-smoothing (on by default; the paper finds it essential), --q_smoothing turns on Q-smoothing. --precision fast
+trains with SageBwd's cheaper numerics preset (sagebwd_hf.numerics). The tokens per optimizer step are printed
+and checked by sagebwd_hf.check_training_setup.
 
 Data: the embedded book by default (or --dataset_name / --train_file), packed into fixed-length rows, or
 --padding_free rows with restarting position_ids (no padding, no attention across documents). A .npy
@@ -40,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import arguments, checkpoints, context_parallel, data, models, training  # noqa: E402
 
 import sagebwd_hf  # noqa: E402  (registers attn_implementation="sagebwd" with Transformers)
+from sagebwd_hf import numerics  # noqa: E402
 
 # Peak learning rates that work for each preset (smaller models tolerate larger steps).
 PRESET_LR = {"tiny": 3e-3, "60m": 1e-3, "1b": 3e-4}
@@ -62,6 +64,10 @@ def parse_args(argv=None):
                        help="add QK-norm (per-head RMSNorm on q and k, as Qwen3) with sagebwd_hf.add_qk_norm")
     model.add_argument("--no_k_smoothing", action="store_true", help="turn SageBwd's K-smoothing off")
     model.add_argument("--q_smoothing", action="store_true", help="turn SageBwd's Q-smoothing on")
+    model.add_argument("--precision", default="accurate", metavar="PRESET",
+                       help="SageBwd's numerics preset (sagebwd_hf.numerics): accurate, fast (P·V and Pᵀ·dO in FP8 "
+                            "e4m3 with fixed P scales; on GPUs the Hopper kernels compute it), or rule names joined "
+                            "by '+' (pv_e4m3, p_static, ds_tile)")
     model.add_argument("--init_from", default=None, help="load the initial weights from this .safetensors file")
     model.add_argument("--save_init", default=None, help="save the initial weights to this .safetensors file")
     model.add_argument("--no_save_model", action="store_true", help="do not write OUTPUT_DIR/final_model")
@@ -88,6 +94,7 @@ def parse_args(argv=None):
         args.warmup_steps = max(1, args.max_steps // 20)
     if args.init_from and args.save_init:
         parser.error("--init_from and --save_init: give one of them")
+    check_precision(parser, args)
     arguments.check_files(args, "train_file", "validation_file", "init_from")
     context_parallel.check(args)
     if data.is_token_file(args.train_file):
@@ -98,6 +105,24 @@ def parse_args(argv=None):
             raise SystemExit("error: a token file (.npy --train_file) needs --tokenizer_name: the tokenizer "
                              "that made it")
     return args
+
+
+def check_precision(parser, args):
+    """--precision checked and made canonical ("pv_e4m3+p_static" -> "fast"). Only the sagebwd backend computes a
+    preset, and under --context_parallel the ring runs SageBwd's kernels behind SDPA at "accurate": a cheaper
+    preset there would be a run that silently is not what it says."""
+    try:
+        args.precision = numerics.precision_name(numerics.parse_precision(args.precision, "--precision"))
+    except ValueError as error:
+        parser.error(str(error))
+    if args.precision == "accurate":
+        return
+    if args.attn_implementation != "sagebwd":
+        parser.error(f"--precision {args.precision} is SageBwd's numerics: it needs --attn_implementation sagebwd "
+                     f"(got {args.attn_implementation})")
+    if args.context_parallel > 1:
+        parser.error(f"--precision {args.precision} with --context_parallel {args.context_parallel}: the ring "
+                     "attention runs SageBwd's kernels behind SDPA at precision 'accurate' only")
 
 
 def build_model(args, tokenizer):
@@ -121,9 +146,10 @@ def build_model(args, tokenizer):
         smoothing["k_smoothing"] = False
     if args.q_smoothing:
         smoothing["q_smoothing"] = True
-    if smoothing:
+    preset = {"precision": args.precision} if args.precision != "accurate" else {}
+    if smoothing or preset:
         # Stored in model.config.sagebwd: saved with the model, read by the sagebwd backend on every call.
-        sagebwd_hf.configure(model, **smoothing)
+        sagebwd_hf.configure(model, **smoothing, **preset)
     if args.init_from:
         from safetensors.torch import load_model
         missing, unexpected = load_model(model, args.init_from, strict=False)
@@ -221,7 +247,8 @@ def main(argv=None):
                           + (" (load it with sagebwd_hf.load_with_qk_norm)" if args.qk_norm else ""))
     if accelerator.is_main_process:
         tokens, elapsed = end["tokens"], end["elapsed_s"]
-        summary = dict(attn_implementation=args.attn_implementation, parameters=n_params, steps=end["step"],
+        summary = dict(attn_implementation=args.attn_implementation, precision=args.precision,
+                       parameters=n_params, steps=end["step"],
                        tokens_per_step=tokens_per_step, tokens=tokens, train_time_s=round(elapsed, 3),
                        tokens_per_s=round(tokens / max(elapsed, 1e-9), 1), eval_loss=end["eval_loss"],
                        num_processes=world, mixed_precision=accelerator.mixed_precision,

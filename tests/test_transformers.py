@@ -353,7 +353,8 @@ def test_packed_position_ids_off_runs_the_dense_call():
     model = tiny_model("llama", num_hidden_layers=1)
     _, packed = _packed_inputs([9, 14, 5], flash_kwargs=False)
     sagebwd_hf.configure(model, packed_position_ids=False)
-    assert sagebwd_hf.get_options(model).op_kwargs() == {"k_smoothing": True, "q_smoothing": False}
+    assert sagebwd_hf.get_options(model).op_kwargs() == {"k_smoothing": True, "q_smoothing": False,
+                                                         "precision": "accurate"}
     sagebwd_hf.reset_attention_stats()
     logits = logits_of(model, "sagebwd", packed)
     assert sagebwd_hf.attention_stats()["paths"] == {"dense": 1}

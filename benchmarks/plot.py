@@ -14,10 +14,11 @@ import csv
 import os
 import sys
 
-COLORS = {"sagebwd": "#d62728", "cudnn": "#1f77b4", "flash": "#2ca02c", "sageattn": "#9467bd",
+COLORS = {"sagebwd": "#d62728", "sagebwd_fast": "#ff7f0e", "sagebwd-fast": "#ff7f0e", "cudnn": "#1f77b4", "flash": "#2ca02c", "sageattn": "#9467bd",
           "efficient": "#8c564b", "sdpa": "#1f77b4", "sdpa-flash": "#2ca02c", "sdpa-cudnn": "#17becf",
           "noop": "#7f7f7f"}
-LABELS = {"sagebwd": "SageBwd (INT8)", "cudnn": "SDPA cuDNN", "flash": "SDPA flash (FA2)",
+LABELS = {"sagebwd": "SageBwd (INT8)", "sagebwd_fast": "SageBwd, precision='fast'",
+          "sagebwd-fast": "SageBwd, precision='fast'", "cudnn": "SDPA cuDNN", "flash": "SDPA flash (FA2)",
           "sageattn": "sageattention 1.0.6 (fwd only)", "efficient": "SDPA mem-efficient",
           "sdpa": "sdpa (default backend)", "sdpa-flash": "sdpa flash", "sdpa-cudnn": "sdpa cuDNN",
           "noop": "no-op attention (bound)"}

@@ -11,8 +11,9 @@ it shows what the smoothing buys. The bar: O and dV cosine >= 0.999, dQ and dK c
     python benchmarks/accuracy.py --device cpu --seqlen 2048 --inputs k_outliers \
         --precision accurate,fast,pv_e4m3,p_static,ds_tile     # numerics presets and single rules
 
-``--precision`` takes presets and rules (sagebwd_hf.numerics) joined by commas, one set of rows each. Only the
-PyTorch path computes precisions other than "accurate" so far: on a GPU add ``--backend naive``.
+``--precision`` takes presets and rules (sagebwd_hf.numerics) joined by commas, one set of rows each. On a GPU the
+Hopper kernels compute "accurate", "fast" and "pv_e4m3"; for the rules only the PyTorch path computes (``ds_tile``,
+``p_static`` alone) add ``--backend naive``.
 
 With --softcap or --sinks, the bf16 baseline is eager attention (attention_exact) in the input dtype: SDPA
 computes neither.

@@ -38,7 +38,7 @@ import time
 
 DEVICE = "cuda"
 IMPLS = ["sagebwd", "sagebwd-fast", "sdpa", "sdpa-flash", "sdpa-cudnn", "noop"]
-DEFAULT_IMPLS = ["sagebwd", "sagebwd-fast", "sdpa", "sdpa-flash", "noop"]
+DEFAULT_IMPLS = ["sagebwd", "sdpa", "sdpa-flash", "noop"]
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
                     rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True, hidden_act="silu",
@@ -141,7 +141,8 @@ def main():
     import sagebwd_hf  # registers "sagebwd"
     AttentionInterface.register("noop", noop_attention)   # no mask function: layers get attention_mask=None
 
-    impl_of = {"sagebwd": ("sagebwd", None), "sagebwd-fast": ("sagebwd", None), "sdpa": ("sdpa", None), "noop": ("noop", None),
+    impl_of = {"sagebwd": ("sagebwd", None), "sagebwd-fast": ("sagebwd", None), "sdpa": ("sdpa", None),
+               "noop": ("noop", None),
                "sdpa-flash": ("sdpa", SDPBackend.FLASH_ATTENTION), "sdpa-cudnn": ("sdpa", SDPBackend.CUDNN_ATTENTION)}
     cfg = LlamaConfig(**dict(LLAMA_3_2_1B, num_hidden_layers=args.layers))
     with torch.device(DEVICE):

@@ -14,7 +14,8 @@ import csv
 import os
 import sys
 
-COLORS = {"sagebwd": "#d62728", "sagebwd_fast": "#ff7f0e", "sagebwd-fast": "#ff7f0e", "cudnn": "#1f77b4", "flash": "#2ca02c", "sageattn": "#9467bd",
+COLORS = {"sagebwd": "#d62728", "sagebwd_fast": "#ff7f0e", "sagebwd-fast": "#ff7f0e", "cudnn": "#1f77b4",
+          "flash": "#2ca02c", "sageattn": "#9467bd",
           "efficient": "#8c564b", "sdpa": "#1f77b4", "sdpa-flash": "#2ca02c", "sdpa-cudnn": "#17becf",
           "noop": "#7f7f7f"}
 LABELS = {"sagebwd": "SageBwd (INT8)", "sagebwd_fast": "SageBwd, precision='fast'",

@@ -41,8 +41,8 @@ QUICK_SEQLENS = [1024, 4096]
 GQA_SHAPES = [(128, 16, 4, 4096, True), (64, 32, 8, 8192, True)]
 # --mla: DeepSeek V2/V3's attention heads: Q/K head dim 192, V's 128, 16 heads
 MLA_HEADS, MLA_HEAD_DIMS = 16, (192, 128)
-METHODS = ["sagebwd", "sagebwd_fast", "sagebwd_portable", "sagebwd_sinks", "sagebwd_softcap", "sagebwd_softcap_portable", "cudnn",
-           "flash", "sageattn"]
+METHODS = ["sagebwd", "sagebwd_fast", "sagebwd_portable", "sagebwd_sinks", "sagebwd_softcap",
+           "sagebwd_softcap_portable", "cudnn", "flash", "sageattn"]
 # The model-zoo options on the same shapes: sinks (one logit per head, gpt-oss) and a soft cap of 50 (Gemma 2)
 # on the default kernels (on Hopper both passes Gluon), the cap on the portable kernels alone too.
 # Each is compared with the plain call on the same kernels. Their "cos" is against plain SDPA, which computes
@@ -55,8 +55,8 @@ SOFTCAP = 50.0
 DEFAULT_METHODS = ["sagebwd", "cudnn", "flash", "sageattn"]
 # sagebwd_fast: the same kernels with precision="fast" (sagebwd_hf.numerics: FP8 e4m3 P·V and P^T·dO, fixed P
 # scales); its rows are summarized against cuDNN and against sagebwd (the accurate preset) of the same run
-TRAIN_METHODS = {"sagebwd", "sagebwd_fast", "sagebwd_portable", "sagebwd_sinks", "sagebwd_softcap", "sagebwd_softcap_portable",
-                 "cudnn", "flash", "efficient"}   # sageattn has no backward
+TRAIN_METHODS = {"sagebwd", "sagebwd_fast", "sagebwd_portable", "sagebwd_sinks", "sagebwd_softcap",
+                 "sagebwd_softcap_portable", "cudnn", "flash", "efficient"}   # sageattn has no backward
 REFS = ("cudnn", "flash")
 
 

@@ -132,7 +132,8 @@ def gluon_forward_consumers(head_dim: int, masked: bool, softcap: bool, max_len_
                             pv_e4m3: bool = False) -> int:
     """Consumer warpgroups of a Gluon forward launch (``forward_hopper_args``'s ``consumers``); ``pv_e4m3``: the
     numerics rule of P·V (its tile loop is shorter, and causal calls ran faster with three too)."""
-    three = (head_dim in (64, 128, 192) and (not masked or (pv_e4m3 and head_dim in (64, 128))) and (not softcap or head_dim == 64)
+    mask_allowed = not masked or (pv_e4m3 and head_dim in (64, 128))
+    three = (head_dim in (64, 128, 192) and mask_allowed and (not softcap or head_dim == 64)
              and max_len_q >= GLUON_THREE_CONSUMERS_MIN_QUERIES)
     return 3 if three else 2
 

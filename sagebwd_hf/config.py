@@ -18,8 +18,8 @@ key            default meaning
                        on the host) can run with ``mode="reduce-overhead"``. It governs only what the backend
                        reads from position_ids: a mask Transformers builds with the packing in it still splits.
 ``precision``  "accurate" the numerics preset (``sagebwd_attn_func``'s ``precision``): "accurate", "fast", or
-                       rule names joined by "+" (sagebwd_hf.numerics). Only the PyTorch path computes
-                       any but "accurate" so far: on the kernels another one raises NotImplementedError.
+                       rule names joined by "+" (sagebwd_hf.numerics). The Hopper kernels and the PyTorch
+                       path compute "fast"; a kernel that does not compute a rule raises NotImplementedError.
 ============== ======= ===================================================================================
 
 Three levels, the most specific wins: **per layer > per model > global default**.

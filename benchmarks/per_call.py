@@ -34,6 +34,9 @@ def methods(causal):
     def sage(q, k, v):
         return sagebwd_hf.sagebwd_attn_func(q, k, v, causal=causal)
 
+    def sage_fast(q, k, v):
+        return sagebwd_hf.sagebwd_attn_func(q, k, v, causal=causal, precision="fast")
+
     def sdpa(backend):
         refuses_gqa = []
 
@@ -50,7 +53,8 @@ def methods(causal):
                     refuses_gqa.append(True)
             return call(q, k, v)
         return call
-    return {"sagebwd": sage, "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "flash": sdpa(SDPBackend.FLASH_ATTENTION)}
+    return {"sagebwd": sage, "sagebwd_fast": sage_fast, "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+            "flash": sdpa(SDPBackend.FLASH_ATTENTION)}
 
 
 def host_ms(call, reps, trials=5):

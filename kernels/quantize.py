@@ -565,7 +565,7 @@ def aligned_starts(layout: SeqLayout) -> torch.Tensor:
 def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
                      channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
                      scaled=None, block_scale=False, operand_order=False, parts=None, zero_ints=None,
-                     zero_rows=None, e4m3=False, channel_tile=None, program_tokens=None):
+                     zero_rows=None, e4m3=False, channel_tile=None):
     """``quantize``'s outputs and its launch, not made: (``Quantized``, grid, arguments, constexprs, warps)."""
     bsz, h, n, d = x4.shape
     dev = x4.device
@@ -590,11 +590,7 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
     any_out = next(t for t in (x8, x8t) if t is not None)
     block_t, num_warps = (K_SCALE_BLOCK, 8) if block_scale else QUANTIZE_TILE
     if channel_tile is not None:   # a program a tile (8 warps for 128 tokens, as K's pass)
-        assert program_tokens in (None, channel_tile), "a channel tile is the program's tokens"
-        program_tokens = channel_tile
-    if program_tokens is not None:   # (per-token results do not depend on the program's tokens)
-        assert not block_scale, "K's block scales are one per K_SCALE_BLOCK tokens"
-        block_t, num_warps = program_tokens, QUANTIZE_TILE[1] if program_tokens == QUANTIZE_TILE[0] else 8
+        block_t, num_warps = channel_tile, QUANTIZE_TILE[1] if channel_tile == QUANTIZE_TILE[0] else 8
     assert not (block_scale and channel_scale is not None)
     assert not e4m3 or not (block_scale or scaled is not None), "e4m3 bytes per channel, token or tile channel"
     assert parts is None or (channel_scale is not None or (sub is not None and sub_block == 1 << 30))
@@ -637,7 +633,7 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
 def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
              channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
              scaled=None, block_scale=False, operand_order=False, parts=None, zero_ints=None, zero_rows=None,
-             e4m3=False, channel_tile=None, program_tokens=None):
+             e4m3=False, channel_tile=None):
     """One pass over ``x4`` ``[B, H, N, D]`` -> ``Quantized`` with ``x8`` (natural ``[B, H, N, D]``), ``x8t``
     (``[B, H, D, N_pad]``), ``scale`` (per token ``[B, H, N]``, unless ``channel_scale`` given) and
     ``delta`` (``rowsum(x * out_for_delta)``) as asked. ``t_starts`` (packed batches): each sequence's first
@@ -654,14 +650,12 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
     channel's max |x|, not a scale): FP8 e4m3 bytes in ``x8`` / ``x8t`` (int8 tensors holding them), the max mapped
     to 448, round to nearest even; without ``channel_scale`` one scale per token, max / 448 in ``scale`` (448 / max
     rounded once, as ``sagebwd_hf.naive``'s e4m3 divides); with ``channel_tile`` too, one per channel per
-    ``channel_tile`` tokens of each sequence, ``scale`` ``[S, H, tiles, D]`` holding max / 448.
-    ``program_tokens``: tokens a program (default 64; per-token results are the same at any), so that
-    ``quantize_pair`` can join a pass with a ``channel_tile`` one."""
+    ``channel_tile`` tokens of each sequence, ``scale`` ``[S, H, tiles, D]`` holding max / 448."""
     result, grid, args, constexprs, num_warps = _quantize_launch(
         x4, layout, sub=sub, sub_cu=sub_cu, sub_block=sub_block, channel_scale=channel_scale, natural=natural,
         transposed=transposed, out_for_delta=out_for_delta, t_starts=t_starts, dot=dot, scaled=scaled,
         block_scale=block_scale, operand_order=operand_order, parts=parts, zero_ints=zero_ints, zero_rows=zero_rows,
-        e4m3=e4m3, channel_tile=channel_tile, program_tokens=program_tokens)
+        e4m3=e4m3, channel_tile=channel_tile)
     launch(_quantize_kernel, grid, *args, **constexprs, num_warps=num_warps)
     return result
 
@@ -707,10 +701,10 @@ def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale:
 
 def _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoothing, transposed, row_shift, v4,
                  operand_order, t_starts_q, t_starts_k, k_transposed, fused, zero_ints, zero_rows, partner=None,
-                 v_e4m3=False, q_program_tokens=None):
+                 v_e4m3=False):
     """quantize_qk, and with ``partner`` a second input quantized in Q's launch (``quantize_pair``):
     ``partner(v_scale, v_parts)`` gives its ``(x4, layout, options)``; returns (QuantizedQK, its Quantized or
-    None); ``q_program_tokens``: Q's pass's program tile (``quantize``'s ``program_tokens``)."""
+    None)."""
     k_sub = k_cu = v_scale = k_parts = v_parts = None
     v_factor = _v_stats_factor(v_e4m3)
     v_stats = (v4, True, v_factor) if v4 is not None else None
@@ -740,7 +734,7 @@ def _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoot
     dot = (k_sub, q4.shape[1] // k4.shape[1], softmax_scale) if row_shift and k_smoothing else None
     q_options = dict(sub=q_mean, sub_cu=q_cu, sub_block=Q_SMOOTH_BLOCK, transposed=transposed and not q_smoothing,
                      dot=dot, scaled=softmax_scale * LOG2E, operand_order=operand_order, t_starts=t_starts_q,
-                     zero_ints=zero_ints, zero_rows=zero_rows, program_tokens=q_program_tokens)
+                     zero_ints=zero_ints, zero_rows=zero_rows)
     paired = None
     if partner is None:
         q = quantize(q4, layout_q, **q_options)
@@ -817,11 +811,11 @@ def prepare_backward(q4, k4, do4, o4, layout_q: SeqLayout, layout_k: SeqLayout, 
     Q's launch (the same bytes as the separate passes). Returns (``QuantizedQK``, dO's ``Quantized``).
     ``do_e4m3`` (the pv_e4m3 rule's dV): dO in FP8 e4m3, one scale per token (``quantize``'s ``e4m3``), or with
     ``do_channel_tile`` one per channel per that many queries of each sequence (with p_static: the dK/dV kernel's
-    query tile), in Q's launch too: Q's programs then take that tile's tokens (the same bytes)."""
+    query tile); a pass of its own unless its program tile is Q's."""
     do_options = dict(natural=False, transposed=True, out_for_delta=o4, operand_order=operand_order,
                       t_starts=t_starts_q, e4m3=do_e4m3, channel_tile=do_channel_tile)
+    alone = do_channel_tile is not None and do_channel_tile != QUANTIZE_TILE[0]
     quant, do_q = _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoothing, True, row_shift,
                                None, operand_order, t_starts_q, t_starts_k, k_transposed, True, zero_ints, zero_rows,
-                               partner=lambda scale, parts: (do4, layout_q, do_options),
-                               q_program_tokens=do_channel_tile)
-    return quant, do_q
+                               partner=None if alone else lambda scale, parts: (do4, layout_q, do_options))
+    return quant, quantize(do4, layout_q, **do_options) if alone else do_q

@@ -239,8 +239,7 @@ def test_which_backward_computes_which_precision():
                     reason="the preparation under Triton's interpreter")
 def test_do_pass_scales_and_launches():
     """dO's e4m3 pass under the interpreter: its scales are the reference's (per token, and per channel per query
-    tile: [S, H, tiles, D], a packed batch's per sequence), in Q's launch or alone the same, and Q's bytes the
-    same whatever tile Q's programs take; the interpreter's fp8
+    tile: [S, H, tiles, D], a packed batch's per sequence), in Q's launch or alone the same; the interpreter's fp8
     cast is not the GPU's round to nearest (the bytes: test_do_pass_writes_the_reference_bytes)."""
     from sagebwd_hf.kernels.layout import SeqLayout
     from sagebwd_hf.kernels.quantize import prepare_backward, quantize
@@ -254,11 +253,8 @@ def test_do_pass_scales_and_launches():
     paired = prep(do_e4m3=True)[1]
     assert torch.equal(paired.scale, want_scale)
     assert torch.equal(paired.delta, prep()[1].delta)       # delta is every rule's
-    q_default = prep()[0]
-    for tile in (64, 128):                                  # in Q's launch, whose programs take the tile
-        q_tiled, do_q = prep(do_e4m3=True, do_channel_tile=tile)
-        for name in ("q8", "q_scale", "q_scale_raw", "q8t", "k8", "k_scale", "k8t", "k_mean"):
-            assert torch.equal(getattr(q_tiled, name), getattr(q_default, name)), (name, tile)
+    for tile in (64, 128):                                  # 64: in Q's launch; 128: a pass of its own
+        do_q = prep(do_e4m3=True, do_channel_tile=tile)[1]
         want = naive._e4m3_per_slice(naive._tiles(do.float(), 2, tile), 3)[1][:, :, :, 0]
         assert do_q.scale.shape == (2, 2, -(-150 // tile), 64) and torch.equal(do_q.scale, want)
         alone = quantize(do, lay, natural=False, transposed=True, out_for_delta=o, e4m3=True, channel_tile=tile)

@@ -61,28 +61,48 @@ def tma_descriptor(base, shape, strides, block_shape, dtype=gl.int8):
     makes that the data needs (TMA faults on a base or stride that is not 16-byte aligned); the constructor's
     generic validation costs ~5 us of host time a descriptor, and a forward and backward build 16."""
     esize = base.element_size()
-    if not (base.data_ptr() % 16 == 0 and strides[-1] == 1 and all(st * esize % 16 == 0 for st in strides[:-1])
+    if not (base.data_ptr() % 16 == 0 and strides[-1] == 1 and all([st * esize % 16 == 0 for st in strides[:-1]])
             and min(shape) > 0):
         raise ValueError(f"TMA cannot address this memory: base {base.data_ptr():#x}, shape {list(shape)}, "
                          f"strides {list(strides)}, {esize}-byte elements")
-    desc = object.__new__(TensorDescriptor)
     block_shape = tuple(block_shape)
+    kind = _descriptor_kinds.get((block_shape, id(dtype), base.dtype)) or _descriptor_kind(block_shape, dtype,
+                                                                                           base.dtype)
+    desc = object.__new__(TensorDescriptor)
     desc.__dict__.update(base=base, shape=list(shape), strides=list(strides), block_shape=list(block_shape),
-                         layout=shared_layout(block_shape, dtype), padding="zero",
-                         launch_key=_launch_key(block_shape, dtype, base.dtype))
+                         layout=kind[0], padding="zero", launch_key=kind[1])
     return desc
 
 
-@functools.lru_cache(maxsize=None)
-def _launch_key(block_shape, dtype, base_dtype):
-    """kernels/launch.py's key of a descriptor from tma_descriptor (made once per kind)."""
-    return descriptor_key(base_dtype, block_shape, shared_layout(block_shape, dtype), "zero",
-                          getattr(TensorDescriptor, "round_f32_to_tf32", None))   # (its default, as launch.py reads it)
+# (block shape, id of the Gluon dtype, the base's dtype) -> (shared layout, launch key, the Gluon dtype): a
+# descriptor's kind, looked up without hashing the Gluon dtype (a Python __hash__); the entry holds the dtype, so
+# its id is not reused while the entry stands
+_descriptor_kinds = {}
+
+
+def _descriptor_kind(block_shape, dtype, base_dtype):
+    """(shared layout, kernels/launch.py's key) of a descriptor from tma_descriptor, made once per kind."""
+    layout = shared_layout(block_shape, dtype)
+    key = descriptor_key(base_dtype, block_shape, layout, "zero",
+                         getattr(TensorDescriptor, "round_f32_to_tf32", None))   # (its default, as launch.py reads it)
+    kind = _descriptor_kinds[(block_shape, id(dtype), base_dtype)] = (layout, key, dtype)
+    return kind
 
 
 def tma_desc_2d(x2d, block_shape, dtype=gl.int8):
     """A TMA descriptor over a 2-D view: int8 tiles here, bf16/fp16 ones too in backward_hopper."""
     return tma_descriptor(x2d, x2d.shape, x2d.stride(), block_shape, dtype)
+
+
+def tma_desc_rows(x, block_shape, dtype=gl.int8):
+    """``tma_desc_2d(x.reshape(-1, x.shape[-1]), ...)``: a descriptor over ``x``'s rows of its last dim. Over a
+    contiguous ``x`` (our own tensors) it is made from ``x`` itself, without the 2-D view: the same address, shape
+    and strides (a descriptor reads only its base's address and dtype), one torch op (~1 us of host time) less,
+    and a forward and backward make 12."""
+    last = x.shape[-1]
+    if not (last and x.is_contiguous()):
+        return tma_desc_2d(x.reshape(-1, last), block_shape, dtype)
+    return tma_descriptor(x, [x.numel() // last, last], [last, 1], block_shape, dtype)
 
 
 def qk_blocks(head_dim):
@@ -158,15 +178,15 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     bsz, hq, n_q, d = q8.shape
     hk, n_k = k8.shape[1], k8.shape[2]
     d1, d2 = qk_blocks(d)
-    q_desc = tma_desc_2d(q8.view(-1, d), [forward_hopper.HALF_M.value, d1])
-    k_desc = tma_desc_2d(k8.view(-1, d), [forward_hopper.BLOCK_N.value, d1])
-    q2_desc = tma_desc_2d(q8.view(-1, d), [forward_hopper.HALF_M.value, d2]) if d2 else q_desc
-    k2_desc = tma_desc_2d(k8.view(-1, d), [forward_hopper.BLOCK_N.value, d2]) if d2 else k_desc
+    q_desc = tma_desc_rows(q8, [forward_hopper.HALF_M.value, d1])
+    k_desc = tma_desc_rows(k8, [forward_hopper.BLOCK_N.value, d1])
+    q2_desc = tma_desc_rows(q8, [forward_hopper.HALF_M.value, d2]) if d2 else q_desc
+    k2_desc = tma_desc_rows(k8, [forward_hopper.BLOCK_N.value, d2]) if d2 else k_desc
     if pv_e4m3:   # the same bytes' layout, read as e4m3 (the wgmma's operand types come from the descriptor)
         vt_desc = tma_desc_2d(v8t.view(torch.float8_e4m3fn).view(-1, v8t.shape[-1]),
                               [head_dim_v, forward_hopper.BLOCK_N.value], gl.float8e4nv)
     else:
-        vt_desc = tma_desc_2d(v8t.view(-1, v8t.shape[-1]), [head_dim_v, forward_hopper.BLOCK_N.value])
+        vt_desc = tma_desc_rows(v8t, [head_dim_v, forward_hopper.BLOCK_N.value])
     cu_q = layout_q.cu_seqlens if layout_q.is_varlen else q_scale
     cu_k = layout_k.cu_seqlens if layout_k.is_varlen else q_scale
     if layout_k.is_varlen and v_starts is None:
@@ -217,11 +237,6 @@ def dq_key_tile(head_dim: int) -> int:
     return 64 if head_dim > 128 else 128
 
 
-def _rows(x4):
-    """Our own contiguous ``[B, H, N, D]`` int8 tensors as ``[B*H*N, D]`` for a descriptor."""
-    return x4.reshape(-1, x4.shape[-1])
-
-
 def _packed(packing, bsz, n_q, n_k, stand_in):
     """(CU_Q, CU_K, CU_T, IS_VARLEN, sequences, longest query and key sequences) of a launch: ``packing`` is None
     (a padded batch) or (layout_q, layout_k, t_starts): a packed batch's SeqLayouts and its token-major copy's
@@ -238,8 +253,11 @@ def _packed(packing, bsz, n_q, n_k, stand_in):
 def _caller_desc(x4, block_shape, dtype):
     """A descriptor over a caller's tensor in its own memory (``layout.token_rows``), and its row/column
     coordinates for the kernel."""
-    x4 = tma_addressable(x4)
-    shape, strides, coords = token_rows(x4)
+    rows = token_rows(x4)
+    if rows is None:    # (tma_addressable's copy, without asking token_rows twice of memory it addresses)
+        x4 = x4.contiguous()
+        rows = token_rows(x4)
+    shape, strides, coords = rows
     return tma_descriptor(x4, shape, strides, block_shape, dtype), coords
 
 
@@ -295,19 +313,19 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
         assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
     io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
     d1, d2 = qk_blocks(d)
-    q_desc = tma_desc_2d(_rows(q8), [block_q, d1], gl.int8)
-    k_desc = tma_desc_2d(_rows(k8), [backward_hopper.HALF_N.value, d1], gl.int8)
-    q2_desc = tma_desc_2d(_rows(q8), [block_q, d2], gl.int8) if d2 else q_desc
-    k2_desc = tma_desc_2d(_rows(k8), [backward_hopper.HALF_N.value, d2], gl.int8) if d2 else k_desc
+    q_desc = tma_desc_rows(q8, [block_q, d1], gl.int8)
+    k_desc = tma_desc_rows(k8, [backward_hopper.HALF_N.value, d1], gl.int8)
+    q2_desc = tma_desc_rows(q8, [block_q, d2], gl.int8) if d2 else q_desc
+    k2_desc = tma_desc_rows(k8, [backward_hopper.HALF_N.value, d2], gl.int8) if d2 else k_desc
     if pv_e4m3:   # the same bytes' layout, read as e4m3 (the wgmma's operand types come from the descriptor)
         dot_desc = tma_desc_2d(do8t.view(torch.float8_e4m3fn).reshape(-1, do8t.shape[-1]), [head_dim_v, block_q],
                                gl.float8e4nv)
     else:
-        dot_desc = tma_desc_2d(do8t.reshape(-1, do8t.shape[-1]), [head_dim_v, block_q], gl.int8) if do_dv else q_desc
+        dot_desc = tma_desc_rows(do8t, [head_dim_v, block_q], gl.int8) if do_dv else q_desc
     if do_dk:
         qt = quant.q8t
-        qt_desc = tma_desc_2d(qt.reshape(-1, qt.shape[-1]), [d1, block_q], gl.int8)
-        qt2_desc = tma_desc_2d(qt.reshape(-1, qt.shape[-1]), [d2, block_q], gl.int8) if d2 else qt_desc
+        qt_desc = tma_desc_rows(qt, [d1, block_q], gl.int8)
+        qt2_desc = tma_desc_rows(qt, [d2, block_q], gl.int8) if d2 else qt_desc
         do_desc, do_coords = _caller_desc(do4, [block_q, head_dim_v], io_dtype)
         v_desc, v_coords = _caller_desc(v4, [backward_hopper.HALF_N.value, head_dim_v], io_dtype)
     else:
@@ -376,14 +394,14 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
         assert t.stride() == q_scale.stride(), "the per-query vectors share one layout"
     io_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[do4.dtype]
     d1, d2 = qk_blocks(d)
-    q_desc = tma_desc_2d(_rows(q8), [backward_hopper.HALF_N.value, d1], gl.int8)
+    q_desc = tma_desc_rows(q8, [backward_hopper.HALF_N.value, d1], gl.int8)
     do_desc, do_coords = _caller_desc(do4, [backward_hopper.HALF_N.value, head_dim_v], io_dtype)
-    k_desc = tma_desc_2d(_rows(k8), [block_k, d1], gl.int8)
+    k_desc = tma_desc_rows(k8, [block_k, d1], gl.int8)
     v_desc, v_coords = _caller_desc(v4, [block_k, head_dim_v], io_dtype)
-    kt_desc = tma_desc_2d(k8t.reshape(-1, k8t.shape[-1]), [d1, block_k], gl.int8)
-    q2_desc = tma_desc_2d(_rows(q8), [backward_hopper.HALF_N.value, d2], gl.int8) if d2 else q_desc
-    k2_desc = tma_desc_2d(_rows(k8), [block_k, d2], gl.int8) if d2 else k_desc
-    kt2_desc = tma_desc_2d(k8t.reshape(-1, k8t.shape[-1]), [d2, block_k], gl.int8) if d2 else kt_desc
+    kt_desc = tma_desc_rows(k8t, [d1, block_k], gl.int8)
+    q2_desc = tma_desc_rows(q8, [backward_hopper.HALF_N.value, d2], gl.int8) if d2 else q_desc
+    k2_desc = tma_desc_rows(k8, [block_k, d2], gl.int8) if d2 else k_desc
+    kt2_desc = tma_desc_rows(k8t, [d2, block_k], gl.int8) if d2 else kt_desc
     cu_q, cu_k, cu_kt, varlen, num_seqs, max_q, _ = _packed(packing, bsz, n_q, n_k, lse)
     if k_mean is not None:   # one mean a sequence (packed: the sequences', not the one batch's)
         assert k_mean.shape == (hk, num_seqs, d) and k_mean.stride(2) == 1 and k_mean.dtype == torch.float32

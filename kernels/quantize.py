@@ -587,7 +587,9 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
     scaled_out = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if scaled is not None else None
     assert scaled is None or scale is not None
     assert dot is None or scale is not None    # row_dot shares scale's strides
-    any_out = next(t for t in (x8, x8t) if t is not None)
+    any_out = x8 if x8 is not None else x8t
+    if any_out is None:
+        raise ValueError("quantize writes x8 (natural) or x8t (transposed): neither was asked for")
     block_t, num_warps = (K_SCALE_BLOCK, 8) if block_scale else QUANTIZE_TILE
     if channel_tile is not None:   # a program a tile (8 warps for 128 tokens, as K's pass)
         block_t, num_warps = channel_tile, QUANTIZE_TILE[1] if channel_tile == QUANTIZE_TILE[0] else 8

@@ -449,10 +449,18 @@ def _attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               max_k: int, scale: float, window_left: int, window_right: int, k_smoothing: bool,
               q_smoothing: bool, backend: str, softcap: float, deterministic: Optional[bool], precision: str,
               sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale,
-                                   (window_left, window_right), k_smoothing, q_smoothing, backend, softcap, sinks,
-                                   deterministic, precision=precision)
+    dq, dk, dv, dsinks = _attn_grads(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window_left,
+                                     window_right, k_smoothing, q_smoothing, backend, softcap, deterministic,
+                                     precision, sinks)
     return dq, dk, dv, _no_sinks_grad(q) if dsinks is None else dsinks
+
+
+def _attn_grads(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing,
+                q_smoothing, backend, softcap, deterministic, precision, sinks):
+    """_attn_bwd's gradients, the sinks' None without sinks: the eager backward's (_backward_with returns None for
+    them then), which spares it the custom op's stand-in, an allocation a backward."""
+    return _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, (window_left, window_right),
+                     k_smoothing, q_smoothing, backend, softcap, sinks, deterministic, precision=precision)
 
 
 _attn_fwd_op = torch.library.custom_op("sagebwd::attn_fwd", _attn_fwd, mutates_args=(), tags=OP_TAGS)
@@ -504,7 +512,8 @@ def _backward_with(bwd, num_inputs):
 def autograd_op(name, fwd_op, fwd, bwd_op, bwd, setup_context, num_inputs):
     """Attach autograd to the custom op ``fwd_op`` (its backward through ``bwd_op``) and return what callers
     call: ``fwd_op`` where torch.compile traces, else an autograd.Function named ``name`` over the ops' own
-    Python functions ``fwd`` and ``bwd``, with the same ``setup_context`` (no torch.library dispatch)."""
+    Python functions ``fwd`` and ``bwd``, with the same ``setup_context`` (no torch.library dispatch). ``bwd``
+    may give None for the sinks' gradient where there are no sinks (a custom op must return a tensor)."""
     fwd_op.register_autograd(_backward_with(bwd_op, num_inputs), setup_context=setup_context)
 
     def forward(ctx, *inputs):
@@ -519,7 +528,7 @@ def autograd_op(name, fwd_op, fwd, bwd_op, bwd, setup_context, num_inputs):
     return call
 
 
-_attn = autograd_op("SageBwdAttention", _attn_fwd_op, _attn_fwd, _attn_bwd_op, _attn_bwd, _setup_context, 17)
+_attn = autograd_op("SageBwdAttention", _attn_fwd_op, _attn_fwd, _attn_bwd_op, _attn_grads, _setup_context, 17)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -171,6 +171,15 @@ def _segmented_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                         scale: float, window_left: int, window_right: int, k_smoothing: bool, q_smoothing: bool,
                         backend: str, softcap: float, precision: str, sinks: Optional[torch.Tensor]
                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, dsinks = _segmented_grads(dout, q, k, v, out, lse, mask, ids, causal, scale, window_left,
+                                          window_right, k_smoothing, q_smoothing, backend, softcap, precision, sinks)
+    return dq, dk, dv, _sinks_grad(dsinks, q)
+
+
+def _segmented_grads(dout, q, k, v, out, lse, mask, ids, causal, scale, window_left, window_right, k_smoothing,
+                     q_smoothing, backend, softcap, precision, sinks):
+    """_segmented_bwd_impl's gradients, the sinks' None without sinks: the eager backward's, which spares it the
+    custom op's stand-in (an allocation a backward)."""
     plan = _plan(q, k, mask, ids, causal)
     window = (window_left, window_right)
     if plan.cu_q is None:
@@ -179,7 +188,7 @@ def _segmented_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         dq, dk, dv, dsinks = _backward(t(dout), t(q), t(k), t(v), t(out), lse_bhn, None, None, plan.max_q,
                                        plan.max_k, scale, window, k_smoothing, q_smoothing, backend, softcap, sinks,
                                        precision=precision)
-        return tuple(t(g).contiguous() for g in (dq, dk, dv)) + (_sinks_grad(dsinks, q),)
+        return tuple(t(g).contiguous() for g in (dq, dk, dv)) + (dsinks,)
     lse_packed = lse if plan.idx_q is None else lse.index_select(2, plan.idx_q)
     return _packed_backward(dout, _gather(q, plan.idx_q), _gather(k, plan.idx_k), _gather(v, plan.idx_k), out,
                             lse_packed, plan, (q.shape, k.shape, v.shape), scale, window, k_smoothing, q_smoothing,
@@ -189,13 +198,13 @@ def _segmented_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 def _packed_backward(dout, q_packed, k_packed, v_packed, out, lse_packed, plan, shapes, scale, window, k_smoothing,
                      q_smoothing, backend, softcap, sinks, precision):
     """Gradients of a packed run (``_packed_forward``'s q, k, v and lse; ``dout`` and ``out`` padded), scattered
-    into the inputs' ``shapes``, and the sinks' (the op's backward outputs)."""
+    into the inputs' ``shapes``, and the sinks' (None without sinks)."""
     dq, dk, dv, dsinks = _backward(_gather(dout, plan.idx_q), q_packed, k_packed, v_packed, _gather(out, plan.idx_q),
                                    lse_packed, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale, window,
                                    k_smoothing, q_smoothing, backend, softcap, sinks, precision=precision)
     q_shape, k_shape, v_shape = shapes
     return (_scatter(dq, plan.idx_q, q_shape), _scatter(dk, plan.idx_k, k_shape), _scatter(dv, plan.idx_k, v_shape),
-            _sinks_grad(dsinks, q_packed))
+            dsinks)
 
 
 _segmented_bwd = torch.library.custom_op("sagebwd::segmented_bwd", _segmented_bwd_impl, mutates_args=(),
@@ -223,7 +232,7 @@ def _setup_context(ctx, inputs, output):
 
 NUM_INPUTS = 15
 _segmented_fwd.register_autograd(_backward_with(_segmented_bwd, NUM_INPUTS), setup_context=_setup_context)
-_op_backward = _backward_with(_segmented_bwd_impl, NUM_INPUTS)
+_op_backward = _backward_with(_segmented_grads, NUM_INPUTS)
 
 
 class SageBwdSegmentedAttention(torch.autograd.Function):

@@ -131,3 +131,45 @@ def test_caller_descriptor_is_tma_addressables(addressable):
         assert desc.base is x4
     else:
         assert desc.base.is_contiguous() and torch.equal(desc.base, x4)
+
+
+
+@pytest.mark.parametrize("path", ["dense", "padded", "packed"])
+def test_eager_backward_makes_no_stand_in_for_absent_sinks(path, monkeypatch):
+    """An eager backward without sinks returns None for their gradient without allocating the empty tensor a custom
+    op returns in its place (the dense op's, and the segmented one's with rows cut, padded, or not, packed); with
+    sinks it returns theirs; the ops' own backward functions still return the stand-in."""
+    from sagebwd_hf import interface, segments
+
+    stand_ins = []
+    for module, name in ((interface, "_no_sinks_grad"), (segments, "_sinks_grad")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original: stand_ins.append(a) or _f(*a))
+    gen = torch.Generator().manual_seed(0)
+    if path == "dense":
+        (q, k, v), cu, do = inputs(1, 2, 2, 64, 64)
+        run = lambda sinks: call(q, k, v, cu, 64, causal=True, sinks=sinks)  # noqa: E731
+    else:   # [B, N, H, D]
+        q, k, v = (torch.randn(2, 48, 2, 64, generator=gen, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+        do = torch.randn(2, 48, 2, 64, generator=gen, dtype=torch.bfloat16)
+        cut = dict(mask=torch.arange(48)[None] < torch.tensor([[30], [48]])) if path == "padded" else \
+            dict(ids=(torch.arange(48) >= 20).long()[None].expand(2, 48))
+        run = lambda sinks: segments.segmented_attention(q, k, v, causal=True, softmax_scale=0.125,  # noqa: E731
+                                                         sinks=sinks, **cut)
+    with stubbed_launches(False):
+        run(None).backward(do)
+        assert not stand_ins and q.grad is not None
+        sinks = torch.zeros(2, requires_grad=True)
+        run(sinks).backward(do)
+        assert sinks.grad is not None and sinks.grad.shape == (2,) and not stand_ins
+        if path == "dense":
+            out, lse = interface._attn_fwd(q.detach(), k.detach(), v.detach(), None, None, 64, 64, 0.125, -1, 0,
+                                           True, False, "triton", 0.0, None, "accurate", None)
+            grads = interface._attn_bwd(do, q.detach(), k.detach(), v.detach(), out, lse, None, None, 64, 64, 0.125,
+                                        -1, 0, True, False, "triton", 0.0, None, "accurate", None)
+        else:
+            x = [t.detach() for t in (q, k, v)]
+            args = (cut.get("mask"), cut.get("ids"), True, 0.125, -1, 0, True, False, "triton", 0.0, "accurate", None)
+            out, lse = segments._segmented_fwd_impl(*x, *args)
+            grads = segments._segmented_bwd_impl(do, *x, out, lse, *args)
+    assert grads[3].shape == (0,) and len(stand_ins) == 1

@@ -91,6 +91,13 @@ def test_rows_descriptor_is_the_2d_views(contiguous):
     else:            # a copy each, of the same values
         assert torch.equal(got.base.reshape(-1, 64), want.base)
     assert _fields(got)[1:] == _fields(want)[1:] and got.launch_key == want.launch_key
+    assert _triton_specialization(got) == _triton_specialization(want)    # the kernel Triton compiles for it
+
+
+def _triton_specialization(arg):
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    return native_specialize_impl(BaseBackend, arg, False, True, True)
 
 
 def test_descriptor_kinds_stay_apart():

@@ -669,6 +669,12 @@ GLUON_FORWARD_RULES = (numerics_rules.Numerics(pv_e4m3=True), numerics_rules.Num
 GLUON_BACKWARD_RULES = GLUON_FORWARD_RULES
 
 
+def _where_gluon_runs() -> str:
+    """The calls the Gluon kernels run, as check_kernels_compute's errors name them."""
+    head_dims = ", ".join(f"{a}/{b}" for a, b in dispatch.GLUON_HEAD_DIMS)
+    return f"an sm_90 GPU, Q/K and V head dims {head_dims}, no Q-smoothing, SAGEBWD_KERNELS not 'triton'"
+
+
 def check_kernels_compute(precision: str, forward_on_gluon: Optional[bool] = None, *,
                           backward_on_gluon: bool = False) -> None:
     """Raise NotImplementedError unless the kernels compute ``precision``; the PyTorch path computes every preset
@@ -690,9 +696,8 @@ def check_kernels_compute(precision: str, forward_on_gluon: Optional[bool] = Non
                        if rules.ds_tile else "this call's backward runs the portable Triton kernels, which compute "
                        "precision='accurate'")
             raise NotImplementedError(
-                f"{prefix} and by the Gluon kernels (an sm_90 GPU, Q/K and V head dims "
-                f"{', '.join(f'{a}/{b}' for a, b in dispatch.GLUON_HEAD_DIMS)}, no Q-smoothing, SAGEBWD_KERNELS not "
-                f"'triton'), which compute its forward and, without ds_tile, its backward; {missing}")
+                f"{prefix} and by the Gluon kernels ({_where_gluon_runs()}), which compute its forward and, without "
+                f"ds_tile, its backward; {missing}")
         raise NotImplementedError(f"{prefix}; the Triton and Gluon backward kernels compute precision='accurate', and "
                                   "the Gluon (Hopper) backward also 'pv_e4m3' and 'pv_e4m3+p_static'")
     if not gluon_forward:
@@ -701,9 +706,8 @@ def check_kernels_compute(precision: str, forward_on_gluon: Optional[bool] = Non
             "'pv_e4m3' and 'pv_e4m3+p_static' (with or without ds_tile, a backward rule)")
     if not forward_on_gluon:
         raise NotImplementedError(
-            f"{prefix} and, for the forward, by the Gluon kernel (an sm_90 GPU, Q/K and V head dims "
-            f"{', '.join(f'{a}/{b}' for a, b in dispatch.GLUON_HEAD_DIMS)}, no Q-smoothing, SAGEBWD_KERNELS not "
-            "'triton'); this call's forward runs the portable Triton kernels, which compute precision='accurate'")
+            f"{prefix} and, for the forward, by the Gluon kernel ({_where_gluon_runs()}); this call's forward runs "
+            "the portable Triton kernels, which compute precision='accurate'")
 
 
 def _backend(q, backend):

@@ -356,10 +356,6 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
         q_rows, do_rows = q[:, :, rows], dout[:, :, rows]
         s, mask = _block_scores(q_rows, keys, rows, cols, n_q, n_k, softmax_scale, window_size, q_smoothing,
                                 softcap)
-        # dK needs the true Q, not the smoothed one the scores used
-        q8, q_scale_raw = quantize_per_token(q_rows)
-        do8, do_scale = quantize_per_token(do_rows)
-
         p = torch.where(mask, torch.exp2(s - lse[:, :, rows, None]), torch.zeros_like(s))
         dp = do_rows.float() @ vf[:, :, cols].transpose(-1, -2)        # stays in high precision
         delta = (do_rows.float() * out[:, :, rows].float()).sum(-1)
@@ -374,7 +370,7 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
             do8e, do_scale_e = _e4m3_per_slice(do_rows.float(), -1)
             dv[:, :, cols] += over_queries(p, do8e, do_scale_e.squeeze(-1), False, e4m3=True)
         else:
-            dv[:, :, cols] += over_queries(p, do8, do_scale, False)
+            dv[:, :, cols] += over_queries(p, *quantize_per_token(do_rows), False)
         k8, k_scale = keys.k8[:, :, cols], keys.k_scale[:, :, cols]
         ds8 = None
         if numerics.ds_tile:   # one INT8 dS, one scale per DS_TILE x DS_TILE tile, for both dK and dQ
@@ -384,8 +380,8 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
             dk_tiles = torch.einsum("bhqikj,bhqid->bhqkjd", ds8, q8t)    # exact: integer sums below 2^24
             dk_tiles = (dk_tiles * (ds_scale * q_scale_t[..., None])[..., None, None]).sum(2)   # [B, H, Tk, t, D]
             dk[:, :, cols] += dk_tiles.flatten(2, 3)[:, :, :cols.stop - cols.start]
-        else:
-            dk[:, :, cols] += over_queries(ds, q8, q_scale_raw, True)
+        else:   # dK needs the true Q, not the smoothed one the scores used
+            dk[:, :, cols] += over_queries(ds, *quantize_per_token(q_rows), True)
         if ds8 is not None and dq_int8:
             k8t = _tiles(k8_ds[:, :, cols], 2, DS_TILE)                              # [B, H, Tk, t, D]
             k_scale_t = _tiles(k_scale_ds[:, :, cols], 2, DS_TILE)[..., 0]           # [B, H, Tk]

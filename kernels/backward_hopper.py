@@ -48,9 +48,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .hopper_common import (ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand, ceil_to, claim_item,
-                            floor_to, inside_sequences, key_band_mask, key_tiles, moved_to_hopper_launch, named_barrier,
-                            round_to_int8, split_item, tanh_scores, tma_load, wgmma_layout)
+from .hopper_common import (E4M3_MAX, LOG2_448, ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand,
+                            ceil_to, claim_item, floor_to, inside_sequences, key_band_mask, key_tiles,
+                            moved_to_hopper_launch, named_barrier, round_to_int8, split_item, tanh_scores, tma_load,
+                            wgmma_layout)
 
 
 @gl_builtin
@@ -73,8 +74,6 @@ VQS, VLSE, VDOS, VDELTA, VQSR, VSHIFT, NVEC = (gl.constexpr(i) for i in range(7)
 # (_k_operand) on 9 + C; consumer C announces its dS^T tile of parity p on 11 + 2C + p (_dq_signal)
 K_OPERAND_BARRIER = gl.constexpr(9)
 DQ_SIGNALS = gl.constexpr(11)
-E4M3_MAX = gl.constexpr(448.0)               # e4m3's largest value: P^T's (PV_E4M3) or dO's largest maps to it
-LOG2_448 = gl.constexpr(8.807354922057604)
 
 
 @aggregate

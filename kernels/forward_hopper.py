@@ -31,7 +31,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .hopper_common import (ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand, claim_item,
+from .hopper_common import (LOG2_448, ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand, claim_item,
                             inside_sequences, key_band_mask, key_tiles, moved_to_hopper_launch, named_barrier,
                             round_to_int8, split_item, tanh_scores, tma_load, wgmma_layout)
 
@@ -45,7 +45,6 @@ STAGES = gl.constexpr(2)      # K / V^T buffers in flight
 TURN_BARRIER = gl.constexpr(8)
 RELEASE_BARRIER = gl.constexpr(10)
 LOG2_127 = gl.constexpr(6.988684686772166)
-LOG2_448 = gl.constexpr(8.807354922057604)   # e4m3's largest value, 448, is P's largest with PV_E4M3
 
 
 @aggregate

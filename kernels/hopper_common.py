@@ -18,6 +18,10 @@ from triton.language.core import _aggregate, base_value
 # A launch's integer argument as a kernel sees it: a run-time value, or the constant Triton specializes a 1 to
 Scalar = Union[gl.tensor, gl.constexpr]
 
+# FP8 e4m3's largest finite value and its log2: with the pv_e4m3 rule P's (and dO's) largest value maps to it
+E4M3_MAX = gl.constexpr(448.0)
+LOG2_448 = gl.constexpr(8.807354922057604)
+
 
 def aggregate(cls):
     """Gluon's aggregate (a class of typed fields that @gluon.jit functions take and return as one value, as

@@ -183,8 +183,8 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     q2_desc = tma_desc_rows(q8, [forward_hopper.HALF_M.value, d2]) if d2 else q_desc
     k2_desc = tma_desc_rows(k8, [forward_hopper.BLOCK_N.value, d2]) if d2 else k_desc
     if pv_e4m3:   # the same bytes' layout, read as e4m3 (the wgmma's operand types come from the descriptor)
-        vt_desc = tma_desc_2d(v8t.view(torch.float8_e4m3fn).view(-1, v8t.shape[-1]),
-                              [head_dim_v, forward_hopper.BLOCK_N.value], gl.float8e4nv)
+        vt_desc = tma_desc_rows(v8t.view(torch.float8_e4m3fn), [head_dim_v, forward_hopper.BLOCK_N.value],
+                                gl.float8e4nv)
     else:
         vt_desc = tma_desc_rows(v8t, [head_dim_v, forward_hopper.BLOCK_N.value])
     cu_q = layout_q.cu_seqlens if layout_q.is_varlen else q_scale
@@ -318,8 +318,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     q2_desc = tma_desc_rows(q8, [block_q, d2], gl.int8) if d2 else q_desc
     k2_desc = tma_desc_rows(k8, [backward_hopper.HALF_N.value, d2], gl.int8) if d2 else k_desc
     if pv_e4m3:   # the same bytes' layout, read as e4m3 (the wgmma's operand types come from the descriptor)
-        dot_desc = tma_desc_2d(do8t.view(torch.float8_e4m3fn).reshape(-1, do8t.shape[-1]), [head_dim_v, block_q],
-                               gl.float8e4nv)
+        dot_desc = tma_desc_rows(do8t.view(torch.float8_e4m3fn), [head_dim_v, block_q], gl.float8e4nv)
     else:
         dot_desc = tma_desc_rows(do8t, [head_dim_v, block_q], gl.int8) if do_dv else q_desc
     if do_dk:

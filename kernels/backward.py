@@ -29,16 +29,16 @@ import triton.language as tl
 from .forward import _ceil_to, _floor_to, _key_tiles, _score_mask, block_dim, fast_tanh, tanh_scores
 from .launch import launch
 from .layout import SeqLayout, cdiv, maybe, strides3, strides4
-from .quantize import LOG2E, Q_SMOOTH_BLOCK, _seq_bounds, int32_times, round_to_int8
+from .quantize import LOG2E, Q_SMOOTH_BLOCK, _seq_bounds, int32_times, nan_max, round_to_int8
 
 
 @triton.jit
 def _quantize_rows(x, SIGNED: tl.constexpr):
     """Quantize each row of ``x`` to int8 with its own scale; returns (int8 tile, fp32 row scales)."""
     if SIGNED:
-        x_max = tl.max(tl.abs(x), 1)
+        x_max = nan_max(tl.abs(x), 1)
     else:
-        x_max = tl.max(x, 1)
+        x_max = nan_max(x, 1)
     x8 = round_to_int8(x * tl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None])   # see quantize.py
     return x8, x_max * (1.0 / 127.0)
 

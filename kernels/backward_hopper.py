@@ -48,7 +48,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .hopper_common import (E4M3_MAX, LOG2_448, ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand,
+from .hopper_common import (E4M3_MAX, LOG2_448, nan_max, ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand,
                             ceil_to, claim_item, floor_to, inside_sequences, key_band_mask, key_tiles,
                             moved_to_hopper_launch, named_barrier, round_to_int8, split_item, tanh_scores, tma_load,
                             wgmma_layout)
@@ -584,9 +584,9 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, lo, hi, item, seq
                 if not FOLD:
                     xv = xv * ring.vec.index(NVEC * s + VDOS).load(col_layout)[None, :]
                 if PV_E4M3:
-                    pv8, pv_scale = _e4m3_rows(xv, gl.max(xv, 1), ORDER, p_layout, o_layout)
+                    pv8, pv_scale = _e4m3_rows(xv, nan_max(xv, 1), ORDER, p_layout, o_layout)
                 else:
-                    pv8, pv_scale = _quantize_rows(xv, gl.max(xv, 1), ORDER, p_layout, o_layout)
+                    pv8, pv_scale = _quantize_rows(xv, nan_max(xv, 1), ORDER, p_layout, o_layout)
         if DO_DK:
             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_tok, ))
             delta = ring.vec.index(NVEC * s + VDELTA).load(col_layout)
@@ -602,7 +602,7 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, lo, hi, item, seq
                     xk = xk * ring.vec.index(NVEC * s + VQSR).load(col_layout)[None, :]
                 if SOFTCAP:   # dS^T with respect to the uncapped score: times 1 - tanh^2
                     xk = xk * (1.0 - tht * tht)
-            ds8, ds_scale = _quantize_rows(xk, gl.max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
+            ds8, ds_scale = _quantize_rows(xk, nan_max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
         if DO_DV:
             if P_STATIC:   # dO's channel scales of this tile (times 1/448: the loader's)
                 dos_row = ring.vec.index(NVEC * s + VDOS)
@@ -1107,7 +1107,7 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, query_ops, ring, lo, hi, item, seqs, so
             x = x * (1.0 - th * th)
         if opts.ROW_SUMS:   # (no key past the end here: P is masked to 0 or the tile is inside the sequence)
             row_ds += gl.sum(x, 1)
-        x_max = gl.max(gl.abs(x), 1)
+        x_max = nan_max(gl.abs(x), 1)
         acc, acc2 = _quantized_product(acc, acc2, x, x_max, ks, ring.kt.index(s), ring.kt2.index(s),
                                        ring.empty.index(s), opts.QK_SPLIT, opts.ORDER, p_layout, o_layout)
         it += 1

@@ -199,8 +199,10 @@ def _attn_fwd_kernel(
 
     q8 = tl.load(Q8 + bq * s_q8b + h * s_q8h + (q0 + offs_m)[:, None] * s_q8t + offs_d[None, :],
                  mask=m_ok[:, None] & d_ok[None, :], other=0)
-    # kept above zero: the tiles scale masked (-inf) scores by it, and an all-zero row has scale 0
-    q_scale = tl.maximum(tl.load(QS + bq * s_qsb + h * s_qsh + q0 + offs_m, mask=m_ok, other=0.0), 1e-30)
+    # kept above zero: the tiles scale masked (-inf) scores by it, and an all-zero row has scale 0 (a NaN scale,
+    # from a NaN in the row, stays NaN)
+    q_scale = tl.maximum(tl.load(QS + bq * s_qsb + h * s_qsh + q0 + offs_m, mask=m_ok, other=0.0), 1e-30,
+                         propagate_nan=tl.PropagateNan.ALL)
     q_mean = q_scale  # unused unless Q_SMOOTH
     if Q_SMOOTH:  # all rows of this tile share one Q-mean block
         blk = tl.load(QMEAN_CU + b) + start_m // QSB
@@ -234,7 +236,7 @@ def _attn_fwd_kernel(
                                Q_SMOOTH, SOFTCAP, FAST_TANH)
 
     v_scale = tl.load(VS + b * s_vsb + hk * s_vsh + offs_dv, mask=dv_ok, other=0.0)
-    has_keys = l_i > 0
+    has_keys = l_i != 0.0   # (not l_i > 0: a NaN row sum, from a NaN or inf input, stays NaN, as in SDPA)
     # base-2 log-sum-exp; +inf for empty rows makes the backward's exp2(s - lse) exactly 0
     lse = tl.where(has_keys, m_i + tl.log2(l_i), float("inf"))
     inv_l = tl.where(has_keys, 1.0 / l_i, 0.0)                  # fully masked rows give zeros, not NaN

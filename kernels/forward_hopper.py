@@ -31,7 +31,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .hopper_common import (LOG2_448, ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand, claim_item,
+from .hopper_common import (KEEP_NAN, LOG2_448, ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand, claim_item,
                             inside_sequences, key_band_mask, key_tiles, moved_to_hopper_launch, named_barrier,
                             round_to_int8, split_item, tanh_scores, tma_load, wgmma_layout)
 
@@ -323,7 +323,7 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, ring, turns, row_consts, lo, hi, item
             row_mul = q_scale
             row_add = q_scale * 0.0
         else:   # floored: with an all-zero K tile (scale 0) a masked score would be -inf * 0
-            row_mul = gl.maximum(q_scale * ks, 1e-37)
+            row_mul = gl.maximum(q_scale * ks, 1e-37, propagate_nan=KEEP_NAN)
             row_add = row_mul * -12582912.0
         if BAND or (MASKED and IS_VARLEN):
             t = gl.where(key_band_mask(offs_n, rows, start_n, seqlen_k, diag, seqs.window_left, seqs.window_right,
@@ -418,8 +418,8 @@ def _consumer(C: gl.constexpr, turns, q_bufs, ring, mailbox, seqs, scales, outpu
         lse_off = bq.to(gl.int64) * outputs.s_lb + h * outputs.s_lh + q0
         rows = item.start + C * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
         m_ok = rows < item.seqlen_q
-        # kept above zero: masked (-inf) scores are scaled by it, and an all-zero row has scale 0
-        q_scale = gl.maximum(gl.load(scales.QS + qs_off + rows, mask=m_ok, other=0.0), 1e-30)
+        # kept above zero: masked (-inf) scores are scaled by it, and an all-zero row has scale 0 (a NaN stays)
+        q_scale = gl.maximum(gl.load(scales.QS + qs_off + rows, mask=m_ok, other=0.0), 1e-30, propagate_nan=KEEP_NAN)
         cap_a = q_scale     # unused unless SOFTCAP
         cap_b = q_scale
         if SOFTCAP:   # the score's dequantization and the shift back to the caller's scores, both over the cap
@@ -447,7 +447,7 @@ def _consumer(C: gl.constexpr, turns, q_bufs, ring, mailbox, seqs, scales, outpu
                                          item, seqs, True, opts)
         mbarrier.arrive(q_bufs.empty, count=1)     # every S of the item was waited for: the next Q may land
 
-        has_keys = l_i > 0
+        has_keys = l_i != 0.0   # (a NaN row sum stays NaN: forward.py)
         if opts.P_STATIC:   # l_i (and the accumulator) hold 448 times the sums
             lse = gl.where(has_keys, m_i + (gl.log2(l_i) - LOG2_448), float("inf"))
         else:

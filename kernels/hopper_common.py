@@ -13,7 +13,7 @@ from typing import Union
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-from triton.language.core import _aggregate, base_value
+from triton.language.core import PropagateNan, _aggregate, base_value
 
 # A launch's integer argument as a kernel sees it: a run-time value, or the constant Triton specializes a 1 to
 Scalar = Union[gl.tensor, gl.constexpr]
@@ -49,6 +49,23 @@ def wgmma_layout(n, k):
     """The register layout of one warpgroup's wgmma result ``[64 rows, n]`` (``k``: the instruction's depth, 32
     for 8-bit operands, 16 for 16-bit ones); every product's layout in these kernels and backward_hopper's."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, k])
+
+
+# gl.maximum's NaN rule for the scales and clamps: NaN wins (PTX max.NaN, the cost of max), so a NaN or inf input
+# reaches the outputs as in SDPA instead of dropping out of its block's scale (quantize.nan_max)
+KEEP_NAN = gl.constexpr(PropagateNan.ALL)
+
+
+@gluon.jit
+def _max_keeping_nan(a, b):
+    return gl.maximum(a, b, propagate_nan=KEEP_NAN)
+
+
+@gluon.jit
+def nan_max(x, axis: gl.constexpr):
+    """The largest element over ``axis``, NaN where any element is NaN or inf (quantize.nan_max)."""
+    m = gl.reduce(x, axis, _max_keeping_nan)
+    return gl.where(m == float("inf"), float("nan"), m)
 
 
 @gluon.jit

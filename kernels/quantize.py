@@ -94,6 +94,23 @@ def round_to_int8(x):
 
 
 @triton.jit
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def nan_max(x, axis: tl.constexpr):
+    """The largest element over ``axis`` (of |x| or of P >= 0), NaN where any element is NaN or inf.
+
+    A scale is this max over 127 (or 448). ``tl.max`` skips NaN on the GPU (PTX ``max``), and an inf max makes the
+    block's bytes 0 with an inf scale that cancels against them: either way a NaN or inf input gave finite outputs
+    where SDPA's are NaN. With the scale NaN, every product that reads the block is NaN, as in SDPA (more elements
+    than SDPA's where the block holds more than the bad one). One ``max.NaN`` a step, the cost of ``max``."""
+    m = tl.reduce(x, axis, _max_keeping_nan)
+    return tl.where(m == float("inf"), float("nan"), m)
+
+
+@triton.jit
 def int32_times(x, scale):
     """``float(x) * scale`` for int32 ``x`` with |x| < 2^22 and a ``scale`` that broadcasts against it (a row or
     column vector): an integer add and one FMA. ``(x + 0x4B400000)`` read as a float is ``1.5 * 2^23 + x``
@@ -133,11 +150,11 @@ def _run_stats(base, s_xt, t0, start, end, d_ok, ABS_MAX: tl.constexpr, BLOCK_T:
         x = tl.load(base + (t0 + rows)[:, None] * s_xt, mask=(rows < end)[:, None] & d_ok[None, :],
                     other=0.0).to(tl.float32)
         if ABS_MAX:
-            acc = tl.maximum(acc, tl.abs(x))
+            acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)   # (nan_max)
         else:
             acc += x
     if ABS_MAX:
-        return tl.max(acc, 0)
+        return nan_max(acc, 0)
     return tl.sum(acc, 0) / tl.maximum(end - start, 1).to(tl.float32)
 
 
@@ -251,17 +268,17 @@ def _quantize_program(
             y = x * tl.where(c_scale > 1e-32, 1.0 / c_scale, 0.0)[None, :]
     elif TILE_CHANNELS:   # (e4m3) one scale per channel over the program's tokens, max |x| to 448 (rows past the
         # end hold zeros), written as max / 448 to CSCALE [S, H, tiles, D] at (sequence, head, this tile)
-        c_max = tl.max(tl.abs(x), 0)
+        c_max = nan_max(tl.abs(x), 0)
         y = x * tl.where(c_max > 1e-30, tl.math.div_rn(tl.full([BLOCK_D], 448.0, tl.float32), c_max), 0.0)[None, :]
         tl.store(CSCALE + h * s_csh + b * s_csb + pid_t * head_dim + offs_d, c_max * (1.0 / 448.0), mask=d_ok)
     elif E4M3:   # one scale per token, max |x| to 448 (448 / max rounded once, as the reference divides)
-        amax = tl.max(tl.abs(x), 1)
+        amax = nan_max(tl.abs(x), 1)
         y = x * tl.where(amax > 1e-30, tl.math.div_rn(tl.full([BLOCK_T], 448.0, tl.float32), amax), 0.0)[:, None]
         tl.store(SCALE + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / 448.0), mask=t_ok)
     else:
-        amax = tl.max(tl.abs(x), 1)
+        amax = nan_max(tl.abs(x), 1)
         if BLOCK_SCALE:   # one scale for the program's BLOCK_T tokens (rows past the end hold zeros)
-            amax = tl.zeros_like(amax) + tl.max(amax, 0)
+            amax = tl.zeros_like(amax) + nan_max(amax, 0)
         # A row whose largest magnitude is tiny (a denormal) quantizes to zeros: 127 / amax would overflow to
         # inf and 0 * inf is NaN. 1e-30 is far below any value that moves a bf16 result.
         y = x * tl.where(amax > 1e-30, 127.0 / amax, 0.0)[:, None]
@@ -399,7 +416,7 @@ def _combined_parts(PART, s_ph, s_pb, h, blk0, chunks, chunk_tokens, n, d_ok, fa
     for c in range(0, chunks):
         part = tl.load(PART + h * s_ph + (blk0 + c) * s_pb + offs_d, mask=d_ok, other=0.0)
         if ABS_MAX:
-            acc = tl.maximum(acc, part)
+            acc = tl.maximum(acc, part, propagate_nan=tl.PropagateNan.ALL)   # (nan_max)
         else:   # chunk means back to sums: every chunk holds chunk_tokens tokens but the last
             acc += part * tl.minimum(chunk_tokens, n - c * chunk_tokens).to(tl.float32)
     if not ABS_MAX:

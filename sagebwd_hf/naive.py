@@ -284,8 +284,9 @@ def sagebwd_forward_naive(q, k, v, softmax_scale, window_size=(-1, -1), k_smooth
             e8 = round_e4m3(e) if numerics.pv_e4m3 else torch.round(e)
             acc = acc * alpha[..., None] + (e8 @ v8[:, :, key0:key0 + block_n]) * p_scale[..., None]
             m = m_new
-        out[:, :, rows] = acc * torch.where(l > 0, 1.0 / l, torch.zeros_like(l))[..., None] * v_scale
-        lse[:, :, rows] = torch.where(l > 0, m + torch.log2(l), torch.full_like(l, float("inf")))
+        has_keys = l != 0   # (a NaN row sum, from a NaN or inf input, stays NaN, as the kernels keep it)
+        out[:, :, rows] = acc * torch.where(has_keys, 1.0 / l, torch.zeros_like(l))[..., None] * v_scale
+        lse[:, :, rows] = torch.where(has_keys, m + torch.log2(l), torch.full_like(l, float("inf")))
     return out, lse
 
 

@@ -1,5 +1,6 @@
-"""A NaN or inf in q, k or v reaches the outputs as in SDPA: every element of O, LSE, dQ, dK and dV that SDPA (in
-float64) makes non-finite is non-finite in ours, forward and backward, on every path a call can take.
+"""A NaN or inf in q, k or v reaches the outputs as in SDPA: every element of O, LSE, dQ, dK and dV that attention
+makes non-finite (SDPA's set in float64 without a mask; with a causal one, the sums over visible pairs: ``_reach``)
+is non-finite in ours, forward and backward, on every path a call can take.
 
 A quantization scale spans a block (one token of Q and dO; K_SCALE_BLOCK tokens of K at head dims 64 and 128; a
 channel of V over its sequence; a key over a query tile for P and dS in the backward), and K-smoothing subtracts
@@ -34,15 +35,58 @@ def _inputs(device, which, value, heads=2, n=64, d=64, dtype=None, seed=0):
     return q, k, v, do
 
 
+def _visible(n_q, n_k, causal, device):
+    rows = torch.arange(n_q, device=device)[:, None] + (n_k - n_q)    # causal aligned bottom-right
+    return rows >= torch.arange(n_k, device=device)[None, :] if causal else torch.ones(n_q, n_k, dtype=torch.bool,
+                                                                                         device=device)
+
+
+def _reach(q, k, v, do, causal):
+    """Which elements of (O, LSE, dQ, dK, dV) attention makes non-finite: each is a sum over the (query, key) pairs
+    that see each other, and it may be non-finite where a term of its sum has a non-finite factor (every step of
+    softmax attention and its backward, as boolean products: a superset, since a -inf score gives a finite 0).
+    With a causal mask SDPA's math also marks pairs the mask hides (it adds -inf to a NaN score), which no sum over
+    visible pairs does, and ours does not either."""
+    def anyrow(x):
+        return ~torch.isfinite(x).all(-1, keepdim=True)
+
+    def bmm(a, b):   # boolean matrix product: any_j a_ij & b_jc
+        return (a.double() @ b.double()) > 0
+
+    vis = _visible(q.shape[2], k.shape[2], causal, q.device)
+    bad_s = vis & (anyrow(q) | anyrow(k).transpose(-1, -2))
+    bad_row = bad_s.any(-1, keepdim=True)                        # its max and sum see every visible score
+    bad_p = vis & bad_row
+    bad_o = bad_row | bmm(vis.expand_as(bad_p), _bad(v))
+    bad_dp = vis & (anyrow(do) | anyrow(v).transpose(-1, -2))
+    bad_delta = bad_o.any(-1, keepdim=True) | anyrow(do)         # delta = rowsum(dO O)
+    bad_ds = bad_p | bad_dp | (vis & bad_delta)
+    bad_dq = bmm(bad_ds, torch.ones_like(k, dtype=torch.double)) | bmm(vis.expand_as(bad_ds), _bad(k))
+    bad_dk = bmm(bad_ds.transpose(-1, -2), torch.ones_like(q, dtype=torch.double)) | \
+        bmm(vis.transpose(-1, -2).expand_as(bad_ds.transpose(-1, -2)), _bad(q))
+    bad_dv = bmm(bad_p.transpose(-1, -2), torch.ones_like(do, dtype=torch.double)) | \
+        bmm(vis.transpose(-1, -2).expand_as(bad_p.transpose(-1, -2)), _bad(do))
+    return bad_o, bad_row[..., 0], bad_dq, bad_dk, bad_dv
+
+
 def _sdpa64(q, k, v, do, causal):
-    """SDPA in float64: (O, natural LSE, dQ, dK, dV)."""
+    """SDPA in float64: which elements of (O, natural LSE, dQ, dK, dV) are non-finite."""
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
     out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
     out.backward(do.double())
     scores = leaves[0].detach() @ leaves[1].detach().transpose(-1, -2) * q.shape[-1] ** -0.5
     if causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -INF)
-    return (out.detach(), torch.logsumexp(scores, -1)) + tuple(x.grad for x in leaves)
+        scores = scores.masked_fill(~_visible(q.shape[2], k.shape[2], True, q.device), -INF)
+    return tuple(_bad(x) for x in (out.detach(), torch.logsumexp(scores, -1)) + tuple(x.grad for x in leaves))
+
+
+def _expected(q, k, v, do, causal):
+    """What SDPA makes non-finite, less what a causal mask hides (SDPA's masked pairs: ``_reach``)."""
+    reach, sdpa = _reach(q, k, v, do, causal), _sdpa64(q, k, v, do, causal)
+    if not causal:   # every pair visible: nothing of SDPA's lies outside the reach
+        for name, mine, want in zip(("O", "LSE", "dQ", "dK", "dV"), reach, sdpa):
+            assert not (want & ~mine).any(), f"SDPA's non-finite {name} lies outside the reference's reach"
+    return tuple(a & b for a, b in zip(reach, sdpa))
 
 
 def _ours(q, k, v, do, causal, **kwargs):
@@ -65,11 +109,12 @@ def _ours_packed(q, k, v, do, causal, **kwargs):
 
 
 def assert_nonfinite_as_sdpa(ours, ref, label):
-    """Every element SDPA makes non-finite is non-finite in ours; sequence 1 (no bad input) stays finite."""
+    """Every element the reference (``_expected``) makes non-finite is non-finite in ours; sequence 1 (no bad
+    input) stays finite."""
     for name, mine, want in zip(("O", "LSE", "dQ", "dK", "dV"), ours, ref):
         mine = mine.reshape(want.shape)
-        missed = _bad(want) & ~_bad(mine)
-        assert not missed.any(), (f"{label} {name}: {int(missed.sum())} of SDPA's {int(_bad(want).sum())} "
+        missed = want & ~_bad(mine)
+        assert not missed.any(), (f"{label} {name}: {int(missed.sum())} of the reference's {int(want.sum())} "
                                   f"non-finite elements are finite")
         assert not _bad(mine[1]).any(), f"{label} {name}: the other sequence turned non-finite"
     assert _bad(ours[0]).any(), f"{label}: O has no non-finite element"
@@ -83,14 +128,14 @@ CASE_IDS = [f"{w}-{'nan' if v != v else 'inf'}-{'causal' if c else 'full'}" for 
 @pytest.mark.parametrize("which, value, causal", CASES, ids=CASE_IDS)
 def test_nonfinite_input_reaches_outputs_dense(device, which, value, causal):
     q, k, v, do = _inputs(device, which, value)
-    assert_nonfinite_as_sdpa(_ours(q, k, v, do, causal, backend="triton"), _sdpa64(q, k, v, do, causal), "dense")
+    assert_nonfinite_as_sdpa(_ours(q, k, v, do, causal, backend="triton"), _expected(q, k, v, do, causal), "dense")
 
 
 @pytest.mark.parametrize("device", kernel_devices())
 @pytest.mark.parametrize("which, value", [("q", NAN), ("k", INF), ("v", NAN)])
 def test_nonfinite_input_reaches_outputs_packed(device, which, value):
     q, k, v, do = _inputs(device, which, value)
-    assert_nonfinite_as_sdpa(_ours_packed(q, k, v, do, True, backend="triton"), _sdpa64(q, k, v, do, True),
+    assert_nonfinite_as_sdpa(_ours_packed(q, k, v, do, True, backend="triton"), _expected(q, k, v, do, True),
                              "packed")
 
 
@@ -98,7 +143,7 @@ def test_nonfinite_input_reaches_outputs_packed(device, which, value):
 def test_nonfinite_input_reaches_outputs_reference(which, value):
     """The PyTorch path (the kernels' oracle) keeps them too."""
     q, k, v, do = _inputs("cpu", which, value)
-    assert_nonfinite_as_sdpa(_ours(q, k, v, do, True, backend="naive"), _sdpa64(q, k, v, do, True), "reference")
+    assert_nonfinite_as_sdpa(_ours(q, k, v, do, True, backend="naive"), _expected(q, k, v, do, True), "reference")
 
 
 def test_finite_inputs_stay_finite_with_masked_rows():
@@ -172,7 +217,7 @@ def test_nonfinite_input_reaches_outputs_gpu(monkeypatch, kernels, precision, he
     for which, value in GPU_CASES:
         q, k, v, do = _inputs("cuda", which, value, heads=4, n=512, d=head_dim)
         ours = run(q, k, v, do, causal, precision=precision, deterministic=deterministic)
-        assert_nonfinite_as_sdpa(ours, _sdpa64(q, k, v, do, causal),
+        assert_nonfinite_as_sdpa(ours, _expected(q, k, v, do, causal),
                                  f"{kernels} {precision} D={head_dim} {layout} {which}={value}")
 
 
@@ -195,7 +240,7 @@ def test_nonfinite_input_reaches_outputs_sdpa_provider(which, value):
     finally:
         sdpa_flash.restore()
     assert sdpa_flash.stats()["forward"] == 1 and sdpa_flash.stats()["backward"] == 1
-    ref = _sdpa64(q, k, v, do, True)
+    ref = _expected(q, k, v, do, True)
     for name, mine, want in zip(("O", "dQ", "dK", "dV"), [out] + [x.grad for x in leaves], ref[:1] + ref[2:]):
-        assert not (_bad(want) & ~_bad(mine)).any(), name
+        assert not (want & ~_bad(mine)).any(), name
 

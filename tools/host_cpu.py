@@ -13,7 +13,7 @@ their gathers and copies cost CPU time that a GPU's host does not spend, so ``--
 Each path also gives the device-to-host reads (tests/host_reads.py: each a GPU sync) of a call that finds its
 mask cached (a later layer) and of one that does not (a forward's first layer).
 
-    TRITON_INTERPRET=1 python benchmarks/host_cpu.py [--paths dense padded packed cu_seq_lens] [--reps 200]
+    TRITON_INTERPRET=1 python tools/host_cpu.py [--paths dense padded packed cu_seq_lens] [--reps 200]
                                                      [--profile padded]
 
 Prints µs a call (the least of 7 loops) for the forward and forward + backward, per path.

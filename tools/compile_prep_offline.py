@@ -2,7 +2,7 @@
 (compile_offline.py's stand-in driver), from the op's own host code with every launch replaced by a warmup; prints
 each kernel's registers, stack and local bytes (spills). Needs Triton 3.6.0's wheel (compile_offline.py says how).
 
-    /tmp/t36/bin/python benchmarks/compile_prep_offline.py [ROOT]     # ROOT: a tree of this repository (default: here)
+    /tmp/t36/bin/python tools/compile_prep_offline.py [ROOT]     # ROOT: a tree of this repository (default: here)
 
 An older tree (without prepare_forward) is compiled through its separate passes. ``--layouts`` (this tree) prints
 the layouts of the row reductions (Q's ``q . mean(k)``, dO's delta) in the separate passes and in the pair
@@ -18,7 +18,7 @@ sys.argv = [a for a in sys.argv if a != "--layouts"]
 ROOT = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), ".."))
 OUT = "/tmp/compile_prep_offline"
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # compile_offline.py beside this script, whatever ROOT
 os.makedirs(OUT, exist_ok=True)
 
 import torch  # noqa: E402

@@ -4,7 +4,7 @@ V (token-major) and dO (with delta), against a plain copy of the same bytes. Two
 around it: the Python launch cost shows when the GPU has nothing else queued) and the GPU time alone (the
 same launches replayed from a CUDA graph), which is what they cost inside a busy training step.
 
-    python benchmarks/prep.py [--seqlens 4096 16384] [--head-dims 128 64] [--tiles 64x4 128x8]
+    python tools/prep.py [--seqlens 4096 16384] [--head-dims 128 64] [--tiles 64x4 128x8]
 
 ``--tiles``: the quantization passes again with each (tokens x warps) program tile (quantize.QUANTIZE_TILE).
 """

@@ -1,7 +1,7 @@
 """Where SageBwd's time goes, and which tile shapes are fastest: times each stage of the op alone
 (quantization passes, forward kernel, the two backward kernels) for a few tile configurations.
 
-    python benchmarks/breakdown.py --head-dim 128 --seqlen 4096 [--causal]
+    python tools/breakdown.py --head-dim 128 --seqlen 4096 [--causal]
 """
 import argparse
 import itertools

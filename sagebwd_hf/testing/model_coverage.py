@@ -24,8 +24,8 @@ On CPU the models are float32 and SageBwd computes the attention in bfloat16 thr
 too long for ~190 models, and the kernels are covered against that path by tests/test_kernels.py. With
 ``--device cuda`` the models are bfloat16 and the Triton/Gluon kernels run.
 
-    python -m sagebwd_hf.model_coverage --only llama,gemma2 -v     # a few, with details
-    python -m sagebwd_hf.model_coverage --device cuda               # all of them, bf16 models on the kernels
+    python -m sagebwd_hf.testing.model_coverage --only llama,gemma2 -v  # a few, with details
+    python -m sagebwd_hf.testing.model_coverage --device cuda            # all of them, bf16 models on the kernels
 
 ``benchmarks/model_coverage.py`` writes the table to docs/model_coverage.md (``REGENERATE``);
 tests/test_model_coverage.py runs the same classification and checks it against that doc.

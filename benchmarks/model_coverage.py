@@ -17,10 +17,10 @@ import torch
 if __name__ == "__main__":   # run as a script from a source checkout: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import transformers  # noqa: E402
+import transformers
 
-from sagebwd_hf import transformers_integration as ti  # noqa: E402
-from sagebwd_hf.testing.model_coverage import (BATCH, BOUNDS, REGENERATE, SEQ, STATUSES,  # noqa: E402
+from sagebwd_hf import transformers_integration as ti
+from sagebwd_hf.testing.model_coverage import (BATCH, BOUNDS, REGENERATE, SEQ, STATUSES,
                                                TABLE_HEADER, VOCAB, WINDOW, Result, architectures, arguments,
                                                describe, run_all, summarize)
 

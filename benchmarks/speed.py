@@ -522,7 +522,8 @@ def main():
             rows.append(row)
             print(f"  {s.name:<24} {name:<9} fwd {row['fwd_ms']:8.3f} ms  bwd {fmt(row['bwd_ms'], '.3f', 8)} ms  "
                   f"f+b {fmt(row['fwd_bwd_ms'], '.3f', 8)} ms  TFLOP/s {fmt(row['fwd_tflops'], width=4)}/"
-                  f"{fmt(row['bwd_tflops'], width=3)}/{fmt(row['fwd_bwd_tflops'], width=3)}  peak {row['peak_gib']:.2f} GiB  cos {fmt(row['out_cos'], '.5f', 7)}  "
+                  f"{fmt(row['bwd_tflops'], width=3)}/{fmt(row['fwd_bwd_tflops'], width=3)}  "
+                  f"peak {row['peak_gib']:.2f} GiB  cos {fmt(row['out_cos'], '.5f', 7)}  "
                   f"x{res['reps']} {row['note']}", flush=True)
             if name == "sagebwd" and row["out_cos"] is not None and row["out_cos"] < 0.99:
                 print(f"  WARNING: {s.name} sagebwd output cosine {row['out_cos']:.4f} against SDPA")

@@ -44,7 +44,8 @@ def warm(kernel, grid, *args, **kwargs):
     cub = os.path.join(OUT, f"{len(seen)}.cubin")
     open(cub, "wb").write(ck.asm["cubin"])
     res = subprocess.check_output([knobs.nvidia.cuobjdump.path, "-res-usage", cub], text=True)
-    regs = re.search(r"REG:(\d+)", res).group(1); stack = re.search(r"STACK:(\d+)", res).group(1)
+    regs = re.search(r"REG:(\d+)", res).group(1)
+    stack = re.search(r"STACK:(\d+)", res).group(1)
     local = re.search(r"LOCAL:(\d+)", res).group(1)
     seen[len(seen)] = (name, regs, stack, local)
     print(f"  {name:28s} regs {regs:>3} stack {stack} local {local}  warps {kwargs.get('num_warps')}")
@@ -86,14 +87,18 @@ for d in (64, 128):
     lay = SeqLayout(b, n, None)
     print(f"D={d} padded N={n}")
     if hasattr(qz, "prepare_forward"):
-        print(" forward"); qz.prepare_forward(q, k, v, lay, lay, d ** -0.5, True, False, v_operand_order=True,
-                                            zero_ints=torch.zeros(16, dtype=torch.int32))
-        print(" backward"); qz.prepare_backward(q, k, do, o, lay, lay, d ** -0.5, True, False, operand_order=True,
-                                              k_transposed=d != 64, zero_ints=torch.zeros(16, dtype=torch.int32),
-                                              zero_rows=torch.zeros(b, h, n, d) if d == 64 else None)
+        print(" forward")
+        qz.prepare_forward(q, k, v, lay, lay, d ** -0.5, True, False, v_operand_order=True,
+                           zero_ints=torch.zeros(16, dtype=torch.int32))
+        print(" backward")
+        qz.prepare_backward(q, k, do, o, lay, lay, d ** -0.5, True, False, operand_order=True,
+                            k_transposed=d != 64, zero_ints=torch.zeros(16, dtype=torch.int32),
+                            zero_rows=torch.zeros(b, h, n, d) if d == 64 else None)
     else:
-        print(" forward"); quant = qz.quantize_qk(q, k, lay, lay, d ** -0.5, True, False, v4=v)
+        print(" forward")
+        quant = qz.quantize_qk(q, k, lay, lay, d ** -0.5, True, False, v4=v)
         qz.quantize_v(v, lay, None, quant.v_scale, operand_order=True)
-        print(" backward"); qz.quantize_qk(q, k, lay, lay, d ** -0.5, True, False, transposed=True, operand_order=True,
-                                         k_transposed=d != 64)
+        print(" backward")
+        qz.quantize_qk(q, k, lay, lay, d ** -0.5, True, False, transposed=True, operand_order=True,
+                       k_transposed=d != 64)
         qz.quantize(do, lay, natural=False, transposed=True, out_for_delta=o, operand_order=True)

@@ -28,12 +28,12 @@ import time
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-import torch  # noqa: E402
+import torch
 
-from host_reads import counted_host_reads  # noqa: E402
-from launch_counting import (TRANSFORMERS_PATHS, Launches, call, inputs, stubbed_launches,  # noqa: E402
+from host_reads import counted_host_reads
+from launch_counting import (TRANSFORMERS_PATHS, Launches, call, inputs, stubbed_launches,
                              transformers_call)
-from sagebwd_hf.kernels import launch as launch_module, quantize  # noqa: E402
+from sagebwd_hf.kernels import launch as launch_module, quantize
 
 
 class KeyedLaunches(Launches):

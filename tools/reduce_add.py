@@ -63,7 +63,7 @@ def main():
                 ms_atomic, ms_store = median_ms(lambda: run(True)), median_ms(lambda: run(False))
                 print(f"{n:>6} {bh:>5} {d:>4} {block_n:>7} {str(causal):>6} {gbytes:7.2f} {ms_atomic:10.3f} "
                       f"{gbytes / ms_atomic:6.2f} {ms_store:9.3f} {gbytes / ms_store:6.2f}", flush=True)
-        del dq
+        dq = None   # freed before the next length's buffer (run() above reads dq from this scope)
         torch.cuda.empty_cache()
 
 

@@ -528,7 +528,7 @@ def _checking_calls(record: list):
                 record.append(rel_l2(out[0].detach(), ref))
             except Exception as exc:  # noqa: BLE001  (a call this check cannot express: say so)
                 record.append(float("nan"))
-                warnings.warn(f"exact check failed: {_short(exc)}")
+                warnings.warn(f"exact check failed: {_short(exc)}", stacklevel=2)
         return out
 
     mapping[ti.NAME] = checked

@@ -231,7 +231,8 @@ def main():
                     print(f"  seq {seq:>6} {name:<10} ckpt={ckpt!s:<5} {row['error']}", flush=True)
                 else:
                     print(f"  seq {seq:>6} {name:<10} ckpt={ckpt!s:<5} {row['tokens_per_s'] / 1e3:7.1f} ktok/s  "
-                          f"step {row['step_ms']:7.1f} ms  peak {row['peak_gib']:5.1f} GiB  loss {row['final_loss']:.3f}"
+                          f"step {row['step_ms']:7.1f} ms  peak {row['peak_gib']:5.1f} GiB  "
+                          f"loss {row['final_loss']:.3f}"
                           + (f"  sdpa kernels: {row['sdpa_kernels']}" if "sdpa_kernels" in row else ""), flush=True)
                 if row.get("error", "").startswith("OOM") and args.grad_ckpt == "auto" and not ckpt:
                     break

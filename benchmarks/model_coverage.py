@@ -1,6 +1,6 @@
 """Regenerate docs/model_coverage.md: every causal-LM architecture of the installed Transformers, tiny, on SageBwd.
 
-The classification is ``sagebwd_hf.model_coverage`` (its docstring says what each status means); this script
+The classification is ``sagebwd_hf.testing.model_coverage`` (its docstring says what each status means); this script
 runs it over every architecture and writes the table that tests/test_model_coverage.py compares against.
 
     python benchmarks/model_coverage.py --write docs/model_coverage.md   # regenerate the doc (CPU)
@@ -17,12 +17,12 @@ import torch
 if __name__ == "__main__":   # run as a script from a source checkout: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import transformers  # noqa: E402
+import transformers
 
-from sagebwd_hf import transformers_integration as ti  # noqa: E402
-from sagebwd_hf.model_coverage import (BATCH, BOUNDS, REGENERATE, SEQ, STATUSES, TABLE_HEADER,  # noqa: E402
-                                       VOCAB, WINDOW, Result, architectures, arguments, describe, run_all,
-                                       summarize)
+from sagebwd_hf import transformers_integration as ti
+from sagebwd_hf.testing.model_coverage import (BATCH, BOUNDS, REGENERATE, SEQ, STATUSES,
+                                               TABLE_HEADER, VOCAB, WINDOW, Result, architectures, arguments,
+                                               describe, run_all, summarize)
 
 
 def render(results: List[Result], device: str, dtype: torch.dtype, seconds: float) -> str:

@@ -70,7 +70,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e import LLAMA_3_2_1B, attention_kernels  # noqa: E402  (benchmarks/ is the script's folder)
+from e2e import LLAMA_3_2_1B, attention_kernels   # (benchmarks/ is the script's folder)
 
 DEVICE = "cuda"
 IMPLS = ["sdpa", "fa2-varlen", "sagebwd", "sagebwd-sdpa"]

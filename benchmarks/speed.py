@@ -21,7 +21,7 @@ else cuDNN): a broken kernel shows up as a low cosine instead of a fast time.
     python benchmarks/speed.py --quick --mla        # + MLA's head dims (192/128) at the same N, causal or not;
                                                     #   flash gets V zero-padded to 192 (it needs one head dim)
 
-sageattention: `pip install --no-deps sageattention==1.0.6` (pure Python + Triton; device_run.sh installs a
+sageattention: `pip install --no-deps sageattention==1.0.6` (pure Python + Triton; tools/device_run.sh installs a
 carried wheel from .whl/). Its sageattn() subtracts the key mean from k in place: it gets its own copy.
 """
 import argparse
@@ -522,7 +522,8 @@ def main():
             rows.append(row)
             print(f"  {s.name:<24} {name:<9} fwd {row['fwd_ms']:8.3f} ms  bwd {fmt(row['bwd_ms'], '.3f', 8)} ms  "
                   f"f+b {fmt(row['fwd_bwd_ms'], '.3f', 8)} ms  TFLOP/s {fmt(row['fwd_tflops'], width=4)}/"
-                  f"{fmt(row['bwd_tflops'], width=3)}/{fmt(row['fwd_bwd_tflops'], width=3)}  peak {row['peak_gib']:.2f} GiB  cos {fmt(row['out_cos'], '.5f', 7)}  "
+                  f"{fmt(row['bwd_tflops'], width=3)}/{fmt(row['fwd_bwd_tflops'], width=3)}  "
+                  f"peak {row['peak_gib']:.2f} GiB  cos {fmt(row['out_cos'], '.5f', 7)}  "
                   f"x{res['reps']} {row['note']}", flush=True)
             if name == "sagebwd" and row["out_cos"] is not None and row["out_cos"] < 0.99:
                 print(f"  WARNING: {s.name} sagebwd output cosine {row['out_cos']:.4f} against SDPA")

@@ -3,7 +3,7 @@
 ``launch_forward_hopper`` keeps forward.launch_forward's contract on forward_hopper's kernel;
 ``launch_backward_hopper`` keeps backward.launch_backward's on backward_hopper's (three launches, dV, dK and dQ,
 each gradient written once; or with ``fused_dq`` the one launch, dQ added up by reduce-adds). ``*_hopper_args``
-build ``(grid, args, kwargs)`` without launching (benchmarks/compile_offline.py compiles from them). Inputs come
+build ``(grid, args, kwargs)`` without launching (tools/compile_offline.py compiles from them). Inputs come
 from quantize.quantize_qk / quantize_v / quantize; TMA needs 16-byte aligned bases, strides and, for packed
 batches, token-major copies whose sequences start 16-aligned (``quantize.aligned_starts``).
 """

@@ -559,7 +559,7 @@ def _stats(x4, layout, abs_max, block_tokens=None, factor=1.0, second=None):
     return out, cu_blocks, out2 if second is not None else None
 
 
-# (tokens, warps) per program of the quantization pass; benchmarks/prep.py --tiles sweeps it
+# (tokens, warps) per program of the quantization pass; tools/prep.py --tiles sweeps it
 QUANTIZE_TILE = (64, 4)
 
 

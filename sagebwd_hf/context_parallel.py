@@ -51,8 +51,8 @@ def _unsupported(attention_mask, dropout, causal, window, softcap, s_aux, query)
 
 def ring_attention(query, key, value, attention_mask, dropout, scaling, causal, window, softcap, s_aux):
     """One Transformers attention call (query ``[B, Hq, S, D]``, key/value ``[B, Hkv, S, D]``, this GPU's shard;
-    ``window``: FlashAttention's pair, (-1, -1) without a sliding window; ``causal`` apart) through context parallelism's ring on SageBwd's kernels; returns
-    ``[B, S, Hq, D]``."""
+    ``window``: FlashAttention's pair, (-1, -1) without a sliding window; ``causal`` apart) through context
+    parallelism's ring on SageBwd's kernels; returns ``[B, S, Hq, D]``."""
     if not sdpa_flash.is_active():
         raise RuntimeError("sagebwd: PyTorch context parallelism is active, and attn_implementation='sagebwd' "
                            "would attend within each GPU's shard of the sequence only. To run it: " + HOW_TO + ".")

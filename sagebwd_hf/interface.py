@@ -88,7 +88,7 @@ def _tile_configs(head_dim, device, head_dim_v):
         mla = (head_dim, head_dim_v or head_dim) == (192, 128)
         return {"fwd": pack((64, 128, 4, 1) if mla else (64, 64, 4, 2)), "dq": pack((64, 64, 8, 1)),
                 "dkdv": pack((64, 32, 4, 1)), "split_dkdv": False}
-    # Fastest of sweeps on an H200 at N=4096 (benchmarks/breakdown.py --sweep / --split-sweep,
+    # Fastest of sweeps on an H200 at N=4096 (tools/breakdown.py --sweep / --split-sweep,
     # docs/history.md). Fused, the dK/dV kernel holds two [BLOCK_N, D] fp32 accumulators and spills
     # (178 at D=128); split into a dV and a dK launch it runs 1.36x faster at D=128 despite computing P twice.
     # At D <= 64 splitting gained 1.03x only: fused there; its dQ kernel is 1.36x faster at BLOCK_M 64, 4 warps.

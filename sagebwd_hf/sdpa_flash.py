@@ -174,7 +174,8 @@ _own_lse = {}
 
 
 def _remember(lse):
-    _own_lse[id(lse)] = weakref.ref(lse, lambda _, key=id(lse): _own_lse.pop(key, None))
+    key = id(lse)
+    _own_lse[key] = weakref.ref(lse, lambda _: _own_lse.pop(key, None))
 
 
 def _is_own(lse) -> bool:

@@ -3,7 +3,7 @@ device (a value read back: ``.item()``, ``int()`` / ``bool()`` of a tensor, ``.t
 output size depends on the data: ``nonzero``, boolean indexing, ``repeat_interleave`` without ``output_size``;
 ``torch.equal``). Each one stalls the host's launch queue until the GPU has caught up, so a call that makes one per
 layer keeps the GPU waiting for the host. Used by tests (the reads a call must not exceed) and
-benchmarks/host_cpu.py.
+tools/host_cpu.py.
 """
 import collections
 import contextlib

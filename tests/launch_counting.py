@@ -4,7 +4,7 @@ torch op that would be a kernel on a GPU (a fill, a copy, arithmetic; views and 
 
 ``hopper=True`` takes the Hopper (Gluon) path's host code on CPU tensors: dispatch answers as on an H100 (132
 SMs), the Gluon launches are recorded instead of run. Used by tests/test_launch_count.py (the counts the op must
-not exceed) and benchmarks/host_cpu.py (the host time of a call with the launches stubbed).
+not exceed) and tools/host_cpu.py (the host time of a call with the launches stubbed).
 """
 import collections
 import contextlib

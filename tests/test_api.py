@@ -5,7 +5,6 @@ import warnings
 import pytest
 import torch
 
-import sagebwd_hf
 from sagebwd_hf import interface, sagebwd_attn_func, sagebwd_attn_varlen_func
 from sagebwd_hf.testing import compare, exact_reference, make_qkv, run_with_grads
 

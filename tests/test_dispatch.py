@@ -463,8 +463,9 @@ def test_gluon_softcap_matches_reference(case, monkeypatch):
 @pytest.mark.parametrize("head_dims", [(128, 128), (64, 64), (192, 128)], ids=["d128", "d64", "d192v128"])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 0)], ids=["full", "causal", "window"])
 def test_gluon_forward_on_packed_batches(head_dims, window, monkeypatch):
-    """Uneven and empty sequences in one packed batch on the Gluon forward. Two faults lived here: TMA needs each tile's innermost
-    coordinate 16-byte aligned (V^T is laid out with aligned sequence starts, quantize.aligned_starts), and a
+    """Uneven and empty sequences in one packed batch on the Gluon forward. Two faults lived here: TMA needs each
+    tile's innermost coordinate 16-byte aligned (V^T is laid out with aligned sequence starts,
+    quantize.aligned_starts), and a
     program past a short sequence's end must still enter the warp-specialized region, with no tiles (with a
     window its bounds crossed and the loader and consumers disagreed: a hang)."""
     # at D=64 without a mask: three consumer warpgroups (from any length here); 5 programs walk the work items

@@ -1,6 +1,6 @@
 """Model coverage: every causal-LM architecture of the installed Transformers, tiny, on SageBwd.
 
-``sagebwd_hf.model_coverage`` builds each architecture of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` tiny from its
+``sagebwd_hf.testing.model_coverage`` builds each architecture of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` tiny from its
 default config and runs a training step with the reference attention (sdpa, or eager where SDPA does not
 compute the model's attention) and with "sagebwd" on the same weights; ``sagebwd_hf.attention_stats()``
 classifies it (runs on SageBwd / documented fallback / raises by design / not routed / cannot build tiny).
@@ -25,7 +25,7 @@ import os
 import pytest
 import transformers
 
-from sagebwd_hf import model_coverage as mc
+from sagebwd_hf.testing import model_coverage as mc
 from sagebwd_hf import transformers_integration as ti
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -14,7 +14,7 @@ import sagebwd_hf
 from sagebwd_hf import sdpa_flash
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import packed_finetune as pf  # noqa: E402
+import packed_finetune as pf
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 

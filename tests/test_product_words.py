@@ -18,15 +18,17 @@ THIS = os.path.relpath(os.path.abspath(__file__), ROOT)
 # third-party text shipped as data (a public-domain novel for the examples' corpus)
 SKIP = (THIS, "examples/data/botchan.txt")
 TEXT_SUFFIXES = (".py", ".md", ".txt", ".cfg", ".toml", ".sh", ".yml", ".yaml", ".json", ".csv", "")
-UPSTREAM = re.compile(r"\b(triton|pytorch|torch|transformers|flash[-_ ]?attention|flash_attn|fa[234]|sage[-_ ]?attention|"
-                      r"accelerate|peft|cutlass|cudnn|nccl|datasets|huggingface|github\.com|llvm|numpy)\b", re.I)
+UPSTREAM = re.compile(r"\b(triton|pytorch|torch|transformers|flash[-_ ]?attention|flash_attn|fa[234]|"
+                      r"sage[-_ ]?attention|accelerate|peft|cutlass|cudnn|nccl|datasets|huggingface|github\.com|llvm|"
+                      r"numpy)\b", re.I)
 FORBIDDEN = [
     ("a work session", re.compile(r"\bsessions?\b(?!\s*=|\(|\.\w|_)", re.I)),   # (code's session objects pass)
-    ("an issue number", re.compile(r"\b(?:issue|task|ticket)\s*#?\s*\d+|\b(?:issues|tasks)\s*(?:#\s*\d+|\d+\s*(?:and|,|-|&)\s*\d+)",
+    ("an issue number", re.compile(r"\b(?:issue|task|ticket)\s*#?\s*\d+"
+                                   r"|\b(?:issues|tasks)\s*(?:#\s*\d+|\d+\s*(?:and|,|-|&)\s*\d+)",
                                    re.I)),   # ("issues 743 instructions" is a verb)
     ("an issue number", re.compile(r"(?<![\w&/])#\d{1,3}\b(?![\w-])")),
-    ("a tool of the workshop", re.compile(r"farm-studio|device tool|\.library/|helper session|issues (?:resolved|blocked)",
-                                          re.I)),
+    ("a tool of the workshop", re.compile(r"farm-studio|device tool|\.library/|helper session"
+                                          r"|issues (?:resolved|blocked)", re.I)),
 ]
 
 

@@ -332,7 +332,6 @@ def test_sagebwd_model_runs_sdpa_ring_when_sagebwd_is_behind_sdpa(context_parall
     calls = []
 
     def recording_sdpa(q, k, v, is_causal=False, scale=None, enable_gqa=False, **kwargs):
-        from torch.nn.attention import SDPBackend
         from torch.nn.attention import _cur_sdpa_kernel_backends as backends
         calls.append((is_causal, enable_gqa, tuple(backends())))
         return torch.zeros_like(q)

@@ -15,10 +15,10 @@ import torch
 
 from test_examples import EXAMPLES, LAUNCH, _fails_before_training, env, run  # noqa: F401  (env: a fixture)
 
-import common.checkpoints  # noqa: E402  (examples/ is on sys.path through test_examples)
-import common.data  # noqa: E402
-import common.metrics  # noqa: E402
-import common.models  # noqa: E402
+import common.checkpoints   # (examples/ is on sys.path through test_examples)
+import common.data
+import common.metrics
+import common.models
 
 SCRIPT = EXAMPLES / "finetune_trainer.py"
 BASE_STEPS = 60
@@ -222,7 +222,8 @@ def test_bad_input_one_error_line(tmp_path, env, capsys):
         with pytest.raises(SystemExit) as exc:
             args = finetune_trainer.parse_args(argv)
             if args.resume_from_checkpoint:                # what main() checks first, before loading anything
-                common.checkpoints.find_checkpoint(args.resume_from_checkpoint, tmp_path, finetune_trainer.TRAINER_STATE)
+                common.checkpoints.find_checkpoint(args.resume_from_checkpoint, tmp_path,
+                                                   finetune_trainer.TRAINER_STATE)
         message = str(exc.value.code)
         assert message.startswith(expected) and "\n" not in message, (argv, message)
     with pytest.raises(SystemExit) as exc:                 # argparse: names the flag and the allowed values

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # A Triton release small enough to travel to the GPU machine (a run carries 64 MiB to it; a wheel is
 # 200-290 MB), for running the Gluon kernels there under another Triton than the machine's own (3.6):
-#   bash benchmarks/slim_triton.sh 3.9.0        -> .triton/triton-3.9.0.tar.xz (40-57 MB)
+#   bash tools/slim_triton.sh 3.9.0        -> .triton/triton-3.9.0.tar.xz (40-57 MB)
 # It drops what the kernels do not use (the profiler, the AMD backend, CUPTI, cuobjdump, the ptxas sm_90 does not
 # use), strips libtriton.so's symbols (470 MB -> 180 MB for 3.7) and packs the rest with xz. The wheel is for the GPU
-# machine's Python (3.12). benchmarks/device_triton.sh unpacks it there.
+# machine's Python (3.12). tools/device_triton.sh unpacks it there.
 set -euo pipefail
 version=${1:?usage: slim_triton.sh VERSION}
 root=$(cd "$(dirname "$0")/.." && pwd)

@@ -5,12 +5,12 @@ Per shape: the whole backward's kernels (ms) for the three launches and for the 
 asked (its fp32 dQ accumulator zeroed and scaled into dQ included), and each variant's gradients against a float64
 reference (cosine, relative L2 per tensor) on a smaller shape with K outliers, as the accuracy bar asks.
 
-    python benchmarks/fused_backward.py [--shapes d64_n4k d64_n1k llama] [--variants block_q=64,dq_buffers=2]
+    python tools/fused_backward.py [--shapes d64_n4k d64_n1k llama] [--variants block_q=64,dq_buffers=2]
         [--check-only] [--once]
 
 ``--once``: each variant once per shape and causality after one untimed call (no timing, no check): what a
 profiler captures, e.g. ``ncu --kernel-name regex:dkdv --launch-skip 1 --launch-count 1 ... python
-benchmarks/fused_backward.py --once --shapes d64_n4k --variants block_q=64 --causal no``.
+tools/fused_backward.py --once --shapes d64_n4k --variants block_q=64 --causal no``.
 """
 import argparse
 
@@ -26,7 +26,7 @@ from sagebwd_hf.testing import error_stats
 
 from forward_kernels import median_ms, print_versions
 
-SHAPES = {   # (B, H, Hk, N, D): 32K tokens, H*D = 2048 (as speed.py); llama: Llama-3.2-1B's attention
+SHAPES = {   # (B, H, Hk, N, D): 32K tokens, H*D = 2048 (as benchmarks/speed.py); llama: Llama-3.2-1B's attention
     "d64_n1k": (32, 32, 32, 1024, 64), "d64_n4k": (8, 32, 32, 4096, 64), "d64_n16k": (2, 32, 32, 16384, 64),
     "llama": (4, 32, 8, 8192, 64), "d128_n1k": (32, 16, 16, 1024, 128), "d128_n4k": (8, 16, 16, 4096, 128),
     "llama8b": (4, 32, 8, 8192, 128),   # Llama-3-8B's attention (32 heads over 8 KV heads, head dim 128)

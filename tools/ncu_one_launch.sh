@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Where the one-launch Hopper backward's warps wait, in one device call: Nsight Compute on its second launch
 # (fused_backward.py --once), then the report's details page and per-instruction (SASS) stall samples.
-#   bash benchmarks/ncu_one_launch.sh [SHAPE] [CAUSAL yes|no] [VARIANT]     (default: d64_n4k no block_q=64)
+#   bash tools/ncu_one_launch.sh [SHAPE] [CAUSAL yes|no] [VARIANT]     (default: d64_n4k no block_q=64)
 # Output under $OUT: details.txt, source_sass.csv (columns stall_*: samples per reason and instruction).
 set -uo pipefail
 OUT=${OUT:-/tmp/sagebwd_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-cd benchmarks
+cd tools
 timeout 400 "$NCU" --clock-control none --kernel-name regex:dkdv --launch-skip 1 --launch-count 1 \
   --section SchedulerStats --section WarpStateStats --section SourceCounters --section ComputeWorkloadAnalysis \
   --section MemoryWorkloadAnalysis --section SpeedOfLight -o "$OUT/one_launch" \

@@ -3,10 +3,10 @@ ones in kernels/backward_hopper.py, one at a time (dv, dk, dq) and all of them (
 Needs an sm_90 GPU.
 
 TFLOP/s-equivalent per launch: dV counts 2 products (S^T, dV), dK 3 (S^T, dP^T, dK), dQ 3 (S, dP, dQ), the
-whole backward 5 (the usual count), each 2*B*H*N^2*D, halved when causal. Median of CUDA-event timings; each Gluon result is checked against the portable one
-(relative L2) before it is timed.
+whole backward 5 (the usual count), each 2*B*H*N^2*D, halved when causal. Median of CUDA-event timings; each
+Gluon result is checked against the portable one (relative L2) before it is timed.
 
-    python benchmarks/backward_kernels.py [--seqlens 4096 16384] [--head-dims 128 64] [--parts dv dk dq bwd]
+    python tools/backward_kernels.py [--seqlens 4096 16384] [--head-dims 128 64] [--parts dv dk dq bwd]
         [--variant block_q=64 --variant programs=0 --variant operand_order=1]
         [--precision accurate pv_e4m3 pv_e4m3+p_static]
 

@@ -1,10 +1,10 @@
 """The preparation passes alone (kernels/quantize.py), with the bandwidth each reaches: the statistics
 (K mean, V channel max), the quantization of Q, K (natural and token-major; per token and per 128-token block),
-V (token-major) and dO (with delta), against a plain copy of the same bytes. Two times per pass: one call as the op makes it (CUDA events
-around it: the Python launch cost shows when the GPU has nothing else queued) and the GPU time alone (the
-same launches replayed from a CUDA graph), which is what they cost inside a busy training step.
+V (token-major) and dO (with delta), against a plain copy of the same bytes. Two times per pass: one call as the op
+makes it (CUDA events around it: the Python launch cost shows when the GPU has nothing else queued) and the GPU time
+alone (the same launches replayed from a CUDA graph), which is what they cost inside a busy training step.
 
-    python benchmarks/prep.py [--seqlens 4096 16384] [--head-dims 128 64] [--tiles 64x4 128x8]
+    python tools/prep.py [--seqlens 4096 16384] [--head-dims 128 64] [--tiles 64x4 128x8]
 
 ``--tiles``: the quantization passes again with each (tokens x warps) program tile (quantize.QUANTIZE_TILE).
 """

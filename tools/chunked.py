@@ -9,7 +9,7 @@ plain causal call on rows of one chunk (``B * N / C`` rows), the per-FLOP yardst
 forward+backward ms (median of CUDA-event timings), TFLOP/s-equivalent (4*H*D*sum(c^2)/2 forward, 3.5x that for
 both), and which kernels ran.
 
-    python benchmarks/chunked.py [--seqlen 20480] [--chunk 8192] [--batch 2] [--heads 16 40] [--kv-heads 16 8]
+    python tools/chunked.py [--seqlen 20480] [--chunk 8192] [--batch 2] [--heads 16 40] [--kv-heads 16 8]
 """
 import argparse
 
@@ -19,7 +19,7 @@ from sagebwd_hf import sagebwd_attn_func
 from sagebwd_hf.segments import segmented_attention
 from sagebwd_hf.transformers_integration import _dense
 
-from packed import time_call   # (benchmarks/ is the script's folder)
+from packed import time_call   # (tools/ is the script's folder)
 
 
 def split(q, k, v, size, op):

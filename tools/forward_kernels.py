@@ -10,8 +10,8 @@ the forward of "fast"), its rows named ``variant/precision`` (the first precisio
 is then the speed-up over the first variant's first precision, "relL2" the error against the portable kernel's
 accurate output.
 
-    python benchmarks/forward_kernels.py [--seqlens 4096] [--head-dims 128 64]
-    python benchmarks/forward_kernels.py --variants gluon_order gluon_3c_order --precision accurate pv_e4m3+p_static
+    python tools/forward_kernels.py [--seqlens 4096] [--head-dims 128 64]
+    python tools/forward_kernels.py --variants gluon_order gluon_3c_order --precision accurate pv_e4m3+p_static
 """
 import argparse
 import statistics

@@ -1,9 +1,12 @@
-"""Shared by the tests and benchmarks: input generators and error metrics against exact attention."""
+"""Shared by the tests and benchmarks: input generators and error metrics against exact attention.
+
+The model-coverage harness (every Transformers architecture, tiny, on SageBwd) is ``sagebwd_hf.testing.model_coverage``,
+imported on its own: it imports Transformers' model registry."""
 from typing import Dict, Optional, Tuple
 
 import torch
 
-from .naive import attention_exact
+from ..naive import attention_exact
 
 
 def error_stats(x: torch.Tensor, ref: torch.Tensor) -> Tuple[float, float]:

@@ -2,8 +2,8 @@
 # The same benchmark on several versions of the code, in one device call (kernel timings move a few percent
 # between machines and calls: compare versions only within one call).
 #
-#   here:    bash benchmarks/ab_trees.sh prepare main next/mask-int32      # exports each ref to .ab/<ref>
-#   device:  (carry [".ab"])  bash benchmarks/ab_trees.sh run -- python3 benchmarks/forward_kernels.py --seqlens 4096
+#   here:    bash tools/ab_trees.sh prepare main next/mask-int32      # exports each ref to .ab/<ref>
+#   device:  (carry [".ab"])  bash tools/ab_trees.sh run -- python3 tools/forward_kernels.py --seqlens 4096
 #
 # "prepare" writes each git ref's tree (git archive) under .ab/ (git-ignored: name it in the device call's carry);
 # "run" runs the command from each exported tree in turn, its output prefixed by the ref, and the working tree

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Gluon kernels under another Triton release than the GPU machine's own, in one device call. The release
-# travels slimmed (benchmarks/slim_triton.sh VERSION -> .triton/, git-ignored: name .triton in carry):
-#   bash benchmarks/device_triton.sh VERSION [stage ...]        (default: tests time)
+# travels slimmed (tools/slim_triton.sh VERSION -> .triton/, git-ignored: name .triton in carry):
+#   bash tools/device_triton.sh VERSION [stage ...]        (default: tests time)
 #   tests  the GPU tests of the kernels (Gluon and portable, padded and packed, sinks and caps, dispatch)
 #          under VERSION, with SAGEBWD_CHECK_LAUNCH=1 (kernels/launch.py's direct re-launch checked against
 #          Triton's own lookup on every call)

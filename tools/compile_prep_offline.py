@@ -2,7 +2,7 @@
 (compile_offline.py's stand-in driver), from the op's own host code with every launch replaced by a warmup; prints
 each kernel's registers, stack and local bytes (spills). Needs Triton 3.6.0's wheel (compile_offline.py says how).
 
-    /tmp/t36/bin/python benchmarks/compile_prep_offline.py [ROOT]     # ROOT: a tree of this repository (default: here)
+    /tmp/t36/bin/python tools/compile_prep_offline.py [ROOT]     # ROOT: a tree of this repository (default: here)
 
 An older tree (without prepare_forward) is compiled through its separate passes. ``--layouts`` (this tree) prints
 the layouts of the row reductions (Q's ``q . mean(k)``, dO's delta) in the separate passes and in the pair
@@ -18,7 +18,7 @@ sys.argv = [a for a in sys.argv if a != "--layouts"]
 ROOT = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), ".."))
 OUT = "/tmp/compile_prep_offline"
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # compile_offline.py beside this script, whatever ROOT
 os.makedirs(OUT, exist_ok=True)
 
 import torch  # noqa: E402
@@ -44,7 +44,8 @@ def warm(kernel, grid, *args, **kwargs):
     cub = os.path.join(OUT, f"{len(seen)}.cubin")
     open(cub, "wb").write(ck.asm["cubin"])
     res = subprocess.check_output([knobs.nvidia.cuobjdump.path, "-res-usage", cub], text=True)
-    regs = re.search(r"REG:(\d+)", res).group(1); stack = re.search(r"STACK:(\d+)", res).group(1)
+    regs = re.search(r"REG:(\d+)", res).group(1)
+    stack = re.search(r"STACK:(\d+)", res).group(1)
     local = re.search(r"LOCAL:(\d+)", res).group(1)
     seen[len(seen)] = (name, regs, stack, local)
     print(f"  {name:28s} regs {regs:>3} stack {stack} local {local}  warps {kwargs.get('num_warps')}")
@@ -86,14 +87,18 @@ for d in (64, 128):
     lay = SeqLayout(b, n, None)
     print(f"D={d} padded N={n}")
     if hasattr(qz, "prepare_forward"):
-        print(" forward"); qz.prepare_forward(q, k, v, lay, lay, d ** -0.5, True, False, v_operand_order=True,
-                                            zero_ints=torch.zeros(16, dtype=torch.int32))
-        print(" backward"); qz.prepare_backward(q, k, do, o, lay, lay, d ** -0.5, True, False, operand_order=True,
-                                              k_transposed=d != 64, zero_ints=torch.zeros(16, dtype=torch.int32),
-                                              zero_rows=torch.zeros(b, h, n, d) if d == 64 else None)
+        print(" forward")
+        qz.prepare_forward(q, k, v, lay, lay, d ** -0.5, True, False, v_operand_order=True,
+                           zero_ints=torch.zeros(16, dtype=torch.int32))
+        print(" backward")
+        qz.prepare_backward(q, k, do, o, lay, lay, d ** -0.5, True, False, operand_order=True,
+                            k_transposed=d != 64, zero_ints=torch.zeros(16, dtype=torch.int32),
+                            zero_rows=torch.zeros(b, h, n, d) if d == 64 else None)
     else:
-        print(" forward"); quant = qz.quantize_qk(q, k, lay, lay, d ** -0.5, True, False, v4=v)
+        print(" forward")
+        quant = qz.quantize_qk(q, k, lay, lay, d ** -0.5, True, False, v4=v)
         qz.quantize_v(v, lay, None, quant.v_scale, operand_order=True)
-        print(" backward"); qz.quantize_qk(q, k, lay, lay, d ** -0.5, True, False, transposed=True, operand_order=True,
-                                         k_transposed=d != 64)
+        print(" backward")
+        qz.quantize_qk(q, k, lay, lay, d ** -0.5, True, False, transposed=True, operand_order=True,
+                       k_transposed=d != 64)
         qz.quantize(do, lay, natural=False, transposed=True, out_for_delta=o, operand_order=True)

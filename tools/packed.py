@@ -6,7 +6,7 @@ A packed batch of equal sequences does the padded batch's work, so its time per 
 auto, i.e. Gluon on Hopper, and triton): forward and forward+backward ms (median of CUDA-event timings) and
 TFLOP/s-equivalent (4*H*sum(n_i^2)*D forward, 3.5x that for both, halved when causal), and which kernels ran.
 
-    python benchmarks/packed.py [--head-dims 128 64] [--tokens 32768] [--kernels auto]
+    python tools/packed.py [--head-dims 128 64] [--tokens 32768] [--kernels auto]
 """
 import argparse
 import os
@@ -15,7 +15,7 @@ import torch
 
 from sagebwd_hf import attention_stats, reset_attention_stats, sagebwd_attn_func, sagebwd_attn_varlen_func
 
-from forward_kernels import median_ms   # (benchmarks/ is the script's folder)
+from forward_kernels import median_ms   # (tools/ is the script's folder)
 
 
 def time_call(call, leaves, grad):

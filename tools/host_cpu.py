@@ -13,7 +13,7 @@ their gathers and copies cost CPU time that a GPU's host does not spend, so ``--
 Each path also gives the device-to-host reads (tests/host_reads.py: each a GPU sync) of a call that finds its
 mask cached (a later layer) and of one that does not (a forward's first layer).
 
-    TRITON_INTERPRET=1 python benchmarks/host_cpu.py [--paths dense padded packed cu_seq_lens] [--reps 200]
+    TRITON_INTERPRET=1 python tools/host_cpu.py [--paths dense padded packed cu_seq_lens] [--reps 200]
                                                      [--profile padded]
 
 Prints µs a call (the least of 7 loops) for the forward and forward + backward, per path.
@@ -28,12 +28,12 @@ import time
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-import torch  # noqa: E402
+import torch
 
-from host_reads import counted_host_reads  # noqa: E402
-from launch_counting import (TRANSFORMERS_PATHS, Launches, call, inputs, stubbed_launches,  # noqa: E402
+from host_reads import counted_host_reads
+from launch_counting import (TRANSFORMERS_PATHS, Launches, call, inputs, stubbed_launches,
                              transformers_call)
-from sagebwd_hf.kernels import launch as launch_module, quantize  # noqa: E402
+from sagebwd_hf.kernels import launch as launch_module, quantize
 
 
 class KeyedLaunches(Launches):

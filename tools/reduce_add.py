@@ -4,9 +4,9 @@ In FlashAttention 3's schedule each key-tile program adds its share of dQ, a ``[
 tile it visits, into a global dQ accumulator; the traffic is ``(N / BLOCK_N) * N * D * 4`` bytes a head (half of
 it causal). This times exactly that traffic with nothing else: programs of ``BLOCK_N`` keys per (batch, head)
 adding ones by ``tl.atomic_add`` (relaxed), against the same tiles written by ``tl.store`` (no reduction), and
-checks the sums. Compare with the dQ launch of ``benchmarks/backward_kernels.py`` at the same shape.
+checks the sums. Compare with the dQ launch of ``tools/backward_kernels.py`` at the same shape.
 
-    python benchmarks/reduce_add.py [--tokens 32768] [--heads 32] [--head-dim 64] [--seqlens 4096 8192]
+    python tools/reduce_add.py [--tokens 32768] [--heads 32] [--head-dim 64] [--seqlens 4096 8192]
 """
 import argparse
 
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from forward_kernels import median_ms   # (benchmarks/ is the script's folder)
+from forward_kernels import median_ms   # (tools/ is the script's folder)
 
 
 @triton.jit
@@ -63,7 +63,7 @@ def main():
                 ms_atomic, ms_store = median_ms(lambda: run(True)), median_ms(lambda: run(False))
                 print(f"{n:>6} {bh:>5} {d:>4} {block_n:>7} {str(causal):>6} {gbytes:7.2f} {ms_atomic:10.3f} "
                       f"{gbytes / ms_atomic:6.2f} {ms_store:9.3f} {gbytes / ms_store:6.2f}", flush=True)
-        del dq
+        dq = None   # freed before the next length's buffer (run() above reads dq from this scope)
         torch.cuda.empty_cache()
 
 

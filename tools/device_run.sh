@@ -12,7 +12,7 @@
 #   study     the tokens-per-step study (examples/scale_study.py): builds the code corpus, then runs the
 #             study's next cells for STUDY_S seconds (default 540) -> $OUT/study.tgz (docs/fidelity/study,
 #             to unpack into the repository: the next call resumes from it)
-#   bash benchmarks/device_run.sh [stage ...]       (default: tests accuracy speed)
+#   bash tools/device_run.sh [stage ...]       (default: tests accuracy speed)
 # Extra arguments per script: SPEED_ARGS, SWEEP_ARGS, E2E_ARGS, ACCURACY_ARGS (e.g. E2E_ARGS="--seqlens 8192").
 # A time limit per stage in seconds: TIMEOUT_<stage> (e.g. TIMEOUT_tests=330), so one stage cannot eat the call.
 # Carried wheels: every .whl/*.whl is installed with --no-deps into /tmp/site first. sageattention 1.0.6 is
@@ -58,10 +58,10 @@ for stage in $stages; do
     speed)    run speed python3 benchmarks/speed.py --quick --csv "$OUT/speed.csv" ${SPEED_ARGS:-} ;;
     sweep)    run sweep python3 benchmarks/speed.py --csv "$OUT/sweep.csv" ${SWEEP_ARGS:-} ;;
     e2e)      run e2e python3 benchmarks/e2e.py --csv "$OUT/e2e.csv" ${E2E_ARGS:-} ;;
-    breakdown) run breakdown bash -c "python3 benchmarks/breakdown.py --head-dim 128 --sass $TMP/sass \
-                 && python3 benchmarks/breakdown.py --head-dim 64 --sass $TMP/sass" ;;
-    kernels)  run kernels bash -c "python3 benchmarks/forward_kernels.py --varlen first --seqlens 4096 16384 \
-                 && python3 benchmarks/backward_kernels.py" ;;
+    breakdown) run breakdown bash -c "python3 tools/breakdown.py --head-dim 128 --sass $TMP/sass \
+                 && python3 tools/breakdown.py --head-dim 64 --sass $TMP/sass" ;;
+    kernels)  run kernels bash -c "python3 tools/forward_kernels.py --varlen first --seqlens 4096 16384 \
+                 && python3 tools/backward_kernels.py" ;;
     study)    run study bash -c "t0=\$SECONDS; [ -f /tmp/code_corpus/manifest.json ] \
                  || python3 examples/code_corpus.py --output_dir /tmp/code_corpus \
                  && cp /tmp/code_corpus/manifest.json docs/fidelity/corpus_manifest.json \

@@ -11,8 +11,9 @@ at address 0xffff) and ``summary.json`` (registers, spills, opcode counts, where
 comes from in the source, and the innermost loop of each). Needs torch (a CPU build will do) and Triton 3.6.0's
 wheel, which bundles ptxas / nvdisasm / cuobjdump (CUDA 12.8), the ones Triton uses on the GPU machines too::
 
-    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0 && /tmp/t36/bin/pip install --no-deps triton==3.6.0
-    /tmp/t36/bin/python benchmarks/compile_offline.py --head-dim 128 --causal --out /tmp/sass_fwd \\
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0
+    /tmp/t36/bin/pip install --no-deps triton==3.6.0
+    /tmp/t36/bin/python tools/compile_offline.py --head-dim 128 --causal --out /tmp/sass_fwd \\
         [--kernel-file other_forward_hopper.py] [--kw '{"consumers": 3}']
 
 ``--kw``: extra keywords of the ``*_hopper_args`` builder (``consumers``, ``named_barriers``, ``programs``, ...);

@@ -31,9 +31,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .hopper_common import (KEEP_NAN, LOG2_448, ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand, claim_item,
-                            inside_sequences, key_band_mask, key_tiles, moved_to_hopper_launch, named_barrier,
-                            round_to_int8, split_item, tanh_scores, tma_load, wgmma_layout)
+from .hopper_common import (KEEP_NAN, LOG2_448, ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand,
+                            claim_item, inside_sequences, key_band_mask, key_tiles, moved_to_hopper_launch,
+                            named_barrier, round_to_int8, split_item, tanh_scores, tma_load, wgmma_layout)
 
 HALF_M = gl.constexpr(64)     # query rows per consumer warpgroup (one wgmma M)
 BLOCK_M = gl.constexpr(128)   # query rows per program: two consumers (three: 192, the ``consumers`` option)

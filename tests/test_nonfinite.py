@@ -159,8 +159,9 @@ def test_finite_inputs_stay_finite_with_masked_rows():
 def _tiny_llama(impl):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    config = LlamaConfig(attn_implementation=impl, vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    config = LlamaConfig(attn_implementation=impl, vocab_size=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=128)
     return LlamaForCausalLM(config).eval().requires_grad_(False)
 
 

@@ -14,7 +14,7 @@ The Gluon kernels take (Q/K, V) head dims ``GLUON_HEAD_DIMS`` (64, 128, and MLA'
 Q-smoothing, padded or packed batches, causal or windowed masks, soft caps and sinks.
 
 ``SAGEBWD_BACKWARD`` (read on every call; the op's ``deterministic`` argument wins over it): ``fast`` (default)
-or ``deterministic``, see ``gluon_one_launch_backward``.
+or ``deterministic``, see ``plan.gluon_one_launch_backward``.
 
 This module imports no Gluon at import time (``gluon_unavailable`` imports the kernels lazily, once per device).
 ``kernel_counts()`` says which family ran (``sagebwd_hf.attention_stats()["kernels"]`` too).
@@ -28,23 +28,13 @@ from typing import Optional
 import torch
 import triton
 
-from .constants import GLUON_HEAD_DIMS, ONE_LAUNCH_QUERY_TILE, TESTED_TRITON  # noqa: F401  (re-exported)
+from .constants import GLUON_HEAD_DIMS, TESTED_TRITON
 
 ENV_VAR = "SAGEBWD_KERNELS"
 CHOICES = ("auto", "gluon", "triton")
-GLUON_TESTED = TESTED_TRITON   # the name README and callers use
-# Three consumer warpgroups in the Gluon forward (192 query rows a program) measured faster only without a mask
-# (with P·V in e4m3: masked too), from this many query rows, and with a cap only at head dim 64 (docs/history.md,
-# docs/fast_preset.md)
-GLUON_THREE_CONSUMERS_MIN_QUERIES = 2048
-# Ping-pong turns between two consumers at V's head dim 128 paid off only for masked square-head calls from this
-# many query rows (capped calls keep them; docs/history.md)
-GLUON_PINGPONG_MIN_QUERIES = 2048
 BACKWARD_ENV = "SAGEBWD_BACKWARD"
 BACKWARD_CHOICES = ("deterministic", "fast")
 BACKWARD_DEFAULT = "fast"
-# Head dims of the one-launch backward: at 128 its loop spills and it ran slower than the three launches
-ONE_LAUNCH_HEAD_DIMS = ((64, 64), )
 
 _counts = collections.Counter()    # "fwd_gluon", "fwd_triton", ... -> launches
 _warned = set()
@@ -111,10 +101,10 @@ def _is_hopper(device: torch.device) -> bool:
 
 def untested_triton() -> Optional[str]:
     """Why ``auto`` keeps the Gluon kernels off whatever the GPU, when this Triton is not a tested release."""
-    if _triton_minor() in GLUON_TESTED:
+    if _triton_minor() in TESTED_TRITON:
         return None
     return f"Triton {triton.__version__} is not a release the Hopper (Gluon) kernels are tested on " \
-           f"({', '.join(GLUON_TESTED)})"
+           f"({', '.join(TESTED_TRITON)})"
 
 
 def _warn_untested_triton(device: torch.device) -> None:
@@ -128,23 +118,6 @@ def _warn_untested_triton(device: torch.device) -> None:
                   f"keeps the portable ones without this warning.", stacklevel=4)
 
 
-def gluon_forward_consumers(head_dim: int, masked: bool, softcap: bool, max_len_q: int,
-                            pv_e4m3: bool = False) -> int:
-    """Consumer warpgroups of a Gluon forward launch (``forward_hopper_args``'s ``consumers``); ``pv_e4m3``: the
-    numerics rule of P·V (its tile loop is shorter, and causal calls ran faster with three too)."""
-    mask_allowed = not masked or (pv_e4m3 and head_dim in (64, 128))
-    three = (head_dim in (64, 128, 192) and mask_allowed and (not softcap or head_dim == 64)
-             and max_len_q >= GLUON_THREE_CONSUMERS_MIN_QUERIES)
-    return 3 if three else 2
-
-
-def gluon_forward_pingpong(head_dim: int, head_dim_v: int, masked: bool, softcap: bool, max_len_q: int) -> bool:
-    """Whether a two-consumer Gluon forward launch takes turns (``forward_hopper_args``'s ``pingpong``)."""
-    if head_dim_v != 128:
-        return False
-    return softcap or (head_dim == 128 and masked and max_len_q >= GLUON_PINGPONG_MIN_QUERIES)
-
-
 def backward_requested() -> str:
     value = os.environ.get(BACKWARD_ENV, BACKWARD_DEFAULT).strip().lower() or BACKWARD_DEFAULT
     if value not in BACKWARD_CHOICES:
@@ -152,36 +125,12 @@ def backward_requested() -> str:
     return value
 
 
-def gluon_one_launch_backward(deterministic: Optional[bool], head_dim: int, head_dim_v: int, softcap: bool,
-                              masked: bool, max_len_k: int) -> bool:
-    """Whether a backward that runs on the Gluon kernels takes the one launch (FlashAttention 3's: dQ added up by
-    fp32 reduce-adds, whose order varies run to run; 64-query tiles and dQ's product unquantized, so other, more
-    accurate, numbers: interface.backward_rule). It does when ``deterministic`` is False (the op's argument; None
-    asks ``BACKWARD_ENV``, "fast" meaning False), torch does not demand determinism, the head dims are
-    ``ONE_LAUNCH_HEAD_DIMS`` and there is no cap (its K-smoothing term needs dS's row sums; the sinks' is given).
-    ``masked`` and ``max_len_k`` are the call's (the one launch is faster at every length, masked or not).
-    Otherwise dV, dK and dQ run as three launches, each gradient written once: bit-identical run to run."""
-    if deterministic is None:
-        deterministic = backward_requested() == "deterministic"
-    if deterministic or torch.are_deterministic_algorithms_enabled():
-        return False
-    return (head_dim, head_dim_v) in ONE_LAUNCH_HEAD_DIMS and not softcap
-
-
-def gluon_programs(device: torch.device, backward: bool = False) -> Optional[int]:
-    """Programs of a Gluon launch (``forward_hopper_args``'s and the backward's ``programs``): one per SM, each
-    taking work items from an atomic counter (the persistent schedule, forward and backward alike)."""
-    return sm_count(device)
-
-
-def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bool = False,
-              seqlen_k: int = 1 << 30, backward: bool = False, softcap: bool = False,
-              head_dim_v: Optional[int] = None, masked: bool = True) -> bool:
+def use_gluon(device: torch.device, head_dim: int, q_smoothing: bool, varlen: bool = False, softcap: bool = False,
+              head_dim_v: Optional[int] = None) -> bool:
     """True when this call runs the Gluon (Hopper) kernels: the pair (``head_dim``, ``head_dim_v``, None meaning
     Q's) one of ``GLUON_HEAD_DIMS``, no ``q_smoothing``, and ``SAGEBWD_KERNELS`` and the device allowing it. The
-    Gluon kernels take every length, mask, pass and cap alike: ``seqlen_k`` (the longest key sequence),
-    ``masked``, ``backward`` and ``softcap`` describe the call (``varlen`` and ``softcap`` appear in the forced
-    choice's warning)."""
+    Gluon kernels take every length, mask, pass and cap alike (``varlen`` and ``softcap`` appear in the forced
+    choice's warning). How a call runs on them is kernels/plan.py's."""
     choice = requested()
     if choice == "triton":
         return False

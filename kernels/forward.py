@@ -21,12 +21,8 @@ import triton.language as tl
 
 from .launch import launch
 from .layout import SeqLayout, cdiv, maybe, strides3, strides4
+from .plan import block_dim  # noqa: F401  (the portable kernels' head-dim tile: re-exported)
 from .quantize import LOG2E, Q_SMOOTH_BLOCK, _seq_bounds, int32_times, round_to_int8
-
-
-def block_dim(head_dim: int) -> int:
-    """A head dim's tile: the next power of two, at least 32 (tl.dot's minimum with room for int8)."""
-    return max(32, 1 << (head_dim - 1).bit_length())
 
 
 @triton.jit

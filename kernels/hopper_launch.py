@@ -15,6 +15,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import backward_hopper, forward_hopper
 from .constants import GLUON_HEAD_DIMS, K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E, ONE_LAUNCH_QUERY_TILE
+from .plan import (BACKWARD_CONSUMER_REGS, BACKWARD_LOADER_REGS, FORWARD_CONSUMER_REGS, FORWARD_LOADER_REGS,
+                   ONE_LAUNCH_DQ_BUFFERS, dkdv_query_tile, dq_key_tile, gluon_forward_named_barriers)
 from .launch import descriptor_key, launch
 from .layout import cdiv, tma_addressable, token_rows
 
@@ -137,7 +139,8 @@ def persistent_grid(num_items, programs, stand_in, counter=None):
 
 
 def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim,
-                        window, v_starts=None, consumers=2, consumer_regs=None, loader_regs=24, pingpong=None,
+                        window, v_starts=None, consumers=2, consumer_regs=None, loader_regs=FORWARD_LOADER_REGS,
+                        pingpong=None,
                         sinks=None, sink_shift=None, softcap=0.0, shift=None, named_barriers=None,
                         programs=None, v_operand_order=False, counter=None, pv_e4m3=False, p_static=False):
     """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift``,
@@ -168,9 +171,9 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     if pingpong is None:
         pingpong = out4.shape[3] == 128 and consumers == 2
     if named_barriers is None:
-        named_barriers = out4.shape[3] == 128
-    if consumer_regs is None:   # what one SM's 64K registers give each consumer warpgroup beside the loader
-        consumer_regs = {2: 240, 3: 160}[consumers]
+        named_barriers = gluon_forward_named_barriers(out4.shape[3])
+    if consumer_regs is None:
+        consumer_regs = FORWARD_CONSUMER_REGS[consumers]
     q8, k8, q_scale, k_scale = quant.q8, quant.k8, quant.q_scale, quant.k_scale
     head_dim_v = out4.shape[3]
     assert quant.q_mean is None and (head_dim, head_dim_v) in GLUON_HEAD_DIMS and out4.stride(3) == 1
@@ -222,21 +225,6 @@ def launch_forward_hopper(quant, v8t, v_scale, out4, lse, layout_q, layout_k, nu
 
 
 
-def dkdv_query_tile(head_dim: int) -> int:
-    """Queries per tile of the dV and dK launches: P^T's and dS^T's per-key scales span this many queries, so it
-    is part of the numerics (interface.tile_configs gives the portable kernels and the reference the same). At
-    MLA's Q/K head dim 192 dK's accumulator alone takes 96 registers: 64-query tiles for both launches (the
-    portable kernels' MLA tile too)."""
-    return 64 if head_dim > 128 else 128
-
-
-def dq_key_tile(head_dim: int) -> int:
-    """Keys per tile of the dQ kernel: dS's per-query scales span this many keys (part of the numerics, as
-    dkdv_query_tile). At MLA's 192 the dQ accumulator takes 96 registers: 64-key tiles halve S and dP beside
-    it (the portable kernels' MLA tile too)."""
-    return 64 if head_dim > 128 else 128
-
-
 def _packed(packing, bsz, n_q, n_k, stand_in):
     """(CU_Q, CU_K, CU_T, IS_VARLEN, sequences, longest query and key sequences) of a launch: ``packing`` is None
     (a padded batch) or (layout_q, layout_k, t_starts): a packed batch's SeqLayouts and its token-major copy's
@@ -261,10 +249,11 @@ def _caller_desc(x4, block_shape, dtype):
     return tma_descriptor(x4, shape, strides, block_shape, dtype), coords
 
 
-def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
-                     window, softmax_scale, consumer_regs=240, loader_regs=32, fold=None, block_q=None, softcap=0.0,
-                     shift=None, programs=None, operand_order=False, packing=None, tile_ks=None, dq_acc=None,
-                     dq_buffers=3, counter=None, pv_e4m3=False, p_static=False):
+def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, group, head_dim, window,
+                     softmax_scale, consumer_regs=BACKWARD_CONSUMER_REGS, loader_regs=BACKWARD_LOADER_REGS, fold=None,
+                     block_q=None, softcap=0.0, shift=None, programs=None, operand_order=False, packing=None,
+                     tile_ks=None, dq_acc=None, dq_buffers=ONE_LAUNCH_DQ_BUFFERS, counter=None, pv_e4m3=False,
+                     p_static=False):
     """(grid, args, kwargs) of one key-tile launch, ``part`` "dv", "dk" or "dkdvq" (the one launch): ``[B, H, N, D]``
     tensors as ``backward.launch_backward`` takes them (``quant`` from ``quantize_qk(..., transposed=True)``;
     ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None where not written. ``operand_order``:
@@ -360,18 +349,18 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
             ptx_options=ptx_options())
 
 
-def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads, group, head_dim,
-                       window, softmax_scale, **tuning):
+def launch_dkdv_hopper(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, group, head_dim, window,
+                       softmax_scale, **tuning):
     """dV (``part="dv"``), dK (``"dk"``) or, with dQ added to ``dq_acc``, all three (``"dkdvq"``) into ``dv4`` /
     ``dk4`` ``[B, Hk, N, D]``."""
-    grid, args, kwargs = dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, num_heads,
-                                          group, head_dim, window, softmax_scale, **tuning)
+    grid, args, kwargs = dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, group,
+                                          head_dim, window, softmax_scale, **tuning)
     return launch(backward_hopper._attn_bwd_dkdv_hopper_kernel, grid, *args, **kwargs)
 
 
-def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale,
-                   consumer_regs=240, loader_regs=32, softcap=0.0, shift=None, row_ds=None, k_mean=None,
-                   programs=None, operand_order=False, packing=None, counter=None):
+def dq_hopper_args(quant, lse, do4, delta, v4, dq4, group, head_dim, window, softmax_scale,
+                   consumer_regs=BACKWARD_CONSUMER_REGS, loader_regs=BACKWARD_LOADER_REGS, softcap=0.0, shift=None,
+                   row_ds=None, k_mean=None, programs=None, operand_order=False, packing=None, counter=None):
     """(grid, args, kwargs) of the dQ launch: ``[B, H, N, D]`` tensors as ``backward.launch_backward`` takes them
     (``quant`` from ``quantize_qk(..., transposed=True)``, whose ``k8t`` is dQ's B operand; ``softcap``, ``shift``,
     ``row_ds``, ``k_mean`` as there). ``operand_order``: ``k8t`` holds each 16 keys in quantize's operand order
@@ -420,10 +409,10 @@ def dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, 
             ptx_options=ptx_options())
 
 
-def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window, softmax_scale, **tuning):
+def launch_dq_hopper(quant, lse, do4, delta, v4, dq4, group, head_dim, window, softmax_scale, **tuning):
     """dQ into ``dq4`` ``[B, H, N, D]`` (any strides with a contiguous last dim) on the Gluon kernel."""
-    grid, args, kwargs = dq_hopper_args(quant, lse, do4, delta, v4, dq4, num_heads, group, head_dim, window,
-                                        softmax_scale, **tuning)
+    grid, args, kwargs = dq_hopper_args(quant, lse, do4, delta, v4, dq4, group, head_dim, window, softmax_scale,
+                                        **tuning)
     return launch(backward_hopper._attn_bwd_dq_hopper_kernel, grid, *args, **kwargs)
 
 
@@ -458,7 +447,7 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
     accumulator, zeroed (``[B, H, N, D]`` contiguous), instead of one zeroed here. ``pv_e4m3``, ``p_static``: dV's
     rule (dkdv_hopper_args'; ``do8t`` and ``do_scale`` as it takes them); dK and dQ are the same in every rule."""
     group = num_heads // num_kv_heads
-    common = (num_heads, group, head_dim, window, softmax_scale)
+    common = (group, head_dim, window, softmax_scale)
     lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides
     key_tiles_packing = dq_packing = None
     if packing is not None:

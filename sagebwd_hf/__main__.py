@@ -26,8 +26,8 @@ def _kernel_path(device) -> str:
     # auto on an untested Triton runs no Gluon kernel: said here, without spending use_gluon's one warning
     untested = dispatch.untested_triton() if dispatch.requested() == "auto" else None
     try:
-        forward = not untested and dispatch.use_gluon(device, 128, q_smoothing=False, seqlen_k=4096)
-        backward = not untested and dispatch.use_gluon(device, 128, q_smoothing=False, seqlen_k=4096, backward=True)
+        forward = not untested and dispatch.use_gluon(device, 128, q_smoothing=False)
+        backward = not untested and dispatch.use_gluon(device, 128, q_smoothing=False)
     except ValueError as exc:              # SAGEBWD_KERNELS=gluon where Gluon cannot run
         return f"error: {exc}"
     if forward or backward:

@@ -10,10 +10,8 @@ the kernels in ``sagebwd_hf.kernels`` (Hopper's Gluon kernels or the portable Tr
 a call computes the rule ``backward_rule`` names for its device, with the tiles ``tile_configs`` gives. Inputs
 are never modified; outputs and gradients follow the inputs' layout.
 """
-import functools
 import os
 import sys
-import types
 import warnings
 import weakref
 from typing import NamedTuple, Optional, Tuple
@@ -21,27 +19,16 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from . import naive, numerics as numerics_rules, sinks as sink_math
-from .kernels import dispatch
-from .kernels.backward import launch_backward
-from .kernels.forward import block_dim, launch_forward
+from .kernels import attention as kernel_entry, dispatch, plan as kernel_plan
+from .kernels.attention import poisoned as _poisoned
 from .kernels.layout import SeqLayout, as_bhnd
-from .kernels.quantize import aligned_starts, prepare_backward, prepare_forward, quantize
+# the tiles and the backward's rule are the plan's (kernels/plan.py); named here too, for the PyTorch path
+from .kernels.plan import BackwardRule, backward_rule, dkdv_block_m, tile_configs  # noqa: F401
 
 _PACKAGE = __name__.split(".")[0] + "."
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 _warned = set()
-# Tests set SAGEBWD_POISON=1: kernel outputs start as NaN, so an element a kernel forgot shows up.
-_POISON = os.environ.get("SAGEBWD_POISON") == "1"
-
-
-def _poisoned(*tensors):
-    if _POISON:
-        for x in tensors:
-            x.fill_(float("nan"))
-    return tensors
-
-
 def _warn_once(key: str, message: str):
     """Warn once per process, pointing at the caller's line that called into this package."""
     if key not in _warned:
@@ -56,84 +43,6 @@ def _first_frame_outside_package() -> int:
     while frame is not None and frame.f_globals.get("__name__", "").startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level
-
-
-# ---------------------------------------------------------------------------------------------------
-# Tile shapes. They are part of the numerics (P and dS get one scale per row of a tile), so the
-# PyTorch path uses the same ones as the kernels. Each entry: (BLOCK_M, BLOCK_N, num_warps, num_stages).
-# ---------------------------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=None)
-def tile_configs(head_dim: int, device: torch.device, head_dim_v: Optional[int] = None):
-    """{"fwd", "dq"} -> (BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages); "dkdv" -> one such tile, or a
-    (dV tile, dK tile) pair sharing BLOCK_M when "split_dkdv" (dV and dK as two launches, kernels/backward.py).
-    ``BLOCK_D`` is Q's and K's; the tile shapes follow the larger of that and V's head dim (``head_dim_v``).
-    Read-only (computed once per argument set: it is asked on every call)."""
-    return types.MappingProxyType(_tile_configs(head_dim, device, head_dim_v))
-
-
-def _tile_configs(head_dim, device, head_dim_v):
-    block_d = block_dim(head_dim)
-    block_max = max(block_d, block_dim(head_dim_v or head_dim))
-    pack = lambda c: (c[0], c[1], block_d, c[2], c[3])  # noqa: E731
-    if device.type != "cuda":
-        return {"fwd": pack((64, 64, 4, 1)), "dq": pack((64, 64, 4, 1)), "dkdv": pack((64, 64, 4, 1)),
-                "split_dkdv": False}
-    if block_max > 128:
-        # Head dims past 128 (MLA's q/k 192): the fastest tiles of a sweep on an H100 (docs/history.md). MLA's
-        # 192/128 runs the Gluon kernels on Hopper, whose forward walks 128-key tiles (their dK/dV query tile and dQ
-        # key tile are 64, as here): the portable forward takes that tile too, so that both families and the
-        # reference share one rule. One stage: two would need 112 KB of shared memory, past the 99 KB an Ada GPU
-        # gives a program.
-        mla = (head_dim, head_dim_v or head_dim) == (192, 128)
-        return {"fwd": pack((64, 128, 4, 1) if mla else (64, 64, 4, 2)), "dq": pack((64, 64, 8, 1)),
-                "dkdv": pack((64, 32, 4, 1)), "split_dkdv": False}
-    # Fastest of sweeps on an H200 at N=4096 (tools/breakdown.py --sweep / --split-sweep,
-    # docs/history.md). Fused, the dK/dV kernel holds two [BLOCK_N, D] fp32 accumulators and spills
-    # (178 at D=128); split into a dV and a dK launch it runs 1.36x faster at D=128 despite computing P twice.
-    # At D <= 64 splitting gained 1.03x only: fused there; its dQ kernel is 1.36x faster at BLOCK_M 64, 4 warps.
-    fwd = pack((64, 128, 4, 3))
-    if block_max == 128:
-        return {"fwd": fwd, "dq": pack((128, 128, 8, 2)), "dkdv": (pack((128, 64, 4, 2)), pack((128, 128, 8, 2))),
-                "split_dkdv": True}
-    return {"fwd": fwd, "dq": pack((64, 128, 4, 2)), "dkdv": pack((128, 128, 8, 2)), "split_dkdv": False}
-
-
-def dkdv_block_m(cfg) -> int:
-    """The dK/dV kernels' query tile: P and dS get one scale per key per tile of this many queries."""
-    return cfg["dkdv"][0][0] if cfg["split_dkdv"] else cfg["dkdv"][0]
-
-
-class BackwardRule(NamedTuple):
-    """What a backward computes, beside the forward's tiles (naive.sagebwd_backward_naive's arguments of the same
-    names): P and dS get one scale per key per ``block_m_dkdv`` queries; with ``dq_int8`` dQ = dS K runs in INT8,
-    dS with one scale per query per ``block_n_dq`` keys; without it dS in the inputs' dtype times the int8 K (the
-    Hopper one launch's, ``one_launch``)."""
-    block_m_dkdv: int
-    block_n_dq: int
-    dq_int8: bool
-    one_launch: bool
-
-
-def backward_rule(device: torch.device, head_dim: int, head_dim_v: Optional[int] = None, *, masked: bool = True,
-                  softcap: float = 0.0, q_smoothing: bool = False, max_len_k: int = 1 << 30, varlen: bool = False,
-                  deterministic: Optional[bool] = None, key_shard: bool = False) -> BackwardRule:
-    """The rule of a backward call on ``device`` (``masked``: causal or windowed; ``max_len_k``: the longest key
-    sequence; ``deterministic``: the op's argument; ``key_shard``: ``_backward``'s, which the one launch cannot
-    take: its key-tile programs cannot sum dS's rows). The kernels compute it, and so does the PyTorch path on the
-    same device (``backend="naive"``): on a Hopper GPU at head dim 64 the default is the one launch's rule
-    (kernels/dispatch.py, ``SAGEBWD_BACKWARD``), elsewhere and with ``deterministic=True`` the three launches'."""
-    cfg = tile_configs(head_dim, device, head_dim_v)
-    head_dim_v = head_dim_v or head_dim
-    one_launch = (not key_shard
-                  and dispatch.gluon_one_launch_backward(deterministic, head_dim, head_dim_v, bool(softcap), masked,
-                                                         max_len_k)
-                  and dispatch.gluon_unavailable(device) is None
-                  and dispatch.use_gluon(device, head_dim, q_smoothing, varlen, max_len_k, backward=True,
-                                         softcap=bool(softcap), head_dim_v=head_dim_v))
-    if one_launch:
-        return BackwardRule(dispatch.ONE_LAUNCH_QUERY_TILE, cfg["dq"][1], False, True)
-    return BackwardRule(dkdv_block_m(cfg), cfg["dq"][1], True, False)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -174,16 +83,13 @@ def _torch_shift(q, k, cu_q, cu_k, scale) -> Shift:
     return Shift(sink_math.smoothing_shift(q, k_mean, cu_q is not None, scale), k_mean)
 
 
-def _kernel_shift(quant) -> Shift:
-    """From ``quantize_qk(..., row_shift=True)``. (The K means stay in ``quant``: the dQ kernels read them.)"""
-    return Shift(quant.q_shift, None)
-
-
-def _kernel_softcap_shift(shift: Optional[Shift], lse_shape, device):
-    """What the kernels add to their base-2 scores before the cap (zeros without K-smoothing)."""
-    if shift is None:
-        return torch.zeros(lse_shape, device=device, dtype=torch.float32)
-    return shift.rows * naive.LOG2E
+def _kernel_call(q, k, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, softcap, need_shift):
+    """What the call asks of the kernels (kernels/attention.Call)."""
+    varlen = cu_q is not None
+    lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
+    lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
+    return kernel_entry.Call(lay_q, lay_k, scale, tuple(window), bool(k_smoothing), bool(q_smoothing), softcap,
+                             bool(need_shift))
 
 
 def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, backend,
@@ -223,47 +129,16 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
             q, k, v, cu_q, cu_k)
         return out.copy_(out_naive), lse, _torch_shift(q, k, cu_q, cu_k, scale) if need_shift else None
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
-    lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
-    lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
-    # (an empty side has nothing to tile: a TMA descriptor cannot have a zero extent)
-    gluon = q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
-                                                                      lay_k.max_len, softcap=bool(softcap),
-                                                                      head_dim_v=v4.shape[3],
-                                                                      masked=tuple(window) != (-1, -1))
+    call = _kernel_call(q, k, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, softcap, need_shift)
+    empty = q4.numel() == 0 or k4.numel() == 0
+    plan = kernel_plan.forward_plan(q.device, q4.shape[3], v4.shape[3], q_smoothing=q_smoothing, varlen=varlen,
+                                    masked=tuple(window) != (-1, -1), softcap=bool(softcap),
+                                    max_len_q=call.layout_q.max_len, pv_e4m3=rules.pv_e4m3, p_static=rules.p_static,
+                                    empty=empty)
     # before any launch (an empty side has no P to round: its zeros and +inf lse are every rule's)
-    check_kernels_compute(precision, forward_on_gluon=gluon or q4.numel() == 0 or k4.numel() == 0)
-    counters = None
-    if gluon:
-        from .kernels.hopper_launch import COUNTER_INTS, counter_slot, launch_forward_hopper   # imports Gluon
-        counters = torch.empty(COUNTER_INTS, dtype=torch.int32, device=q.device)   # zeroed by Q's pass
-    # the Gluon kernel reads V^T by TMA, whose tiles must start 16-byte aligned: packed sequences are laid so
-    v_starts = aligned_starts(lay_k) if gluon and varlen else None
-    # K's and V's statistics, K's pass (combining K's mean), Q's and V's in one launch (V's combining its scales;
-    # Q's zeroing the launch's work counter); the Gluon forward reads V^T's keys in the order its P registers hold
-    # them (quantize.operand_order_columns); with pv_e4m3, V in e4m3
-    quant, v8t, v_scale = prepare_forward(q4, k4, v4, lay_q, lay_k, scale, k_smoothing, q_smoothing,
-                                          row_shift=need_shift, v_starts=v_starts, v_operand_order=gluon,
-                                          zero_ints=counters, v_e4m3=rules.pv_e4m3)
-    shift = _kernel_shift(quant) if need_shift else None
-    lse = torch.empty(q4.shape[:3], device=q.device, dtype=torch.float32)
-    _poisoned(out, lse)
-    args = (quant, v8t, v_scale, as_bhnd(out, varlen), lse, lay_q, lay_k, q4.shape[1], q4.shape[1] // k4.shape[1],
-            q4.shape[3], window)
-    sink_args = {} if sinks is None else dict(sinks=sinks.contiguous(), sink_shift=_sink_shift(shift, softcap))
-    cap_args = dict(softcap=softcap, shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
-    if gluon:
-        masked = tuple(window) != (-1, -1)
-        consumers = dispatch.gluon_forward_consumers(q4.shape[3], masked, bool(softcap), lay_q.max_len,
-                                                      rules.pv_e4m3)
-        pingpong = consumers == 2 and dispatch.gluon_forward_pingpong(q4.shape[3], v4.shape[3], masked,
-                                                                      bool(softcap), lay_q.max_len)
-        launch_forward_hopper(*args, v_starts=v_starts, consumers=consumers, pingpong=pingpong, v_operand_order=True,
-                              programs=dispatch.gluon_programs(q.device), counter=counter_slot(counters, 0),
-                              pv_e4m3=rules.pv_e4m3, p_static=rules.p_static, **cap_args, **sink_args)
-        dispatch.count("fwd_gluon")
-    else:
-        launch_forward(*args, cfg["fwd"], **cap_args, **sink_args)
-        dispatch.count("fwd_triton")
+    check_kernels_compute(precision, forward_on_gluon=plan.gluon or empty)
+    lse, q_shift = kernel_entry.forward(q4, k4, v4, as_bhnd(out, varlen), call, plan, sinks=sinks)
+    shift = Shift(q_shift, None) if need_shift else None
     return out, lse, shift
 
 
@@ -301,8 +176,7 @@ def _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, max_k, scale, window, k
     """The PyTorch path's dq, dk, dv (into the op's layouts), by the rule the kernels would compute on this
     device (backward_rule)."""
     varlen = cu_q is not None
-    rule = backward_rule(q.device, q.shape[-1], v.shape[-1], masked=tuple(window) != (-1, -1),
-                         softcap=softcap, q_smoothing=q_smoothing, max_len_k=max_k if varlen else k.shape[2],
+    rule = backward_rule(q.device, q.shape[-1], v.shape[-1], softcap=softcap, q_smoothing=q_smoothing,
                          varlen=varlen, deterministic=deterministic, key_shard=key_shard)
     tiles = dict(block_m_dkdv=rule.block_m_dkdv, block_n_dq=rule.block_n_dq, softcap=softcap, dq_int8=rule.dq_int8,
                  key_shard=key_shard, numerics=numerics_rules.parse_precision(precision))
@@ -328,79 +202,33 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     """The Triton or Gluon kernels' (dq, dk, dv, dsinks or None). ``precision``: "accurate", or on the Gluon kernels
     a rule of GLUON_BACKWARD_RULES (dV's product; check_kernels_compute refuses the others before any launch)."""
     varlen = cu_q is not None
-    cfg = tile_configs(q.shape[-1], q.device, v.shape[-1])
     dk, dv = _poisoned(_new_like(k, varlen), _new_like(v, varlen))
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
-    do4, o4 = as_bhnd(dout, varlen), as_bhnd(out, varlen)
-    lay_q = SeqLayout(cu_q.numel() - 1, max_q, cu_q) if varlen else SeqLayout(q.shape[0], q.shape[2], None)
-    lay_k = SeqLayout(cu_k.numel() - 1, max_k, cu_k) if varlen else SeqLayout(k.shape[0], k.shape[2], None)
-    gluon = q4.numel() > 0 and k4.numel() > 0 and dispatch.use_gluon(q.device, q4.shape[3], q_smoothing, varlen,
-                                                                      lay_k.max_len, backward=True,
-                                                                      softcap=bool(softcap), head_dim_v=v4.shape[3])
-    rule = backward_rule(q.device, q4.shape[3], v4.shape[3], masked=tuple(window) != (-1, -1), softcap=softcap,
-                         q_smoothing=q_smoothing, max_len_k=lay_k.max_len, varlen=varlen, deterministic=deterministic,
-                         key_shard=key_shard)
-    one_launch = gluon and rule.one_launch
+    call = _kernel_call(q, k, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, softcap, need_shift)
+    empty = q4.numel() == 0 or k4.numel() == 0
+    rules = numerics_rules.parse_precision(precision)
+    plan = kernel_plan.backward_plan(q.device, q4.shape[3], v4.shape[3], q_smoothing=q_smoothing, varlen=varlen,
+                                     softcap=softcap, deterministic=deterministic, key_shard=key_shard,
+                                     pv_e4m3=rules.pv_e4m3, p_static=rules.p_static, empty=empty)
     # before any launch (an empty side has no P to round: its zero gradients are every rule's)
-    check_kernels_compute(precision, backward_on_gluon=gluon or q4.numel() == 0 or k4.numel() == 0)
-    rules = numerics_rules.parse_precision(precision) if gluon else numerics_rules.ACCURATE
-    if rules.p_static and v4.shape[3] > rule.block_m_dkdv:
+    check_kernels_compute(precision, backward_on_gluon=plan.gluon or empty)
+    if plan.p_static and v4.shape[3] > plan.rule.block_m_dkdv:
         raise NotImplementedError(
             f"precision={precision!r}: the Gluon dV kernel stages dO's per-channel scales of a query tile in one "
-            f"vector of {rule.block_m_dkdv} (its query tile), fewer than V's head dim {v4.shape[3]}; the PyTorch path "
-            "(backend='naive') computes it")
+            f"vector of {plan.rule.block_m_dkdv} (its query tile), fewer than V's head dim {v4.shape[3]}; the "
+            "PyTorch path (backend='naive') computes it")
     # the one launch's dQ accumulates in fp32 (B*H*N*D*4 bytes): its bf16 dQ is made only once the launch's
     # inputs are freed, which keeps the op's peak memory below flash attention's (docs/benchmarks.md)
-    dq = None if one_launch else _poisoned(_new_like(q, varlen))[0]
-    # the forward's bytes again (same inputs, same deterministic quantization), plus token-major copies (for the
-    # Gluon kernels in the order their P and dS registers hold the tokens: quantize.operand_order_columns)
-    # packed batches on the Gluon kernels: each sequence's token-major copy starts 16-aligned (TMA)
-    starts_q = aligned_starts(lay_q) if gluon and varlen else None
-    starts_k = aligned_starts(lay_k) if gluon and varlen else None
-    counters = dq_acc = None
-    if gluon:
-        from .kernels.hopper_launch import COUNTER_INTS, launch_backward_hopper   # imports Gluon: only where it runs
-        # the launches' work counters and the one launch's fp32 dQ accumulator, zeroed by Q's pass (no fills)
-        counters = torch.empty(COUNTER_INTS, dtype=torch.int32, device=q.device)
-        if one_launch:
-            dq_acc = torch.empty(q4.shape, dtype=torch.float32, device=q.device)
-    # K's statistics, K's pass, then Q's and dO's (with delta = rowsum(dO * O)) in one launch
-    quant, do_q = prepare_backward(q4, k4, do4, o4, lay_q, lay_k, scale, k_smoothing, q_smoothing,
-                                   row_shift=need_shift, operand_order=gluon, t_starts_q=starts_q, t_starts_k=starts_k,
-                                   k_transposed=not one_launch, zero_ints=counters, zero_rows=dq_acc,
-                                   do_e4m3=rules.pv_e4m3, do_channel_tile=rule.block_m_dkdv if rules.p_static else None)
-    shift = _kernel_shift(quant) if need_shift else None
-    if q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
-        raw = quantize(q4, lay_q, natural=False, transposed=True)
-        q8rt, q_scale_raw = raw.x8t, raw.scale
-    else:
-        q8rt, q_scale_raw = quant.q8t, quant.q_scale_raw
-    dsinks = row_ds = None
-    if sinks is not None:   # from delta = rowsum(dO * O), which dO's pass gives
-        dsinks, row_ds = sink_math.sink_grads(do_q.delta, lse, sinks,
-                                              None if shift is None or softcap else shift.rows)
-    # dQ's K-smoothing term (the dQ kernels' epilogue; with a cap or a key shard they sum their own dS)
-    term = dict(k_mean=quant.k_mean if need_shift or (key_shard and k_smoothing) else None, row_ds=row_ds)
-    cap_args = dict(softcap=softcap, shift=_kernel_softcap_shift(shift, lse.shape, q.device) if softcap else None)
-    if gluon:
-        dq_acc = launch_backward_hopper(quant, v4, do4, do_q.x8t, do_q.scale, lse, do_q.delta,
-                                        None if one_launch else as_bhnd(dq, varlen), as_bhnd(dk, varlen),
-                                        as_bhnd(dv, varlen), q4.shape[1], k4.shape[1], q4.shape[3], window, scale,
-                                        programs=dispatch.gluon_programs(q.device, backward=True),
-                                        operand_order=True, packing=(lay_q, lay_k, starts_q, starts_k) if varlen
-                                        else None, fused_dq=one_launch, counters=counters, dq_acc=dq_acc,
-                                        pv_e4m3=rules.pv_e4m3, p_static=rules.p_static, **term, **cap_args)
-        dispatch.count("bwd_gluon_one_launch" if one_launch else "bwd_gluon")
-        if one_launch:
-            del quant, q8rt, q_scale_raw, do_q, term
-            dq = _new_like(q, varlen)
-            as_bhnd(dq, varlen).copy_(dq_acc)
-    else:
-        launch_backward(quant, q8rt, q_scale_raw, quant.k8t, v4, do4, do_q.x8t, do_q.scale, lse,
-                        do_q.delta, as_bhnd(dq, varlen), as_bhnd(dk, varlen), as_bhnd(dv, varlen), lay_q, lay_k,
-                        q4.shape[1], k4.shape[1], q4.shape[3], window, scale, cfg["dkdv"], cfg["dq"],
-                        split_dkdv=cfg["split_dkdv"], **term, **cap_args)
-        dispatch.count("bwd_triton")
+    dq = None if plan.one_launch else _poisoned(_new_like(q, varlen))[0]
+    sink_grads = None if sinks is None else (
+        lambda delta, q_shift: sink_math.sink_grads(delta, lse, sinks, q_shift))
+    dq_acc, dsinks = kernel_entry.backward(q4, k4, v4, as_bhnd(out, varlen), as_bhnd(dout, varlen), lse,
+                                           None if dq is None else as_bhnd(dq, varlen), as_bhnd(dk, varlen),
+                                           as_bhnd(dv, varlen), call, plan, key_shard=key_shard,
+                                           sink_grads=sink_grads)
+    if dq is None:
+        dq = _new_like(q, varlen)
+        as_bhnd(dq, varlen).copy_(dq_acc)
     return dq, dk, dv, dsinks
 
 

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sagebwd_hf import interface
-from sagebwd_hf.kernels import backward, dispatch, forward, quantize
+from sagebwd_hf.kernels import attention, backward, dispatch, forward, plan, quantize
 from sagebwd_hf.kernels.constants import GLUON_HEAD_DIMS
 
 H100_SMS = 132
@@ -58,8 +58,7 @@ class Launches:
         return sum(self.names.values())
 
 
-def _use_gluon_as_on_hopper(device, head_dim, q_smoothing, varlen=False, seqlen_k=1 << 30, backward=False,
-                            softcap=False, head_dim_v=None, masked=True):
+def _use_gluon_as_on_hopper(device, head_dim, q_smoothing, varlen=False, softcap=False, head_dim_v=None):
     return (head_dim, head_dim_v or head_dim) in GLUON_HEAD_DIMS and not q_smoothing
 
 
@@ -71,12 +70,12 @@ def stubbed_launches(hopper: bool, launches=None):
 
     launches = Launches() if launches is None else launches
     patches = [(module, "launch", launches) for module in (quantize, forward, backward, hopper_launch)]
-    patches.append((interface, "_POISON", False))     # the tests' NaN fills are not the op's
+    patches.append((attention, "POISON", False))     # the tests' NaN fills are not the op's
     patches.append((interface, "_use_triton", lambda x: True))   # CPU tensors take the kernels' path, GPU or not
     if hopper:
         patches += [(dispatch, "use_gluon", _use_gluon_as_on_hopper),
                     (dispatch, "gluon_unavailable", lambda device: None),
-                    (dispatch, "gluon_programs", lambda device, backward=False: H100_SMS)]
+                    (plan, "gluon_programs", lambda device: H100_SMS)]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
     try:
         for module, name, value in patches:

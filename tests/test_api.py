@@ -193,7 +193,7 @@ def test_environment_report_names_the_kernel_path(monkeypatch):
     monkeypatch.setattr(dispatch, "gluon_unavailable", lambda device: None)
     monkeypatch.setattr(dispatch, "_is_hopper", lambda device: True)
     monkeypatch.setattr(dispatch, "_warned", set())
-    monkeypatch.setattr(dispatch, "_triton_minor", lambda: dispatch.GLUON_TESTED[0])
+    monkeypatch.setattr(dispatch, "_triton_minor", lambda: dispatch.TESTED_TRITON[0])
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     assert _kernel_path(dev).startswith("Gluon Hopper kernels for the forward and backward")
     monkeypatch.setattr(dispatch, "_triton_minor", lambda: "99.0")

@@ -64,11 +64,11 @@ def test_gluon_dkdv_matches_portable(case, part):
         got = runs[programs, order] = {name: torch.full_like(t, float("nan")) for name, t in want.items()}
         qt = quant_ordered if order else quant
         if part == "dq":
-            launch_dq_hopper(qt, lse, do, do_q.delta, v, got["dq"], h, h // hk, d, window, scale,
+            launch_dq_hopper(qt, lse, do, do_q.delta, v, got["dq"], h // hk, d, window, scale,
                              programs=programs, operand_order=order)
         else:
             launch_dkdv_hopper(part, qt, lse, do, do8t_ordered if order else do_q.x8t, do_q.scale,
-                               do_q.delta, v, got["dv"], got["dk"], h, h // hk, d, window, scale,
+                               do_q.delta, v, got["dv"], got["dk"], h // hk, d, window, scale,
                                programs=programs, operand_order=order)
     for name in (part,):
         got = runs[None, False]
@@ -152,9 +152,9 @@ def test_gluon_backward_on_packed_batches(d, window, extra, backward, monkeypatc
     launch adds K-smoothing's row term from each sequence's K mean (k_mean [Hk, S, D]). ``backward="fast"``: the
     one launch (the default at head dim 64), against the PyTorch path's packed call, which computes its rule."""
     from sagebwd_hf import attention_stats, reset_attention_stats, sagebwd_attn_func, sagebwd_attn_varlen_func
-    from sagebwd_hf.kernels import dispatch
+    from sagebwd_hf.kernels import dispatch, plan
 
-    monkeypatch.setattr(dispatch, "gluon_programs", lambda device, backward=False: 5)
+    monkeypatch.setattr(plan, "gluon_programs", lambda device: 5)
     monkeypatch.setenv(dispatch.BACKWARD_ENV, backward)
     lengths = [300, 0, 1, 129, 128, 517]
     h, hk = 4, 2

@@ -65,7 +65,7 @@ def test_forward_and_backward_replay_from_a_cuda_graph(head_dim, deterministic):
     mode="reduce-overhead" needs to take the host's launch cost out of short calls."""
     from sagebwd_hf.interface import backward_rule
     from sagebwd_hf.testing import assert_equal_but_summation_order
-    one_launch = backward_rule(torch.device("cuda"), head_dim, head_dim, masked=True, max_len_k=700,
+    one_launch = backward_rule(torch.device("cuda"), head_dim, head_dim,
                                deterministic=deterministic).one_launch
     q, k, v, do = make_qkv(2, 4, 2, 700, 700, head_dim, torch.bfloat16, "cuda", seed=0)
     fresh = make_qkv(2, 4, 2, 700, 700, head_dim, torch.bfloat16, "cuda", seed=1)

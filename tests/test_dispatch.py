@@ -12,7 +12,7 @@ import torch
 
 from sagebwd_hf import attention_stats, reset_attention_stats, sagebwd_attn_func, sagebwd_attn_varlen_func
 from sagebwd_hf.interface import backward_rule
-from sagebwd_hf.kernels import dispatch
+from sagebwd_hf.kernels import dispatch, plan
 from sagebwd_hf.naive import LOG2E
 from sagebwd_hf.testing import error_stats, make_qkv, run_with_grads
 from test_kernels import ORACLE_REL_TINY
@@ -45,24 +45,21 @@ def test_auto_and_forced_choices_on_hopper(monkeypatch):
     """auto takes Gluon only when all of it holds (sm_90, a tested Triton, a call it takes); gluon forces it,
     also on an untested release, and sends calls it does not take elsewhere."""
     monkeypatch.setattr(dispatch, "gluon_unavailable", lambda device: None)   # as on an H100
-    monkeypatch.setattr(dispatch, "_triton_minor", lambda: dispatch.GLUON_TESTED[0])
+    monkeypatch.setattr(dispatch, "_triton_minor", lambda: dispatch.TESTED_TRITON[0])
     dev = torch.device("cuda")
     assert dispatch.use_gluon(dev, 128, False) and dispatch.use_gluon(dev, 64, False)
     assert not dispatch.use_gluon(dev, 96, False) and not dispatch.use_gluon(dev, 128, True)
     # MLA: Q/K head dim 192 with V's 128 (DeepSeek V2/V3), both passes; not 192 for V too, nor 128 with V 64
     assert dispatch.use_gluon(dev, 192, False, head_dim_v=128) and dispatch.use_gluon(dev, 192, False,
-                                                                                      head_dim_v=128, backward=True)
+                                                                                      head_dim_v=128)
     assert not dispatch.use_gluon(dev, 192, False) and not dispatch.use_gluon(dev, 128, False, head_dim_v=64)
     assert dispatch.use_gluon(dev, 128, False, varlen=True)        # the forward takes packed batches
-    # every length, masked or not, forward and backward, padded or packed, capped or not
-    for seqlen_k in (1, 1024, 2047, 2048, 1 << 20):
-        for masked in (False, True):
-            assert dispatch.use_gluon(dev, 128, False, seqlen_k=seqlen_k, masked=masked)
-            assert dispatch.use_gluon(dev, 64, False, seqlen_k=seqlen_k, masked=masked, backward=True)
-    assert dispatch.use_gluon(dev, 64, False, varlen=True, backward=True)
-    assert not dispatch.use_gluon(dev, 64, True, backward=True)
+    # every length, mask and pass alike (the family asks nothing of them), padded or packed, capped or not
+    assert dispatch.use_gluon(dev, 128, False) and dispatch.use_gluon(dev, 64, False)
+    assert dispatch.use_gluon(dev, 64, False, varlen=True)
+    assert not dispatch.use_gluon(dev, 64, True)
     assert dispatch.use_gluon(dev, 64, False, softcap=True)
-    assert dispatch.use_gluon(dev, 128, False, backward=True, softcap=True)
+    assert dispatch.use_gluon(dev, 128, False, softcap=True)
     # an untested Triton: auto stays portable, and says so once per process on an H100/H200 (not elsewhere)
     monkeypatch.setattr(dispatch, "_triton_minor", lambda: "99.0")
     monkeypatch.setattr(dispatch, "_warned", set())
@@ -75,25 +72,25 @@ def test_auto_and_forced_choices_on_hopper(monkeypatch):
         assert not dispatch.use_gluon(dev, 128, False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not dispatch.use_gluon(dev, 64, False, backward=True)
+        assert not dispatch.use_gluon(dev, 64, False)
         assert not dispatch.use_gluon(dev, 96, False)            # a call Gluon does not take: no warning
     monkeypatch.setenv(dispatch.ENV_VAR, "gluon")
-    assert dispatch.use_gluon(dev, 128, False) and dispatch.use_gluon(dev, 128, False, seqlen_k=1)
+    assert dispatch.use_gluon(dev, 128, False)
     with pytest.warns(UserWarning, match="head dim 96"):
         assert not dispatch.use_gluon(dev, 96, False)
     assert dispatch.use_gluon(dev, 64, False, varlen=True)          # forced: the Gluon forward takes them
     with pytest.warns(UserWarning, match="q_smoothing=True"):
         assert not dispatch.use_gluon(dev, 64, True, varlen=True)
     assert dispatch.use_gluon(dev, 64, False, softcap=True)          # forced: the Gluon forward takes them
-    assert dispatch.use_gluon(dev, 64, False, backward=True)
-    assert dispatch.use_gluon(dev, 64, False, varlen=True, backward=True)
+    assert dispatch.use_gluon(dev, 64, False)
+    assert dispatch.use_gluon(dev, 64, False, varlen=True)
 
 
 def test_three_consumer_warpgroups_only_where_measured_faster():
     """The Gluon forward runs three consumer warpgroups at head dims 64, 128 and 192 without a mask (and without
     a cap but at 64) from GLUON_THREE_CONSUMERS_MIN_QUERIES query rows; everything else keeps two."""
-    consumers = dispatch.gluon_forward_consumers
-    long_enough = dispatch.GLUON_THREE_CONSUMERS_MIN_QUERIES
+    consumers = plan.gluon_forward_consumers
+    long_enough = plan.GLUON_THREE_CONSUMERS_MIN_QUERIES
     assert consumers(64, False, False, long_enough) == 3
     assert consumers(64, False, False, long_enough - 1) == 2
     assert consumers(64, True, False, 8 * long_enough) == 2       # causal or windowed
@@ -119,8 +116,8 @@ def test_ping_pong_only_where_measured_faster():
     """Two-consumer Gluon forwards take turns at V's head dim 128 for causal or windowed square-head calls from
     GLUON_PINGPONG_MIN_QUERIES query rows, and for soft-capped ones; not without a mask, not for MLA's 192/128
     uncapped, never at 64."""
-    pingpong = dispatch.gluon_forward_pingpong
-    long_enough = dispatch.GLUON_PINGPONG_MIN_QUERIES
+    pingpong = plan.gluon_forward_pingpong
+    long_enough = plan.GLUON_PINGPONG_MIN_QUERIES
     assert pingpong(128, 128, True, False, long_enough)
     assert not pingpong(128, 128, True, False, long_enough - 1)
     assert not pingpong(128, 128, False, False, long_enough - 1)      # unmasked (longer: three consumers)
@@ -134,7 +131,7 @@ def test_persistent_launches_take_one_program_per_sm(monkeypatch):
     """The Gluon forward and backward launch one program per SM (each taking work items from a counter)."""
     monkeypatch.setattr(dispatch, "sm_count", lambda device: 132)
     dev = torch.device("cuda", 0)
-    assert dispatch.gluon_programs(dev) == 132 and dispatch.gluon_programs(dev, backward=True) == 132
+    assert plan.gluon_programs(dev) == 132
 
 
 def test_persistent_grid_hands_out_every_item_once():
@@ -353,7 +350,7 @@ def test_gluon_backward_matches_reference(case, monkeypatch):
     refs = {"three launches": run_with_grads(lambda x, y, z: sagebwd_attn_func(x, y, z, backend="naive", **kw),
                                              q, k, v, do)}
     monkeypatch.delenv(dispatch.BACKWARD_ENV)
-    rule = backward_rule(q.device, d, dv, masked=causal or window != (-1, -1), max_len_k=nk)
+    rule = backward_rule(q.device, d, dv)
     if rule.one_launch:
         runs["one launch"] = _grads(monkeypatch, "gluon", q, k, v, do, backward=dispatch.BACKWARD_DEFAULT,
                                     one_launch=True, **kw)
@@ -471,7 +468,7 @@ def test_gluon_forward_on_packed_batches(head_dims, window, monkeypatch):
     # at D=64 without a mask: three consumer warpgroups (from any length here); 5 programs walk the work items
     # (past a sequence's end too), more than one each
     monkeypatch.setattr(dispatch, "GLUON_THREE_CONSUMERS_MIN_QUERIES", 1)
-    monkeypatch.setattr(dispatch, "gluon_programs", lambda device, backward=False: 5)
+    monkeypatch.setattr(plan, "gluon_programs", lambda device: 5)
     lengths = [300, 0, 1, 129, 128, 517]
     h, hk = 4, 2
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
@@ -502,7 +499,7 @@ def test_dispatch_picks_each_path_on_hopper(monkeypatch):
     monkeypatch.delenv(dispatch.BACKWARD_ENV, raising=False)
     reset_attention_stats()
     sagebwd_attn_func(q, k, v, causal=True).backward(do)
-    default = dispatch._triton_minor() in dispatch.GLUON_TESTED
+    default = dispatch._triton_minor() in dispatch.TESTED_TRITON
     one_launch = default and dispatch.BACKWARD_DEFAULT == "fast"     # head dim 64, no cap
     assert attention_stats()["kernels"] == {"fwd_gluon" if default else "fwd_triton": 1,
                                             ("bwd_gluon_one_launch" if one_launch else "bwd_gluon") if default
@@ -518,8 +515,8 @@ def test_one_launch_backward_rule(monkeypatch):
     """SAGEBWD_BACKWARD: fast by default, taking the one launch where it fits and measured faster,
     never under torch.use_deterministic_algorithms(True); the op's argument wins over the variable; a bad value
     names the variable and its choices."""
-    rule = dispatch.gluon_one_launch_backward
-    plain = dict(deterministic=None, head_dim=64, head_dim_v=64, softcap=False, masked=False, max_len_k=1024)
+    rule = plan.gluon_one_launch_backward
+    plain = dict(deterministic=None, head_dim=64, head_dim_v=64, softcap=False)
     monkeypatch.delenv(dispatch.BACKWARD_ENV, raising=False)
     assert rule(**plain)
     assert not rule(**dict(plain, deterministic=True))
@@ -531,7 +528,6 @@ def test_one_launch_backward_rule(monkeypatch):
     assert not rule(**dict(plain, deterministic=True))
     assert not rule(**dict(plain, head_dim=128, head_dim_v=128))
     assert not rule(**dict(plain, softcap=True))
-    assert rule(**dict(plain, masked=True)) and rule(**dict(plain, masked=True, max_len_k=1))
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -554,7 +550,7 @@ def test_backward_rule_and_the_pytorch_path_follow_the_one_launch(monkeypatch):
     assert backward_rule(cpu, 64) == (64, 64, True, False)              # no Gluon on a CPU
     monkeypatch.setattr(dispatch, "gluon_unavailable", lambda device: None)
     monkeypatch.setattr(dispatch, "use_gluon", lambda *args, **kw: True)
-    assert backward_rule(gpu, 64) == (dispatch.ONE_LAUNCH_QUERY_TILE, 128, False, True)
+    assert backward_rule(gpu, 64) == (plan.ONE_LAUNCH_QUERY_TILE, 128, False, True)
     assert backward_rule(gpu, 64, deterministic=True) == (128, 128, True, False)
     assert not backward_rule(gpu, 64, softcap=5.0).one_launch
     assert not backward_rule(gpu, 128).one_launch and not backward_rule(gpu, 192, 128).one_launch

@@ -94,7 +94,8 @@ def test_dkdv_fused_and_split(device, split, monkeypatch):
     """dV and dK in one launch or in two (the CUDA default for D <= 128, with other tiles per launch): both
     match the reference. Forced here so that the CPU interpreter covers the path the GPU takes."""
     from sagebwd_hf import interface
-    base = interface.tile_configs
+    from sagebwd_hf.kernels import plan
+    base = plan.tile_configs
 
     def forced(head_dim, dev, head_dim_v=None):
         cfg = dict(base(head_dim, dev, head_dim_v))
@@ -103,6 +104,7 @@ def test_dkdv_fused_and_split(device, split, monkeypatch):
         cfg["dkdv"], cfg["split_dkdv"] = ((dv, dk), True) if split else (dv, False)
         return cfg
 
+    monkeypatch.setattr(plan, "tile_configs", forced)
     monkeypatch.setattr(interface, "tile_configs", forced)
     q, k, v, do = make_qkv(1, 4, 2, 150, 150, 64, torch.float16, device)
     fn = lambda backend: (lambda x, y, z: sagebwd_attn_func(x, y, z, causal=True, backend=backend))  # noqa: E731
@@ -280,7 +282,7 @@ def test_backward_is_deterministic(device):
 def _one_launch(q) -> bool:
     """Whether a default causal backward of these inputs (head dim 64, padded) runs the Hopper one launch."""
     from sagebwd_hf.interface import backward_rule
-    return backward_rule(q.device, q.shape[-1], max_len_k=q.shape[2]).one_launch
+    return backward_rule(q.device, q.shape[-1]).one_launch
 
 
 @pytest.mark.parametrize("device", kernel_devices())

@@ -26,7 +26,7 @@ import argparse
 import torch
 
 from sagebwd_hf.interface import tile_configs
-from sagebwd_hf.kernels import dispatch
+from sagebwd_hf.kernels import plan
 from sagebwd_hf.kernels.backward import launch_backward
 from sagebwd_hf.kernels.forward import launch_forward
 from sagebwd_hf.kernels.layout import SeqLayout
@@ -108,7 +108,7 @@ def main():
 
                         def gluon(**tuning):
                             # the op's schedule (persistent programs) unless a variant says programs=0: one an item
-                            tuning.setdefault("programs", dispatch.gluon_programs(q.device, backward=True))
+                            tuning.setdefault("programs", plan.gluon_programs(q.device))
                             tuning["operand_order"] = order = bool(tuning.get("operand_order", 0))
                             qx = quant_ordered if order else quant
                             do8t, do_scale = do_inputs[precision][order]
@@ -121,10 +121,10 @@ def main():
                                 tuning.pop("block_q", None)
                                 tuning.pop("tile_ks", None)
                                 return lambda: launch_dq_hopper(
-                                    qx, lse, do, do_q.delta, v, got["dq"], h, 1, d, window, scale, **tuning)
+                                    qx, lse, do, do_q.delta, v, got["dq"], 1, d, window, scale, **tuning)
                             return lambda: launch_dkdv_hopper(
                                 part, qx, lse, do, do8t, do_scale, do_q.delta, v, got["dv"], got["dk"],
-                                h, 1, d, window, scale, **(rule if part == "dv" else {}), **tuning)
+                                1, d, window, scale, **(rule if part == "dv" else {}), **tuning)
                         run = gluon()
                         run()
                         checked = {"bwd": ("dq", "dk", "dv")}.get(part, (part,))

@@ -125,7 +125,7 @@ def make_inputs(mod, a):
     if a.kernel == "dq":
         if a.row_sums:   # a shard of a row's keys: K's means for the row term, the kernel's own dS sums
             kw.update(k_mean=torch.empty(hk, b, d))
-        return mod.dq_hopper_args(quant, lse, do4, vec(), v4, torch.empty(b, h, n, d, dtype=torch.bfloat16), h,
+        return mod.dq_hopper_args(quant, lse, do4, vec(), v4, torch.empty(b, h, n, d, dtype=torch.bfloat16),
                                   h // hk, d, window, d ** -0.5, **kw)
     do8t = torch.empty(b, h, dv, npad, dtype=torch.int8)
     do_scale = vec()
@@ -135,8 +135,8 @@ def make_inputs(mod, a):
     grads = torch.empty(b, hk, n, dv, dtype=torch.bfloat16), torch.empty(b, hk, n, d, dtype=torch.bfloat16)
     if a.kernel == "dkdvq":
         kw.update(dq_acc=torch.empty(b, h, n, d))
-    return mod.dkdv_hopper_args(a.kernel, quant, lse, do4, do8t, do_scale, vec(), v4, grads[0], grads[1], h, h // hk,
-                                d, window, d ** -0.5, **kw)
+    return mod.dkdv_hopper_args(a.kernel, quant, lse, do4, do8t, do_scale, vec(), v4, grads[0], grads[1], h // hk, d,
+                                window, d ** -0.5, **kw)
 
 
 SASS_RE = re.compile(r"^\s*(?:/\*([0-9a-f]+)\*/)?\s*(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)[^;]*;")

@@ -19,7 +19,7 @@ import statistics
 import torch
 
 from sagebwd_hf.interface import tile_configs
-from sagebwd_hf.kernels import dispatch
+from sagebwd_hf.kernels import plan
 from sagebwd_hf.kernels.forward import launch_forward
 from sagebwd_hf.kernels.layout import SeqLayout
 from sagebwd_hf.kernels.quantize import aligned_starts, quantize_qk, quantize_v
@@ -116,7 +116,7 @@ def main():
                 # P V's keys in the order P's registers hold them (V^T permuted to match: no shuffles)
                 "gluon_order": dict(v_operand_order=True), "gluon_3c_order": dict(consumers=3, v_operand_order=True)}
     # every variant on the op's schedule unless it says otherwise
-    programs = dispatch.gluon_programs(torch.device("cuda"))
+    programs = plan.gluon_programs(torch.device("cuda"))
     variants = {k: dict(dict(programs=programs), **v) for k, v in variants.items()
                 if args.variants is None or k in args.variants}
     print_versions()

@@ -17,7 +17,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from sagebwd_hf.kernels import dispatch
+from sagebwd_hf.kernels import plan
 from sagebwd_hf.kernels.forward import launch_forward
 from sagebwd_hf.kernels.layout import SeqLayout
 from sagebwd_hf.kernels.quantize import quantize, quantize_qk, quantize_v
@@ -59,7 +59,7 @@ def backward(x, variant=None):
     def run():
         launch_backward_hopper(x["quant"], v, x["do"], x["do_q"].x8t, x["do_q"].scale, x["lse"],
                                x["do_q"].delta, *grads, x["h"], x["hk"], x["d"], x["window"], x["scale"],
-                               programs=dispatch.gluon_programs(q.device, backward=True), operand_order=True, **extra)
+                               programs=plan.gluon_programs(q.device), operand_order=True, **extra)
     return run, grads
 
 

@@ -1,12 +1,25 @@
 """sagebwd-hf: SageBwd trainable INT8 attention for PyTorch and Hugging Face Transformers."""
-import os as _os
 
-# The Triton kernels live in the repository's top-level kernels/ folder and are installed as
-# sagebwd_hf.kernels (setup.cfg). In a source checkout (editable install, or the repo on PYTHONPATH)
-# that folder sits beside this package: let sagebwd_hf.kernels resolve there. kernels/ has no
-# __init__.py, so it never shadows Hugging Face's own top-level `kernels` package.
-if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")):
-    __path__.append(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+def _mount_kernels():
+    """``sagebwd_hf.kernels`` is the repository's top-level ``kernels/`` folder: installs put it there (setup.cfg's
+    ``package_dir``); in a source checkout (the repository on PYTHONPATH, or an editable install) this package is
+    given that one folder as its ``kernels`` subpackage, and no other folder of the repository. (As a top-level
+    ``kernels`` it would shadow Hugging Face's own package of that name, which Transformers imports.)"""
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    folder = os.path.join(os.path.dirname(here), "kernels")
+    if os.path.isdir(os.path.join(here, "kernels")) or not os.path.isfile(os.path.join(folder, "dispatch.py")):
+        return
+    spec = importlib.machinery.ModuleSpec(__name__ + ".kernels", None, is_package=True)
+    spec.submodule_search_locations = [folder]
+    sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)
+    sys.modules[__name__].kernels = module   # as the import system does for a subpackage it loads
+
+
+_mount_kernels()
 
 from .interface import sagebwd_attn_func, sagebwd_attn_varlen_func  # noqa: E402
 from .transformers_integration import attention_stats, reset_attention_stats  # noqa: E402,F401  (registers "sagebwd")

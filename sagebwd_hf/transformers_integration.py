@@ -376,14 +376,15 @@ def _compute_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype:
 
 
 # Keyword arguments that reach attention functions and do not change what they compute, or that this adapter
-# reads; a tensor under any other name may be one that the model's own attention uses and SDPA, FlashAttention
-# and sagebwd all ignore: a one-time warning names it.
+# reads (Trainer's num_items_in_batch, the loss's token count, reaches every call); a tensor under any other name
+# may be one that the model's own attention uses and SDPA, FlashAttention and sagebwd all ignore: a one-time
+# warning names it.
 KNOWN_KWARGS = frozenset({
     "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cache_position",
     "use_cache", "output_attentions", "output_hidden_states", "output_router_logits", "return_dict", "labels",
     "logits_to_keep", "token_type_ids", "indices", "position_bias", "past_key_values", "past_key_value",
     "position_embeddings", "layer_idx", "cache", "is_causal", "sliding_window", "softcap", "s_aux", "sinks",
-    "dropout", "scaling", "target_dtype"})
+    "dropout", "scaling", "target_dtype", "num_items_in_batch"})
 
 
 def _warn_unknown(kwargs) -> None:

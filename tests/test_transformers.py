@@ -849,6 +849,20 @@ def test_an_unknown_tensor_kwarg_is_named(fresh_warnings):
     assert not [w for w in caught if "does not read" in str(w.message)]
 
 
+def test_trainers_num_items_in_batch_is_accepted_silently(fresh_warnings):
+    """Trainer passes ``num_items_in_batch`` (the loss's token count, a tensor) through the model's kwargs to
+    every attention call; it changes nothing the attention computes, and no warning names it."""
+    model = tiny_model("llama")
+    inputs = batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = model(**inputs, num_items_in_batch=torch.tensor(inputs["labels"].numel())).loss
+        loss.backward()
+    assert torch.isfinite(loss)
+    assert not [w for w in caught if "num_items_in_batch" in str(w.message) or "does not read" in str(w.message)]
+    assert sagebwd_hf.attention_stats()["sagebwd"] > 0
+
+
 # Models whose attention SDPA does not compute (soft-capped logits, sinks): compared with their eager path on
 # an unpadded batch (eager gives a fully padded query row uniform attention where sdpa/flash/sagebwd give zeros,
 # and the next-token loss reads that row's logits).

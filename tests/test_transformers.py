@@ -585,6 +585,11 @@ def test_fallback_user_4d_mask(fresh_warnings):
     n = inputs["input_ids"].shape[1]
     allowed = torch.ones(n, n, dtype=torch.bool).tril() & ~torch.eye(n, dtype=torch.bool).roll(1, 0)
     inputs["attention_mask"] = allowed[None, None].expand(2, 1, n, n)
+    with pytest.warns(UserWarning, match=r"sagebwd: a 4D attention mask that is not a causal, bidirectional or "
+                                         r"sliding-window pattern over padded rows \(a mask passed by the user"):
+        run(tiny_model("llama"), "sagebwd", inputs)
+    ti._warned.clear()
+    sagebwd_hf.reset_attention_stats()
     _assert_fallback(tiny_model("llama"), inputs, "mask_4d", calls=2)
 
 

@@ -771,3 +771,17 @@ def test_help_says_each_default_once(script, capsys):
         assert text.count("default") <= 1, (flag, text)
     if "--attn_implementation" in flags:
         assert all(f"{name} (" in flags["--attn_implementation"] for name in common.arguments.ATTN_IMPLEMENTATIONS)
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_gpu_proof_help_prints_usage_and_exits_0(flag, tmp_path):
+    """gpu_proof.sh --help prints its usage and the knobs it reads, and starts nothing (no output folder)."""
+    result = subprocess.run(["bash", EXAMPLES / "gpu_proof.sh", flag], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60, env=dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work")))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: ") and "single|ddp|fsdp|all" in result.stdout
+    assert "STEPS" in result.stdout and "--help" in result.stdout and not result.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+    bad = subprocess.run(["bash", EXAMPLES / "gpu_proof.sh", "bogus"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work")))
+    assert bad.returncode == 2 and "usage:" in bad.stderr

@@ -389,10 +389,13 @@ def test_code_corpus_then_pretrain_on_its_token_files(tmp_path, env):
     text = tokenizer.decode(ids["train"].tolist())
     eval_docs = tokenizer.decode(ids["eval"].tolist()).split(common.data.EOS_TOKEN)
     assert all(doc.splitlines()[0] not in text for doc in eval_docs if doc.strip())
-    # the same sources give the same bytes
+    # the same sources give the same bytes, however many files are encoded at a time
     run([sys.executable, EXAMPLES / "code_corpus.py", "--roots", tmp_path / "src", "--output_dir", tmp_path / "again",
-         "--vocab_size", "512", "--eval_percent", "20", "--max_file_kb", "64"], env, tmp_path)
+         "--vocab_size", "512", "--eval_percent", "20", "--max_file_kb", "64", "--batch_mb", "0.01"], env, tmp_path)
     assert json.loads((tmp_path / "again" / "manifest.json").read_text())["splits"] == manifest["splits"]
+    for split in ("train", "eval"):
+        assert (tmp_path / "again" / f"{split}.npy").read_bytes() == (corpus / f"{split}.npy").read_bytes()
+    assert not [p.name for p in (tmp_path / "again").iterdir() if p.name.startswith(".")]   # no partial file left
 
     out_dir = tmp_path / "run"
     data = ["--train_file", corpus / "train.npy", "--validation_file", corpus / "eval.npy",
@@ -414,6 +417,20 @@ def test_code_corpus_then_pretrain_on_its_token_files(tmp_path, env):
     _fails_before_training("pretrain.py", SMALL + ["--train_file", tmp_path / "bad.npy", "--tokenizer_name",
                                                    corpus / "tokenizer", "--output_dir", tmp_path / "x"], env,
                            tmp_path, "token id 600 is outside the tokenizer's")
+
+
+def test_code_corpus_writes_outside_the_repository_by_default(tmp_path, monkeypatch):
+    """A full corpus is a few hundred MB: by default it goes to the examples' cache folder, where scale_study.py
+    looks for it, not into the repository."""
+    import code_corpus
+    import scale_study
+
+    monkeypatch.setenv("SAGEBWD_EXAMPLES_CACHE", str(tmp_path / "cache"))
+    out = Path(code_corpus.parse_args([]).output_dir)
+    assert out == tmp_path / "cache" / "code_corpus" and ROOT not in out.parents
+    assert Path(scale_study.parse_args([]).corpus) == out
+    monkeypatch.delenv("SAGEBWD_EXAMPLES_CACHE")
+    assert ROOT not in Path(code_corpus.parse_args([]).output_dir).resolve().parents
 
 
 def test_scale_study_runs_cells_resumes_and_reports(tmp_path, env, monkeypatch):

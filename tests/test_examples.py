@@ -115,6 +115,25 @@ def test_pretrain_checkpoint_and_resume(tmp_path, env):
     assert float(resumed[-1]["eval_loss"]) == pytest.approx(float(rows[-1]["eval_loss"]), abs=1e-5)
 
 
+def test_pretrain_default_run_lands_in_readmes_range(tmp_path, env):
+    """README's first command, `python examples/pretrain.py` with its defaults, ends in the ranges README states
+    for the final train and held-out eval loss. The last digits depend on the CPU's bf16 kernels (machines
+    differ by ~0.02), so the check allows README's range widened by 0.05 on each side, not one machine's value."""
+    readme = (ROOT / "README.md").read_text()
+    stated = re.search(r"final train loss around (\d\.\d+)–(\d\.\d+) and a held-out eval loss around "
+                       r"(\d\.\d+)–(\d\.\d+)", " ".join(readme.split()))
+    assert stated, "README no longer states the default run's final losses as ranges"
+    train_lo, train_hi, eval_lo, eval_hi = map(float, stated.groups())
+    out = run([sys.executable, EXAMPLES / "pretrain.py", "--output_dir", tmp_path / "run"], env, tmp_path).stdout
+    last = re.search(r"step 200/200 loss (\d+\.\d+) .* \| eval loss (\d+\.\d+)", out)
+    assert last, out[-2000:]
+    train_loss, eval_loss = map(float, last.groups())
+    assert train_lo - 0.05 <= train_loss <= train_hi + 0.05, (train_loss, (train_lo, train_hi))
+    assert eval_lo - 0.05 <= eval_loss <= eval_hi + 0.05, (eval_loss, (eval_lo, eval_hi))
+    first = train_rows(tmp_path / "run")[0]
+    assert float(first["loss"]) == pytest.approx(7.66, abs=0.05)          # README: "falls from 7.66"
+
+
 def test_pretrain_survives_sigkill_while_saving_and_mid_step(tmp_path, env):
     """Killed (SIGKILL, at chosen moments, by tests/fault_injection.py) while saving checkpoint 4 and
     later in the middle of step 7, then resumed with --resume_from_checkpoint latest: each resume starts from

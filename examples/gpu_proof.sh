@@ -11,6 +11,7 @@
 #   bash examples/gpu_proof.sh ddp        # 2 GPUs, DDP   (accelerate launch --multi_gpu)
 #   bash examples/gpu_proof.sh fsdp       # 2 GPUs, FSDP2 (accelerate launch --use_fsdp --fsdp_version 2)
 #   bash examples/gpu_proof.sh all        # single, then ddp and fsdp if 2 GPUs are visible
+#   bash examples/gpu_proof.sh --help     # this text
 #
 # The runs go to $WORK (default /tmp/gpu_proof_work: the shared initial weights alone are ~225 MB); $OUT
 # (default runs/gpu_proof) gets a few small files: log.txt (everything printed, versions and the summary
@@ -28,6 +29,12 @@
 # slower for SageBwd's first steps (Triton compilation and autotuning), so about 2-4 minutes per seed for "single"
 # including start-up, and about as much again for each 2-GPU mode.
 set -euo pipefail
+usage() {   # a usage line, then the comment block above without its "# "
+  echo "usage: $0 [single|ddp|fsdp|all]   (settings in the environment: OUT, WORK, STEPS, SEEDS, BATCH, SEQ, CORPUS, PRETRAIN_ARGS, PYTHON)"
+  echo
+  sed -n '2,/^set -euo pipefail/{/^#/{s/^# \{0,1\}//;p;}}' "$0"
+}
+case "${1:-}" in -h|--help) usage; exit 0;; esac
 cd "$(dirname "$0")/.."
 
 MODE="${1:-single}"
@@ -40,7 +47,7 @@ SEQ="${SEQ:-1024}"
 PY="${PYTHON:-python3}"
 CORPUS="${CORPUS:-code}"
 case "$CORPUS" in code|book) ;; *) echo "CORPUS must be code or book (got '$CORPUS')" >&2; exit 2;; esac
-case "$MODE" in single|ddp|fsdp|all) ;; *) echo "usage: $0 [single|ddp|fsdp|all] (got '$MODE')" >&2; exit 2;; esac
+case "$MODE" in single|ddp|fsdp|all) ;; *) echo "usage: $0 [single|ddp|fsdp|all|--help] (got '$MODE')" >&2; exit 2;; esac
 mkdir -p "$OUT" "$WORK"
 OUT="$(cd "$OUT" && pwd)"
 LOG="$OUT/log.txt"

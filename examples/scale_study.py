@@ -42,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common.arguments import HelpFormatter  # noqa: E402
+from common.files import code_corpus_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN = Path(__file__).resolve().parent / "pretrain.py"
@@ -75,7 +76,7 @@ OVERHEAD_S = 45.0
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--corpus", default="runs/code_corpus", help="examples/code_corpus.py's output folder")
+    parser.add_argument("--corpus", default=str(code_corpus_dir()), help="examples/code_corpus.py's output folder")
     parser.add_argument("--results", default=str(ROOT / "docs" / "fidelity" / "study"),
                         help="where each cell's metrics go (kept in the repository: the study resumes from it)")
     parser.add_argument("--work_dir", default="/tmp/scale_study_work", help="the runs' scratch space")

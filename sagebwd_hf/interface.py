@@ -406,11 +406,22 @@ def _check_heads(num_heads, num_kv_heads):
         raise ValueError(f"q's heads ({num_heads}) must be a multiple of k/v's heads ({num_kv_heads})")
 
 
+def _check_window_size(window_size):
+    """``window_size`` is ``(left, right)``: two ints (bools are not), each -1 (unbounded) or >= 0."""
+    allowed = "a tuple of two ints (left, right), each -1 (unbounded) or >= 0"
+    if not isinstance(window_size, (tuple, list)):
+        raise TypeError(f"window_size must be {allowed}, got {window_size!r}")
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must be {allowed}, got {window_size!r}")
+    if not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size):
+        raise TypeError(f"window_size must be {allowed}, got {window_size!r}")
+    if not all(w >= -1 for w in window_size):
+        raise ValueError(f"window_size must be {allowed}, got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
 def _check_options(window_size, softmax_scale, head_dim, causal):
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and w >= -1 for w in window_size)):
-        raise ValueError(f"window_size must be a pair of ints >= -1 (left, right), got {window_size!r}")
-    left, right = window_size
+    left, right = _check_window_size(window_size)
     if causal:
         if right not in (-1, 0):
             raise ValueError(f"window_size right must be -1 or 0 with causal=True, got {right}")

@@ -55,10 +55,10 @@ FALLBACK_REASONS = {
     "head_dim": f"a head dim the kernel does not take (q and k must share one; it and v's, a multiple of 8 up to "
                 f"{MAX_HEAD_DIM})",
     "dtype": "q/k/v in a dtype other than float16, bfloat16 or float32",
-    "mask_4d": "a 4D attention mask that is no causal, bidirectional or sliding-window pattern over padded rows: "
-               "one passed by the user, a mask pattern the kernel cannot express (or_mask_function/and_mask_function "
-               "overlays, block-wise attention, chunked attention with padding, packing or a cache), a mask the model "
-               "edits itself; or any 4D mask under torch.compile",
+    "mask_4d": "a 4D attention mask that is not a causal, bidirectional or sliding-window pattern over padded rows "
+               "(a mask passed by the user, a pattern the kernel cannot express such as or_mask_function/"
+               "and_mask_function overlays, block-wise attention, or chunked attention with padding, packing or a "
+               "cache, or a mask the model edits itself), or any 4D mask under torch.compile",
     "position_bias": "an additive position_bias (T5-style relative attention)",
     "shape": "a causal query longer than its keys, or an empty tensor",
     "sparse_indices": "DeepSeek sparse attention's top-k keys (`indices`, DSA models such as deepseek_v32 and "
@@ -376,14 +376,15 @@ def _compute_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype:
 
 
 # Keyword arguments that reach attention functions and do not change what they compute, or that this adapter
-# reads; a tensor under any other name may be one that the model's own attention uses and SDPA, FlashAttention
-# and sagebwd all ignore: a one-time warning names it.
+# reads (Trainer's num_items_in_batch, the loss's token count, reaches every call); a tensor under any other name
+# may be one that the model's own attention uses and SDPA, FlashAttention and sagebwd all ignore: a one-time
+# warning names it.
 KNOWN_KWARGS = frozenset({
     "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cache_position",
     "use_cache", "output_attentions", "output_hidden_states", "output_router_logits", "return_dict", "labels",
     "logits_to_keep", "token_type_ids", "indices", "position_bias", "past_key_values", "past_key_value",
     "position_embeddings", "layer_idx", "cache", "is_causal", "sliding_window", "softcap", "s_aux", "sinks",
-    "dropout", "scaling", "target_dtype"})
+    "dropout", "scaling", "target_dtype", "num_items_in_batch"})
 
 
 def _warn_unknown(kwargs) -> None:

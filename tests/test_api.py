@@ -54,6 +54,34 @@ def test_option_errors(kwargs, match):
         sagebwd_attn_func(*_qkv(), **kwargs)
 
 
+@pytest.mark.parametrize("window_size, error", [
+    ((True, False), TypeError),
+    ((1.0, 0), TypeError),
+    ("-1,-1", TypeError),
+    (-1, TypeError),
+    ((3,), ValueError),
+    ((-1, 0, 0), ValueError),
+    ((0, -2), ValueError),
+])
+def test_window_size_errors_name_the_argument_and_allowed_values(window_size, error):
+    """A bad window_size is refused before any tensor work, naming the argument and what it takes, for
+    both entry points (bools are ints to Python, never a window here)."""
+    match = r"window_size must be a tuple of two ints \(left, right\), each -1 \(unbounded\) or >= 0"
+    with pytest.raises(error, match=match):
+        sagebwd_attn_func(*_qkv(), window_size=window_size)
+    q = torch.randn(8, 2, 64, dtype=torch.float16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(error, match=match):
+        sagebwd_attn_varlen_func(q, q, q, cu, cu, 8, 8, window_size=window_size)
+
+
+def test_window_size_takes_a_list_and_zero_widths():
+    q, k, v = _qkv()
+    torch.testing.assert_close(sagebwd_attn_func(q, k, v, window_size=[2, 0]),
+                               sagebwd_attn_func(q, k, v, window_size=(2, 0)), rtol=0, atol=0)
+    assert torch.isfinite(sagebwd_attn_func(q, k, v, window_size=(0, 0)).float()).all()
+
+
 def test_deterministic_is_a_bool_or_none():
     with pytest.raises(TypeError, match="deterministic must be None, True or False, got 'fast'"):
         sagebwd_attn_func(*_qkv(), deterministic="fast")

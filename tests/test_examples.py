@@ -115,6 +115,25 @@ def test_pretrain_checkpoint_and_resume(tmp_path, env):
     assert float(resumed[-1]["eval_loss"]) == pytest.approx(float(rows[-1]["eval_loss"]), abs=1e-5)
 
 
+def test_pretrain_default_run_lands_in_readmes_range(tmp_path, env):
+    """README's first command, `python examples/pretrain.py` with its defaults, ends in the ranges README states
+    for the final train and held-out eval loss. The last digits depend on the CPU's bf16 kernels (machines
+    differ by ~0.02), so the check allows README's range widened by 0.05 on each side, not one machine's value."""
+    readme = (ROOT / "README.md").read_text()
+    stated = re.search(r"final train loss around (\d\.\d+)–(\d\.\d+) and a held-out eval loss around "
+                       r"(\d\.\d+)–(\d\.\d+)", " ".join(readme.split()))
+    assert stated, "README no longer states the default run's final losses as ranges"
+    train_lo, train_hi, eval_lo, eval_hi = map(float, stated.groups())
+    out = run([sys.executable, EXAMPLES / "pretrain.py", "--output_dir", tmp_path / "run"], env, tmp_path).stdout
+    last = re.search(r"step 200/200 loss (\d+\.\d+) .* \| eval loss (\d+\.\d+)", out)
+    assert last, out[-2000:]
+    train_loss, eval_loss = map(float, last.groups())
+    assert train_lo - 0.05 <= train_loss <= train_hi + 0.05, (train_loss, (train_lo, train_hi))
+    assert eval_lo - 0.05 <= eval_loss <= eval_hi + 0.05, (eval_loss, (eval_lo, eval_hi))
+    first = train_rows(tmp_path / "run")[0]
+    assert float(first["loss"]) == pytest.approx(7.66, abs=0.05)          # README: "falls from 7.66"
+
+
 def test_pretrain_survives_sigkill_while_saving_and_mid_step(tmp_path, env):
     """Killed (SIGKILL, at chosen moments, by tests/fault_injection.py) while saving checkpoint 4 and
     later in the middle of step 7, then resumed with --resume_from_checkpoint latest: each resume starts from
@@ -389,10 +408,13 @@ def test_code_corpus_then_pretrain_on_its_token_files(tmp_path, env):
     text = tokenizer.decode(ids["train"].tolist())
     eval_docs = tokenizer.decode(ids["eval"].tolist()).split(common.data.EOS_TOKEN)
     assert all(doc.splitlines()[0] not in text for doc in eval_docs if doc.strip())
-    # the same sources give the same bytes
+    # the same sources give the same bytes, however many files are encoded at a time
     run([sys.executable, EXAMPLES / "code_corpus.py", "--roots", tmp_path / "src", "--output_dir", tmp_path / "again",
-         "--vocab_size", "512", "--eval_percent", "20", "--max_file_kb", "64"], env, tmp_path)
+         "--vocab_size", "512", "--eval_percent", "20", "--max_file_kb", "64", "--batch_mb", "0.01"], env, tmp_path)
     assert json.loads((tmp_path / "again" / "manifest.json").read_text())["splits"] == manifest["splits"]
+    for split in ("train", "eval"):
+        assert (tmp_path / "again" / f"{split}.npy").read_bytes() == (corpus / f"{split}.npy").read_bytes()
+    assert not [p.name for p in (tmp_path / "again").iterdir() if p.name.startswith(".")]   # no partial file left
 
     out_dir = tmp_path / "run"
     data = ["--train_file", corpus / "train.npy", "--validation_file", corpus / "eval.npy",
@@ -414,6 +436,20 @@ def test_code_corpus_then_pretrain_on_its_token_files(tmp_path, env):
     _fails_before_training("pretrain.py", SMALL + ["--train_file", tmp_path / "bad.npy", "--tokenizer_name",
                                                    corpus / "tokenizer", "--output_dir", tmp_path / "x"], env,
                            tmp_path, "token id 600 is outside the tokenizer's")
+
+
+def test_code_corpus_writes_outside_the_repository_by_default(tmp_path, monkeypatch):
+    """A full corpus is a few hundred MB: by default it goes to the examples' cache folder, where scale_study.py
+    looks for it, not into the repository."""
+    import code_corpus
+    import scale_study
+
+    monkeypatch.setenv("SAGEBWD_EXAMPLES_CACHE", str(tmp_path / "cache"))
+    out = Path(code_corpus.parse_args([]).output_dir)
+    assert out == tmp_path / "cache" / "code_corpus" and ROOT not in out.parents
+    assert Path(scale_study.parse_args([]).corpus) == out
+    monkeypatch.delenv("SAGEBWD_EXAMPLES_CACHE")
+    assert ROOT not in Path(code_corpus.parse_args([]).output_dir).resolve().parents
 
 
 def test_scale_study_runs_cells_resumes_and_reports(tmp_path, env, monkeypatch):
@@ -771,3 +807,17 @@ def test_help_says_each_default_once(script, capsys):
         assert text.count("default") <= 1, (flag, text)
     if "--attn_implementation" in flags:
         assert all(f"{name} (" in flags["--attn_implementation"] for name in common.arguments.ATTN_IMPLEMENTATIONS)
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_gpu_proof_help_prints_usage_and_exits_0(flag, tmp_path):
+    """gpu_proof.sh --help prints its usage and the knobs it reads, and starts nothing (no output folder)."""
+    result = subprocess.run(["bash", EXAMPLES / "gpu_proof.sh", flag], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60, env=dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work")))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: ") and "single|ddp|fsdp|all" in result.stdout
+    assert "STEPS" in result.stdout and "--help" in result.stdout and not result.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+    bad = subprocess.run(["bash", EXAMPLES / "gpu_proof.sh", "bogus"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work")))
+    assert bad.returncode == 2 and "usage:" in bad.stderr

@@ -66,6 +66,7 @@ def runs(tmp_path_factory, env):
         result = run([sys.executable, SCRIPT, *ARGS, "--attn_implementation", impl, "--output_dir", folder], env,
                      root)
         out[impl] = (folder, result.stdout)
+        out[impl, "stderr"] = result.stderr
     return out
 
 
@@ -118,6 +119,8 @@ def test_packed_path_ran_and_outputs(runs):
     assert stats["fallback"] == {}, stats
     assert sum(n for k, n in stats["kernels"].items() if k.startswith("bwd")) == LAYERS * STEPS, stats
     assert "SageBwd attention calls: packed" in sage_out.splitlines()[-1]
+    # Trainer passes num_items_in_batch to every attention call: accepted without a warning
+    assert "num_items_in_batch" not in runs["sagebwd", "stderr"] and "does not read" not in runs["sagebwd", "stderr"]
     assert (sage / "final_model" / "config.json").exists() and (sage / "final_model" / "model.safetensors").exists()
     assert (sage / "final_model" / "tokenizer.json").exists()
     for step in (CHECKPOINT, STEPS):

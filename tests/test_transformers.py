@@ -585,6 +585,11 @@ def test_fallback_user_4d_mask(fresh_warnings):
     n = inputs["input_ids"].shape[1]
     allowed = torch.ones(n, n, dtype=torch.bool).tril() & ~torch.eye(n, dtype=torch.bool).roll(1, 0)
     inputs["attention_mask"] = allowed[None, None].expand(2, 1, n, n)
+    with pytest.warns(UserWarning, match=r"sagebwd: a 4D attention mask that is not a causal, bidirectional or "
+                                         r"sliding-window pattern over padded rows \(a mask passed by the user"):
+        run(tiny_model("llama"), "sagebwd", inputs)
+    ti._warned.clear()
+    sagebwd_hf.reset_attention_stats()
     _assert_fallback(tiny_model("llama"), inputs, "mask_4d", calls=2)
 
 
@@ -847,6 +852,20 @@ def test_an_unknown_tensor_kwarg_is_named(fresh_warnings):
         warnings.simplefilter("always")
         ti.sagebwd_attention_forward(attn, q, k, v, None, position_ids=torch.arange(8)[None], use_cache=False)
     assert not [w for w in caught if "does not read" in str(w.message)]
+
+
+def test_trainers_num_items_in_batch_is_accepted_silently(fresh_warnings):
+    """Trainer passes ``num_items_in_batch`` (the loss's token count, a tensor) through the model's kwargs to
+    every attention call; it changes nothing the attention computes, and no warning names it."""
+    model = tiny_model("llama")
+    inputs = batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = model(**inputs, num_items_in_batch=torch.tensor(inputs["labels"].numel())).loss
+        loss.backward()
+    assert torch.isfinite(loss)
+    assert not [w for w in caught if "num_items_in_batch" in str(w.message) or "does not read" in str(w.message)]
+    assert sagebwd_hf.attention_stats()["sagebwd"] > 0
 
 
 # Models whose attention SDPA does not compute (soft-capped logits, sinks): compared with their eager path on

@@ -15,6 +15,11 @@ def cache_dir() -> Path:
     return Path(path)
 
 
+def code_corpus_dir() -> Path:
+    """examples/code_corpus.py's default output folder (a few hundred MB for a full corpus): in the cache."""
+    return cache_dir() / "code_corpus"
+
+
 def file_digest(path: Path) -> str:
     """The first 12 hex digits of the file's SHA-256: a cache key."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]

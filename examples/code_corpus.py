@@ -6,7 +6,8 @@ pandas, Transformers, ...), tens of millions of tokens of code that nobody on th
     python examples/code_corpus.py                                     # every installed .py file
     python examples/code_corpus.py --output_dir /tmp/c --max_files 200 # a small one, for a quick look
     C=~/.cache/sagebwd-hf-examples/code_corpus                         # the default --output_dir
-    python examples/pretrain.py --train_file $C/train.npy --validation_file $C/eval.npy --tokenizer_name $C/tokenizer ...
+    python examples/pretrain.py --train_file $C/train.npy --validation_file $C/eval.npy \
+        --tokenizer_name $C/tokenizer ...
 
 Rules, each for a reason:
 - a file's exact duplicates are kept once (site-packages hold many vendored copies), and files over
@@ -114,7 +115,7 @@ def read_text(file):
     try:
         data = Path(path).read_bytes()
     except OSError as e:
-        raise SystemExit(f"error: {path} could not be read again while the corpus was built: {e}")
+        raise SystemExit(f"error: {path} could not be read again while the corpus was built: {e}") from e
     if hashlib.sha256(data).hexdigest() != digest:
         raise SystemExit(f"error: {path} changed while the corpus was built; run it again")
     return data.decode("utf-8", errors="replace")

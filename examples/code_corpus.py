@@ -6,7 +6,7 @@ pandas, Transformers, ...), tens of millions of tokens of code that nobody on th
     python examples/code_corpus.py                                     # every installed .py file
     python examples/code_corpus.py --output_dir /tmp/c --max_files 200 # a small one, for a quick look
     C=~/.cache/sagebwd-hf-examples/code_corpus                         # the default --output_dir
-    python examples/pretrain.py --train_file $C/train.npy --validation_file $C/eval.npy \
+    python examples/pretrain.py --train_file $C/train.npy --validation_file $C/eval.npy \\
         --tokenizer_name $C/tokenizer ...
 
 Rules, each for a reason:

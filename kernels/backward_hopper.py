@@ -48,7 +48,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .hopper_common import (E4M3_MAX, LOG2_448, nan_max, ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand,
+from .hopper_common import (E4M3_MAX, FLOAT_ROUND_BIAS, FLOAT_ROUND_BIAS_BITS, INT8_MAX, LOG2_448, TINY_SCALE, nan_max,
+                            ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand,
                             ceil_to, claim_item, floor_to, inside_sequences, key_band_mask, key_tiles,
                             moved_to_hopper_launch, named_barrier, round_to_int8, split_item, tanh_scores, tma_load,
                             wgmma_layout)
@@ -381,7 +382,7 @@ def _loader(descs, ring, own, mailbox, COUNTER, seqs, vectors, key_scales, calle
                     q_scale = q_scale * k_scale
                 if SOFTCAP:
                     if TILE_KS:   # the add trick's offset joins the shift: the cap's argument is one FMA
-                        shift = gl.fma(q_scale, -12582912.0, shift)
+                        shift = gl.fma(q_scale, -FLOAT_ROUND_BIAS, shift)
                     ring.vec.index(NVEC * s + VSHIFT).store(shift)
                 ring.vec.index(NVEC * s + VQS).store(q_scale)
                 lse = gl.load(vectors.LSE + base, mask=ok, other=float("inf"))
@@ -408,7 +409,7 @@ def _loader(descs, ring, own, mailbox, COUNTER, seqs, vectors, key_scales, calle
                     else:
                         ring.vec.index(NVEC * s + VQSR).store(qr_scale)
                 if TILE_KS and not SOFTCAP:   # P^T's exponent offset: the add trick's, less lse
-                    lse = gl.fma(q_scale, -12582912.0, -lse)
+                    lse = gl.fma(q_scale, -FLOAT_ROUND_BIAS, -lse)
                 ring.vec.index(NVEC * s + VLSE).store(lse)
                 mbarrier.arrive(ring.ready.index(s), count=1)     # the second of ready's two arrivals
                 i += 1
@@ -440,8 +441,8 @@ def _quantize_rows(x, x_max, ORDER: gl.constexpr, p_layout: gl.constexpr, o_layo
     int8 wgmma A operand, and the row scales in the product's row layout. ``ORDER``: the operand read from the
     registers as they are, its columns in hopper_common.to_operand_order's order (the B operand's token-major copy
     permuted to match: quantize's ``operand_order``); else moved by shuffles."""
-    x8 = as_operand(round_to_int8(x * gl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None]), ORDER, p_layout)
-    return x8, gl.convert_layout(x_max * (1.0 / 127.0), gl.SliceLayout(1, o_layout))
+    x8 = as_operand(round_to_int8(x * gl.where(x_max > TINY_SCALE, INT8_MAX / x_max, 0.0)[:, None]), ORDER, p_layout)
+    return x8, gl.convert_layout(x_max * (1.0 / INT8_MAX), gl.SliceLayout(1, o_layout))
 
 
 @gluon.jit
@@ -453,8 +454,8 @@ def _accumulate_product(acc, x8, x_scale, b_smem):
     x8 = gl.convert_layout(x8, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4), assert_trivial=True)
     x_scale = gl.convert_layout(x_scale, gl.SliceLayout(1, o_layout), assert_trivial=True)
     prod = warpgroup_mma(x8, b_smem.permute((1, 0)), gl.zeros(acc.shape, gl.int32, o_layout), use_acc=False)
-    return gl.fma((prod + 0x4B400000).to(gl.float32, bitcast=True), x_scale[:, None],
-                  acc + (x_scale * -12582912.0)[:, None])
+    return gl.fma((prod + FLOAT_ROUND_BIAS_BITS).to(gl.float32, bitcast=True), x_scale[:, None],
+                  acc + (x_scale * -FLOAT_ROUND_BIAS)[:, None])
 
 
 @gluon.jit
@@ -463,7 +464,7 @@ def _e4m3_rows(x, x_max, ORDER: gl.constexpr, p_layout: gl.constexpr, o_layout: 
     saturating) as a wgmma A operand (_quantize_rows's), and the row scales max / 448 in the product's row layout.
     448 / max is ``/``'s (div.full.f32, within 2 ulp, as _quantize_rows's 127 / max): P^T's values already differ
     from the reference's by a few ulp (ex2.approx), so a correctly rounded quotient would not give its bytes."""
-    inv = gl.where(x_max > 1e-30, E4M3_MAX / x_max, 0.0)
+    inv = gl.where(x_max > TINY_SCALE, E4M3_MAX / x_max, 0.0)
     x8 = as_operand((x * inv[:, None]).to(gl.float8e4nv), ORDER, p_layout)
     return x8, gl.convert_layout(x_max * (1.0 / E4M3_MAX), gl.SliceLayout(1, o_layout))
 
@@ -548,7 +549,7 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, lo, hi, item, seq
             st_int = warpgroup_mma_wait(num_outstanding=0, deps=(st_tok, ))
         q_scale = ring.vec.index(NVEC * s + VQS).load(col_layout)
         lse = ring.vec.index(NVEC * s + VLSE).load(col_layout)
-        bits = (st_int + 0x4B400000).to(gl.float32, bitcast=True)
+        bits = (st_int + FLOAT_ROUND_BIAS_BITS).to(gl.float32, bitcast=True)
         if SOFTCAP:   # capped scores as in the forward; tanh kept for the cap's derivative in dS^T
             shift = ring.vec.index(NVEC * s + VSHIFT).load(col_layout)
             if TILE_KS:   # (q_scale and shift hold the K scale and the add trick's offset: see the loader)
@@ -732,7 +733,7 @@ def _bwd_consumer(C: gl.constexpr, k8, k8b, v16, own, ring, mailbox, seqs, key_s
         ks_off = bt.to(gl.int64) * key_scales.s_ksb + hk * key_scales.s_ksh + k0
         keys = start_n + C * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
         k_scale = gl.load(KS + ks_off + keys, mask=keys < seqlen_k, other=0.0)
-        k_bias = k_scale * -12582912.0
+        k_bias = k_scale * -FLOAT_ROUND_BIAS
         dv_acc = gl.zeros([HALF_N, opts.HEAD_DIM_V], gl.float32, dv_layout)
         dk_acc = gl.zeros([HALF_N, D1], gl.float32, dk_layout)
         dk2_acc = gl.zeros([HALF_N, D2], gl.float32, dk2_layout)
@@ -1087,14 +1088,14 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, query_ops, ring, lo, hi, item, seqs, so
         s_int, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
         # x = 1.5 * 2^23 + S_int read as a float (quantize.int32_times); the tile's one K scale joins each row's
         # constants (per-key scales cost an FMA a score and 64 registers, which spilled at D=128)
-        t = (s_int + 0x4B400000).to(gl.float32, bitcast=True)
+        t = (s_int + FLOAT_ROUND_BIAS_BITS).to(gl.float32, bitcast=True)
         if SOFTCAP:   # capped scores as in the forward; tanh kept for the cap's derivative in dS
             t_mul = query_ops.cap_a * ks
-            th = tanh_scores(gl.fma(t, t_mul[:, None], (query_ops.cap_b - t_mul * 12582912.0)[:, None]))
+            th = tanh_scores(gl.fma(t, t_mul[:, None], (query_ops.cap_b - t_mul * FLOAT_ROUND_BIAS)[:, None]))
             p = gl.exp2(gl.fma(th, softcap2, -query_ops.lse[:, None]))
         else:   # lse is +inf past the end: 0
             row_mul = query_ops.q_scale * ks
-            p = gl.exp2(gl.fma(t, row_mul[:, None], (row_mul * -12582912.0 - query_ops.lse)[:, None]))
+            p = gl.exp2(gl.fma(t, row_mul[:, None], (row_mul * -FLOAT_ROUND_BIAS - query_ops.lse)[:, None]))
         if BAND or (MASKED and IS_VARLEN):
             p = gl.where(key_band_mask(offs_n, rows, start_n, seqlen_k, diag, seqs.window_left, seqs.window_right,
                                          MASK_LEFT, MASK_RIGHT), p, 0.0)

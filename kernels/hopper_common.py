@@ -15,12 +15,22 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import PropagateNan, _aggregate, base_value
 
+from . import constants
+
 # A launch's integer argument as a kernel sees it: a run-time value, or the constant Triton specializes a 1 to
 Scalar = Union[gl.tensor, gl.constexpr]
 
-# FP8 e4m3's largest finite value and its log2: with the pv_e4m3 rule P's (and dO's) largest value maps to it
-E4M3_MAX = gl.constexpr(448.0)
-LOG2_448 = gl.constexpr(8.807354922057604)
+# constants.py's numbers as the Gluon kernels read them (a jit function reads only constexpr globals): INT8's and
+# FP8 e4m3's largest values and their log2 (with the pv_e4m3 rule P's and dO's largest value maps to 448), the
+# smallest max |x| that gets a scale, the float-add rounding trick's bias and its bits, log2(e)
+INT8_MAX = gl.constexpr(constants.INT8_MAX)
+LOG2_127 = gl.constexpr(constants.LOG2_127)
+E4M3_MAX = gl.constexpr(constants.E4M3_MAX)
+LOG2_448 = gl.constexpr(constants.LOG2_448)
+TINY_SCALE = gl.constexpr(constants.TINY_SCALE)
+FLOAT_ROUND_BIAS = gl.constexpr(constants.FLOAT_ROUND_BIAS)
+FLOAT_ROUND_BIAS_BITS = gl.constexpr(constants.FLOAT_ROUND_BIAS_BITS)
+LOG2E = gl.constexpr(constants.LOG2E)
 
 
 def aggregate(cls):
@@ -70,7 +80,7 @@ def nan_max(x, axis: gl.constexpr):
 
 @gluon.jit
 def round_to_int8(x):
-    return (x + 12582912.0).to(gl.int32, bitcast=True).to(gl.int8)
+    return (x + FLOAT_ROUND_BIAS).to(gl.int32, bitcast=True).to(gl.int8)
 
 
 @gluon.jit

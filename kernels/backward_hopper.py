@@ -50,8 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .hopper_common import (E4M3_MAX, FLOAT_ROUND_BIAS, FLOAT_ROUND_BIAS_BITS, INT8_MAX, LOG2_448, TINY_SCALE, nan_max,
                             ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand,
-                            ceil_to, claim_item, floor_to, inside_sequences, key_band_mask, key_tiles,
-                            moved_to_hopper_launch, named_barrier, round_to_int8, split_item, tanh_scores, tma_load,
+                            ceil_to, claim_item, free_phase, floor_to, inside_sequences, key_band_mask, key_tiles,
+                            moved_to_hopper_launch, named_barrier, ring_phase, ring_slot, round_to_int8, split_item, tanh_scores, tma_load,
                             wgmma_layout)
 
 
@@ -343,7 +343,7 @@ def _loader(descs, ring, own, mailbox, COUNTER, seqs, vectors, key_scales, calle
         if TILE_KS:   # the item's keys share one K scale (quantize.K_SCALE_BLOCK keys from the sequence's start)
             k_scale = gl.load(key_scales.KS + bt.to(gl.int64) * key_scales.s_ksb + hk * key_scales.s_ksh + k0
                               + start_n, mask=start_n < item.seqlen_k, other=0.0)
-        mbarrier.wait(own.empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
+        mbarrier.wait(own.empty, free_phase(j, 1))   # a fresh barrier's previous phase counts as complete
         mailbox.post(t)
         mbarrier.expect(own.ready, 2 * kv_bytes)
         for c in gl.static_range(2):
@@ -354,8 +354,8 @@ def _loader(descs, ring, own, mailbox, COUNTER, seqs, vectors, key_scales, calle
                 tma_load(descs.v, [v_row + c * HALF_N, v_col], own.ready, own.v.index(c))
         for g in range(seqs.group):
             for start_m in range(item.lo, item.hi, BLOCK_Q):
-                s = i % STAGES
-                mbarrier.wait(ring.empty.index(s), ((i // STAGES) & 1) ^ 1)
+                s = ring_slot(i, STAGES)
+                mbarrier.wait(ring.empty.index(s), free_phase(i, STAGES))
                 mbarrier.expect(ring.ready.index(s), nbytes)
                 q_row = (q_head0 + g) * seqs.n_q + q0 + start_m
                 t_row = (q_head0 + g) * opts.HEAD_DIM    # Q8^T's rows: [B*H*D, Nq_pad]; dO8^T's: [B*H*Dv, Nq_pad]
@@ -415,7 +415,7 @@ def _loader(descs, ring, own, mailbox, COUNTER, seqs, vectors, key_scales, calle
                 i += 1
         j += 1
         t = claim_item(t, COUNTER, opts.DYNAMIC)
-    mbarrier.wait(own.empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
+    mbarrier.wait(own.empty, free_phase(j, 1))   # the consumers read the last item's index: the end may be posted
     mailbox.post(t)
 
 
@@ -536,8 +536,8 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, lo, hi, item, seq
     dq_zero = gl.zeros([BLOCK_Q, DQ_COLS], gl.float32, dq_layout)
     diag = seqlen_k - item.seqlen_q
     for start_m in range(lo, hi, BLOCK_Q):
-        s = it % STAGES
-        mbarrier.wait(ring.ready.index(s), (it // STAGES) & 1)
+        s = ring_slot(it, STAGES)
+        mbarrier.wait(ring.ready.index(s), ring_phase(it, STAGES))
         st_tok = warpgroup_mma(key_ops.k8, ring.q.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if QK_SPLIT:    # the channels past the first block, into the same int32 scores
             st_tok = warpgroup_mma(key_ops.k8b, ring.q2.index(s).permute((1, 0)), st_tok, is_async=True)
@@ -737,7 +737,7 @@ def _bwd_consumer(C: gl.constexpr, k8, k8b, v16, own, ring, mailbox, seqs, key_s
         dv_acc = gl.zeros([HALF_N, opts.HEAD_DIM_V], gl.float32, dv_layout)
         dk_acc = gl.zeros([HALF_N, D1], gl.float32, dk_layout)
         dk2_acc = gl.zeros([HALF_N, D2], gl.float32, dk2_layout)
-        mbarrier.wait(own.ready, j & 1)
+        mbarrier.wait(own.ready, ring_phase(j, 1))
         # the item's one K scale (TILE_KS) and the softmax scale, on both consumers' dQ products: from its first key,
         # not this consumer's (whose keys may all lie past the sequence's end)
         dq_scale = gl.load(KS + ks_off + start_n, mask=start_n < seqlen_k, other=0.0) * softmax_scale
@@ -1018,7 +1018,7 @@ def _dq_loader(descs, own, ring, mailbox, COUNTER, seqs, caller, opts):
         kt_row = (bt * seqs.num_kv_heads + hk) * opts.HEAD_DIM
         do_row = bt * caller.do_rb + h * caller.do_rh + q0 + start_m
         v_row = bt * caller.v_rb + hk * caller.v_rh + k0
-        mbarrier.wait(own.empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
+        mbarrier.wait(own.empty, free_phase(j, 1))   # a fresh barrier's previous phase counts as complete
         mailbox.post(t)
         mbarrier.expect(own.ready, 2 * q_bytes)
         for c in gl.static_range(2):
@@ -1027,8 +1027,8 @@ def _dq_loader(descs, own, ring, mailbox, COUNTER, seqs, caller, opts):
                 tma_load(descs.q2, [q_row + c * HALF_N, D1], own.ready, own.q2.index(c))
             tma_load(descs.do, [do_row + c * HALF_N, h * caller.do_ch], own.ready, own.do.index(c))
         for start_n in range(item.lo, item.hi, BLOCK_K):
-            s = i % STAGES
-            mbarrier.wait(ring.empty.index(s), ((i // STAGES) & 1) ^ 1)
+            s = ring_slot(i, STAGES)
+            mbarrier.wait(ring.empty.index(s), free_phase(i, STAGES))
             mbarrier.expect(ring.ready.index(s), nbytes)
             tma_load(descs.k, [k_row + start_n, 0], ring.ready.index(s), ring.k.index(s))
             tma_load(descs.v, [v_row + start_n, hk * caller.v_ch], ring.ready.index(s), ring.v.index(s))
@@ -1039,7 +1039,7 @@ def _dq_loader(descs, own, ring, mailbox, COUNTER, seqs, caller, opts):
             i += 1
         j += 1
         t = claim_item(t, COUNTER, opts.DYNAMIC)
-    mbarrier.wait(own.empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
+    mbarrier.wait(own.empty, free_phase(j, 1))   # the consumers read the last item's index: the end may be posted
     mailbox.post(t)
 
 
@@ -1072,8 +1072,8 @@ def _dq_tiles(acc, acc2, row_ds, it, ks, query_ops, ring, lo, hi, item, seqs, so
     KS_PTR: gl.constexpr = BAND or IS_VARLEN
     ks_ptr = KS + ks_off + lo + BLOCK_K
     for start_n in range(lo, hi, BLOCK_K):
-        s = it % STAGES
-        mbarrier.wait(ring.ready.index(s), (it // STAGES) & 1)
+        s = ring_slot(it, STAGES)
+        mbarrier.wait(ring.ready.index(s), ring_phase(it, STAGES))
         s_tok = warpgroup_mma(query_ops.q8, ring.k.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if opts.QK_SPLIT:    # the channels past the first block, into the same int32 scores
             s_tok = warpgroup_mma(query_ops.q8b, ring.k2.index(s).permute((1, 0)), s_tok, is_async=True)
@@ -1169,7 +1169,7 @@ def _dq_consumer(C: gl.constexpr, q8, q8b, do16, own, ring, mailbox, seqs, row_i
         acc = gl.zeros([HALF_N, D1], gl.float32, o_layout)
         acc2 = gl.zeros([HALF_N, D2], gl.float32, o2_layout)
         ks = gl.load(KS + ks_off + lo, mask=lo < hi, other=0.0)
-        mbarrier.wait(own.ready, j & 1)
+        mbarrier.wait(own.ready, ring_phase(j, 1))
         query_ops = QueryOperands(q8, q8b, do16, rows, q_scale, cap_a, cap_b, lse, delta, KS, ks_off)
         acc, acc2, row_ds, it, ks = _dq_tiles(acc, acc2, row_ds, it, ks, query_ops, ring, lo, item.full_lo, item,
                                               seqs, softcap2, True, opts)

@@ -33,8 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from .hopper_common import (E4M3_MAX, FLOAT_ROUND_BIAS, FLOAT_ROUND_BIAS_BITS, INT8_MAX, KEEP_NAN, LOG2_127, LOG2_448,
                             LOG2E, TINY_SCALE, ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand,
-                            claim_item, inside_sequences, key_band_mask, key_tiles, moved_to_hopper_launch,
-                            named_barrier, round_to_int8, split_item, tanh_scores, tma_load,
+                            claim_item, free_phase, inside_sequences, key_band_mask, key_tiles, moved_to_hopper_launch,
+                            named_barrier, ring_phase, ring_slot, round_to_int8, split_item, tanh_scores, tma_load,
                             wgmma_layout)
 
 HALF_M = gl.constexpr(64)     # query rows per consumer warpgroup (one wgmma M)
@@ -220,7 +220,7 @@ def _loader(descs, q_bufs, ring, mailbox, COUNTER, seqs, opts):
         q_row = (item.bt * seqs.num_heads + item.h) * seqs.n_q + item.q0 + item.start
         k_row = (item.bt * seqs.num_kv_heads + item.hk) * seqs.n_k + item.k0
         v_row = (item.bt * seqs.num_kv_heads + item.hk) * opts.HEAD_DIM_V
-        mbarrier.wait(q_bufs.empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
+        mbarrier.wait(q_bufs.empty, free_phase(j, 1))   # a fresh barrier's previous phase counts as complete
         mailbox.post(t)
         mbarrier.expect(q_bufs.ready, CONSUMERS * q_bytes)
         for c in gl.static_range(CONSUMERS):
@@ -228,12 +228,12 @@ def _loader(descs, q_bufs, ring, mailbox, COUNTER, seqs, opts):
             if QK_SPLIT:
                 tma_load(descs.q2, [q_row + c * HALF_M, D1], q_bufs.ready, q_bufs.q2.index(c))
         for start_n in range(item.lo, item.hi, BLOCK_N):
-            s = i % STAGES
+            s = ring_slot(i, STAGES)
             if opts.NAMED_BARRIERS:   # every consumer thread arrived when done with the buffer's last contents
                 if i >= STAGES:
                     named_barrier(False, RELEASE_BARRIER + s, 32 + CONSUMERS * 128, 1)
             else:   # a fresh barrier's "previous phase" counts as complete: the first STAGES waits pass at once
-                mbarrier.wait(ring.empty.index(s), ((i // STAGES) & 1) ^ 1)
+                mbarrier.wait(ring.empty.index(s), free_phase(i, STAGES))
             mbarrier.expect(ring.ready.index(s), nbytes)
             tma_load(descs.k, [k_row + start_n, 0], ring.ready.index(s), ring.k.index(s))
             if QK_SPLIT:
@@ -242,7 +242,7 @@ def _loader(descs, q_bufs, ring, mailbox, COUNTER, seqs, opts):
             i += 1
         j += 1
         t = claim_item(t, COUNTER, opts.DYNAMIC)
-    mbarrier.wait(q_bufs.empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
+    mbarrier.wait(q_bufs.empty, free_phase(j, 1))   # the consumers read the last item's index: the end may be posted
     mailbox.post(t)
 
 
@@ -292,13 +292,13 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, ring, turns, row_consts, lo, hi, item
     if KS_PTR:
         ks_ptr = KS + ks_off + lo + BLOCK_N
     for start_n in range(lo, hi, BLOCK_N):
-        s = it % STAGES
-        mbarrier.wait(ring.ready.index(s), (it // STAGES) & 1)
+        s = ring_slot(it, STAGES)
+        mbarrier.wait(ring.ready.index(s), ring_phase(it, STAGES))
         if PINGPONG:
             if NAMED_BARRIERS:
                 named_barrier(False, TURN_BARRIER + FIRST, 256, 4)
             else:
-                mbarrier.wait(turns.mine, (it & 1) ^ FIRST)
+                mbarrier.wait(turns.mine, ring_phase(it, 1) ^ FIRST)
         s_tok = warpgroup_mma(q, ring.k.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if opts.QK_SPLIT:    # the channels past the first power-of-two block, into the same int32 scores
             s_tok = warpgroup_mma(q2, ring.k2.index(s).permute((1, 0)), s_tok, is_async=True)
@@ -436,7 +436,7 @@ def _consumer(C: gl.constexpr, turns, q_bufs, ring, mailbox, seqs, scales, outpu
         hi = item.hi
         ks = gl.load(scales.KS + ks_off + lo, mask=lo < hi, other=0.0)
 
-        mbarrier.wait(q_bufs.ready, j & 1)
+        mbarrier.wait(q_bufs.ready, ring_phase(j, 1))
         q = q_bufs.q.index(C)
         q2 = q_bufs.q2.index(C)
         row_consts = RowConstants(rows, q_scale, cap_a, cap_b, scales.KS, ks_off)

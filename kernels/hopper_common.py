@@ -182,6 +182,30 @@ def named_barrier(ARRIVE: gl.constexpr, bar_id, threads, WARPS: gl.constexpr):
                               is_pure=False, pack=1)
 
 
+@gluon.jit
+def ring_slot(i, STAGES: gl.constexpr):
+    """The buffer that use ``i`` (counted from 0, on across work items) of a ``STAGES``-buffer ring takes."""
+    return i % STAGES
+
+
+@gluon.jit
+def ring_phase(i, STAGES: gl.constexpr):
+    """The phase a wait for use ``i`` of a ``STAGES``-buffer ring's ``ready`` barrier waits for: it flips each time
+    the ring comes round (a one-buffer ring's: every use)."""
+    if STAGES == 1:
+        phase = i & 1
+    else:
+        phase = (i // STAGES) & 1
+    return phase
+
+
+@gluon.jit
+def free_phase(i, STAGES: gl.constexpr):
+    """The phase the producer's wait on the ``empty`` barrier of use ``i``'s buffer waits for: its previous use's
+    release. A fresh barrier's previous phase counts as complete, so the ring's first round passes at once."""
+    return ring_phase(i, STAGES) ^ 1
+
+
 @aggregate
 class Sequences:
     """The batch as a kernel's work items see it: padded lengths ``n_q`` / ``n_k``, or (``IS_VARLEN``) the packed
@@ -256,7 +280,7 @@ class ItemMailbox:
     @gluon.jit
     def next(self, j):
         """A consumer warpgroup waits for the loader's ``j``-th posted item and reads its index."""
-        mbarrier.wait(self.posted, j & 1)
+        mbarrier.wait(self.posted, ring_phase(j, 1))
         return gl.max(self.slot.load(gl.BlockedLayout([1], [32], [4], [0])), 0)
 
 

@@ -1,7 +1,8 @@
-"""Gluon helpers both Hopper kernels (forward_hopper.py, backward_hopper.py) inline: the rounding and score math
-they share with the portable kernels, the key-tile ranges and masks of a work item, the loader's work-item
-hand-off to the consumers (an atomic counter, a one-slot mailbox), hardware named barriers, and the register
-relabelling that feeds a wgmma accumulator to the next product as its A operand.
+"""Gluon helpers the Hopper kernels (forward_hopper.py, backward_hopper_dkdv.py, backward_hopper_dq.py) inline: the
+numbers and the rounding and score math they share with the portable kernels, the key-tile ranges and masks of a
+work item, the TMA ring's buffer and barrier phases, the loader's work-item hand-off to the consumers (an atomic
+counter, a one-slot mailbox), hardware named barriers, the TMA reduce-add, and the register relabelling that feeds a
+wgmma accumulator to the next product as its A operand.
 
 Each is a ``@gluon.jit`` function inlined where it is called (a Gluon kernel cannot call ``@triton.jit`` ones, so
 the few lines that repeat quantize.py's and forward.py's arithmetic are written again here). What travels together
@@ -10,8 +11,10 @@ item, the item mailbox here; each kernel's buffers, descriptors, tensors and opt
 """
 from typing import Union
 
+from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin as gl_builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import PropagateNan, _aggregate, base_value
 
@@ -52,6 +55,17 @@ def aggregate(cls):
 # The TMA load is ``async_load`` from Triton 3.8 on (3.9 removed the old name); 3.6 and 3.7 have only
 # ``async_copy_global_to_shared``. Same arguments in all four.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gl_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Triton 3.8's ``tma.async_atomic_add`` (a TMA reduce-add from shared memory) for 3.6 and 3.7, whose Gluon
+    builder has the op but no function for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+tma_atomic_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add
 
 
 @gluon.constexpr_function

@@ -16,7 +16,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin as gl_builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-from triton.language.core import PropagateNan, _aggregate, base_value
+from triton.language.core import PropagateNan, _aggregate, _unwrap_if_constexpr, base_value
 
 from . import constants
 
@@ -196,28 +196,31 @@ def named_barrier(ARRIVE: gl.constexpr, bar_id, threads, WARPS: gl.constexpr):
                               is_pure=False, pack=1)
 
 
-@gluon.jit
-def ring_slot(i, STAGES: gl.constexpr):
-    """The buffer that use ``i`` (counted from 0, on across work items) of a ``STAGES``-buffer ring takes."""
-    return i % STAGES
+# The ring's arithmetic as builtins, not @gluon.jit helpers: their ops are traced in place as the expressions they
+# stand for (an inlined jit call adds debug-info labels to the PTX, and ptxas then scheduled some kernels differently).
+@gl_builtin
+def ring_slot(i, STAGES, _semantic=None):
+    """The buffer that use ``i`` (counted from 0, on across work items) of a ``STAGES``-buffer ring takes:
+    ``i % STAGES``."""
+    return i.__mod__(STAGES, _semantic=_semantic)
 
 
-@gluon.jit
-def ring_phase(i, STAGES: gl.constexpr):
-    """The phase a wait for use ``i`` of a ``STAGES``-buffer ring's ``ready`` barrier waits for: it flips each time
-    the ring comes round (a one-buffer ring's: every use)."""
-    if STAGES == 1:
-        phase = i & 1
-    else:
-        phase = (i // STAGES) & 1
-    return phase
+@gl_builtin
+def ring_phase(i, STAGES, _semantic=None):
+    """The phase a wait for use ``i`` of a ``STAGES``-buffer ring's ``ready`` barrier waits for, ``(i // STAGES) & 1``:
+    it flips each time the ring comes round (a one-buffer ring's: every use, ``i & 1``)."""
+    one = gl.constexpr(1)
+    if _unwrap_if_constexpr(STAGES) == 1:
+        return i.__and__(one, _semantic=_semantic)
+    return i.__floordiv__(STAGES, _semantic=_semantic).__and__(one, _semantic=_semantic)
 
 
-@gluon.jit
-def free_phase(i, STAGES: gl.constexpr):
-    """The phase the producer's wait on the ``empty`` barrier of use ``i``'s buffer waits for: its previous use's
-    release. A fresh barrier's previous phase counts as complete, so the ring's first round passes at once."""
-    return ring_phase(i, STAGES) ^ 1
+@gl_builtin
+def free_phase(i, STAGES, _semantic=None):
+    """The phase the producer's wait on the ``empty`` barrier of use ``i``'s buffer waits for, ``ring_phase ^ 1``: its
+    previous use's release. A fresh barrier's previous phase counts as complete, so the ring's first round passes at
+    once."""
+    return ring_phase(i, STAGES, _semantic=_semantic).__xor__(gl.constexpr(1), _semantic=_semantic)
 
 
 @aggregate

@@ -29,7 +29,7 @@ import triton.language as tl
 from .forward import _ceil_to, _floor_to, _key_tiles, _score_mask, block_dim, fast_tanh, tanh_scores
 from .launch import launch
 from .layout import SeqLayout, cdiv, maybe, strides3, strides4
-from .quantize import LOG2E, Q_SMOOTH_BLOCK, _seq_bounds, int32_times, nan_max, round_to_int8
+from .quantize import INT8_MAX, LOG2E, Q_SMOOTH_BLOCK, TINY_SCALE, _seq_bounds, int32_times, nan_max, round_to_int8
 
 
 @triton.jit
@@ -39,8 +39,8 @@ def _quantize_rows(x, SIGNED: tl.constexpr):
         x_max = nan_max(tl.abs(x), 1)
     else:
         x_max = nan_max(x, 1)
-    x8 = round_to_int8(x * tl.where(x_max > 1e-30, 127.0 / x_max, 0.0)[:, None])   # see quantize.py
-    return x8, x_max * (1.0 / 127.0)
+    x8 = round_to_int8(x * tl.where(x_max > TINY_SCALE, INT8_MAX / x_max, 0.0)[:, None])   # see quantize.py
+    return x8, x_max * (1.0 / INT8_MAX)
 
 
 @triton.jit

@@ -7,6 +7,23 @@ kernels and the reference must agree on them.
 
 LOG2E = 1.4426950408889634   # the kernels' softmax runs in base 2: scores and caps are scaled by log2(e)
 
+# The quantization's numbers. Each is written once here; the Triton and Gluon kernels read them as constexpr
+# globals (quantize.py wraps them for the @triton.jit code, hopper_common.py for the Gluon kernels), so every use
+# compiles to the same float32 constant.
+INT8_MAX = 127.0               # what a block's largest magnitude maps to in INT8
+LOG2_127 = 6.988684686772166   # log2(INT8_MAX): P's exponent offset when its largest value maps to 127
+E4M3_MAX = 448.0               # FP8 e4m3's largest finite value: the largest magnitude maps to it with e4m3 bytes
+LOG2_448 = 8.807354922057604   # log2(E4M3_MAX)
+# The smallest max |x| that gets a scale: a block whose largest magnitude is at most this (a denormal) quantizes to
+# zeros, since 127 / max would overflow to inf and 0 * inf is NaN. Far below any value that moves a bf16 result.
+# Also the floor the forward kernels clamp Q's scale to (masked -inf scores are scaled by it).
+TINY_SCALE = 1e-30
+# The float-add rounding trick (quantize.round_to_int8, int32_times): x + 1.5 * 2^23 for |x| < 2^22 leaves round(x)
+# (ties to even) in the low mantissa bits; an int32 plus FLOAT_ROUND_BIAS_BITS (the bias's float32 bit pattern)
+# read as a float is 1.5 * 2^23 plus that integer, exactly.
+FLOAT_ROUND_BIAS = 12582912.0          # 1.5 * 2**23
+FLOAT_ROUND_BIAS_BITS = 0x4B400000     # FLOAT_ROUND_BIAS's float32 bits
+
 # Triton major.minor releases the Gluon kernels and the direct relaunch (launch.py) are tested on: the GPU suite
 # passed on each (H100); torch 2.12 and 2.13 require Triton 3.7, torch 2.14 requires 3.8.
 TESTED_TRITON = ("3.6", "3.7", "3.8", "3.9")

@@ -22,7 +22,8 @@ import triton.language as tl
 from .launch import launch
 from .layout import SeqLayout, cdiv, maybe, strides3, strides4
 from .plan import block_dim  # noqa: F401  (the portable kernels' head-dim tile: re-exported)
-from .quantize import LOG2E, Q_SMOOTH_BLOCK, _seq_bounds, int32_times, round_to_int8
+from .quantize import (INT8_MAX, LOG2_127, LOG2E, LOG2E_CONSTEXPR, Q_SMOOTH_BLOCK, TINY_SCALE, _seq_bounds, int32_times,
+                       round_to_int8)
 
 
 @triton.jit
@@ -146,9 +147,9 @@ def _fwd_tile(acc, m_i, l_i, q8, q_scale, q_mean, shift, softcap2, K8_base, KS_b
     alpha = tl.exp2(m_i - m_ref)
     # One exp2 per score gives P already scaled for INT8: e = 127 * p / max_tile(p) = 127 * exp2(s - tile_max)
     # (the row's largest p in the tile maps to 127). p itself is e * p_scale.
-    e_ref = tl.where(tile_max == float("-inf"), 0.0, tile_max - 6.988684686772166)   # log2(127)
+    e_ref = tl.where(tile_max == float("-inf"), 0.0, tile_max - LOG2_127)
     e = tl.exp2(tl.fma(t, row_scale[:, None], -e_ref[:, None]))
-    p_scale = tl.exp2(tile_max - m_ref) * (1.0 / 127.0)
+    p_scale = tl.exp2(tile_max - m_ref) * (1.0 / INT8_MAX)
     l_i = l_i * alpha + tl.sum(e, 1) * p_scale
     v8 = tl.load(V8T_base + offs_dv[None, :] * s_vtd + (k0 + cols)[:, None],
                  mask=n_ok[:, None] & dv_ok[None, :], other=0)
@@ -197,7 +198,7 @@ def _attn_fwd_kernel(
                  mask=m_ok[:, None] & d_ok[None, :], other=0)
     # kept above zero: the tiles scale masked (-inf) scores by it, and an all-zero row has scale 0 (a NaN scale,
     # from a NaN in the row, stays NaN)
-    q_scale = tl.maximum(tl.load(QS + bq * s_qsb + h * s_qsh + q0 + offs_m, mask=m_ok, other=0.0), 1e-30,
+    q_scale = tl.maximum(tl.load(QS + bq * s_qsb + h * s_qsh + q0 + offs_m, mask=m_ok, other=0.0), TINY_SCALE,
                          propagate_nan=tl.PropagateNan.ALL)
     q_mean = q_scale  # unused unless Q_SMOOTH
     if Q_SMOOTH:  # all rows of this tile share one Q-mean block
@@ -240,7 +241,7 @@ def _attn_fwd_kernel(
         sink = tl.load(SINKS + h).to(tl.float32)
         if SINK_MODE == 2:   # K-smoothing moved the scores by -shift: the sink, in their frame, too
             sink = sink - tl.load(SHIFT + bq * s_lb + h * s_lh + q0 + offs_m, mask=m_ok, other=0.0)
-        sink2 = sink * 1.4426950408889634                     # log2(e): the kernels' scores are base 2
+        sink2 = sink * LOG2E_CONSTEXPR                       # log2(e): the kernels' scores are base 2
         top = tl.maximum(lse, sink2)
         new_lse = top + tl.log2(tl.exp2(lse - top) + tl.exp2(sink2 - top))
         inv_l = tl.where(has_keys, tl.exp2(lse - new_lse) / l_i, 0.0)

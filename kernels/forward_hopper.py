@@ -31,9 +31,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .hopper_common import (KEEP_NAN, LOG2_448, ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand,
-                            claim_item, inside_sequences, key_band_mask, key_tiles, moved_to_hopper_launch,
-                            named_barrier, round_to_int8, split_item, tanh_scores, tma_load, wgmma_layout)
+from .hopper_common import (E4M3_MAX, FLOAT_ROUND_BIAS, FLOAT_ROUND_BIAS_BITS, INT8_MAX, KEEP_NAN, LOG2_127, LOG2_448,
+                            LOG2E, TINY_SCALE, ItemMailbox, Scalar, Sequences, WorkItem, aggregate, as_operand,
+                            claim_item, free_phase, inside_sequences, key_band_mask, key_tiles, moved_to_hopper_launch,
+                            named_barrier, ring_phase, ring_slot, round_to_int8, split_item, tanh_scores, tma_load,
+                            wgmma_layout)
 
 HALF_M = gl.constexpr(64)     # query rows per consumer warpgroup (one wgmma M)
 BLOCK_M = gl.constexpr(128)   # query rows per program: two consumers (three: 192, the ``consumers`` option)
@@ -44,7 +46,6 @@ STAGES = gl.constexpr(2)      # K / V^T buffers in flight
 # partition barriers take ids 0-4)
 TURN_BARRIER = gl.constexpr(8)
 RELEASE_BARRIER = gl.constexpr(10)
-LOG2_127 = gl.constexpr(6.988684686772166)
 
 
 @aggregate
@@ -219,7 +220,7 @@ def _loader(descs, q_bufs, ring, mailbox, COUNTER, seqs, opts):
         q_row = (item.bt * seqs.num_heads + item.h) * seqs.n_q + item.q0 + item.start
         k_row = (item.bt * seqs.num_kv_heads + item.hk) * seqs.n_k + item.k0
         v_row = (item.bt * seqs.num_kv_heads + item.hk) * opts.HEAD_DIM_V
-        mbarrier.wait(q_bufs.empty, (j & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
+        mbarrier.wait(q_bufs.empty, free_phase(j, 1))   # a fresh barrier's previous phase counts as complete
         mailbox.post(t)
         mbarrier.expect(q_bufs.ready, CONSUMERS * q_bytes)
         for c in gl.static_range(CONSUMERS):
@@ -227,12 +228,12 @@ def _loader(descs, q_bufs, ring, mailbox, COUNTER, seqs, opts):
             if QK_SPLIT:
                 tma_load(descs.q2, [q_row + c * HALF_M, D1], q_bufs.ready, q_bufs.q2.index(c))
         for start_n in range(item.lo, item.hi, BLOCK_N):
-            s = i % STAGES
+            s = ring_slot(i, STAGES)
             if opts.NAMED_BARRIERS:   # every consumer thread arrived when done with the buffer's last contents
                 if i >= STAGES:
                     named_barrier(False, RELEASE_BARRIER + s, 32 + CONSUMERS * 128, 1)
             else:   # a fresh barrier's "previous phase" counts as complete: the first STAGES waits pass at once
-                mbarrier.wait(ring.empty.index(s), ((i // STAGES) & 1) ^ 1)
+                mbarrier.wait(ring.empty.index(s), free_phase(i, STAGES))
             mbarrier.expect(ring.ready.index(s), nbytes)
             tma_load(descs.k, [k_row + start_n, 0], ring.ready.index(s), ring.k.index(s))
             if QK_SPLIT:
@@ -241,7 +242,7 @@ def _loader(descs, q_bufs, ring, mailbox, COUNTER, seqs, opts):
             i += 1
         j += 1
         t = claim_item(t, COUNTER, opts.DYNAMIC)
-    mbarrier.wait(q_bufs.empty, (j & 1) ^ 1)   # the consumers read the last item's index: the end may be posted
+    mbarrier.wait(q_bufs.empty, free_phase(j, 1))   # the consumers read the last item's index: the end may be posted
     mailbox.post(t)
 
 
@@ -291,13 +292,13 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, ring, turns, row_consts, lo, hi, item
     if KS_PTR:
         ks_ptr = KS + ks_off + lo + BLOCK_N
     for start_n in range(lo, hi, BLOCK_N):
-        s = it % STAGES
-        mbarrier.wait(ring.ready.index(s), (it // STAGES) & 1)
+        s = ring_slot(it, STAGES)
+        mbarrier.wait(ring.ready.index(s), ring_phase(it, STAGES))
         if PINGPONG:
             if NAMED_BARRIERS:
                 named_barrier(False, TURN_BARRIER + FIRST, 256, 4)
             else:
-                mbarrier.wait(turns.mine, (it & 1) ^ FIRST)
+                mbarrier.wait(turns.mine, ring_phase(it, 1) ^ FIRST)
         s_tok = warpgroup_mma(q, ring.k.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if opts.QK_SPLIT:    # the channels past the first power-of-two block, into the same int32 scores
             s_tok = warpgroup_mma(q2, ring.k2.index(s).permute((1, 0)), s_tok, is_async=True)
@@ -315,16 +316,16 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, ring, turns, row_consts, lo, hi, item
         # The scores as x = 1.5 * 2^23 + S_int read as a float (quantize.int32_times), scaled per row: the K
         # scale is one number a tile, so it joins the row's Q scale (a per-key scale cost one FMA a score).
         s_int = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-        t = (s_int + 0x4B400000).to(gl.float32, bitcast=True)
+        t = (s_int + FLOAT_ROUND_BIAS_BITS).to(gl.float32, bitcast=True)
         # with a cap: tanh((s + shift) / cap), s = ks * (x - 1.5 * 2^23), and q_scale is the cap (forward._fwd_tile)
         if opts.SOFTCAP:
             t_mul = row_consts.cap_a * ks
-            t = tanh_scores(gl.fma(t, t_mul[:, None], (row_consts.cap_b - t_mul * 12582912.0)[:, None]))
+            t = tanh_scores(gl.fma(t, t_mul[:, None], (row_consts.cap_b - t_mul * FLOAT_ROUND_BIAS)[:, None]))
             row_mul = q_scale
             row_add = q_scale * 0.0
         else:   # floored: with an all-zero K tile (scale 0) a masked score would be -inf * 0
             row_mul = gl.maximum(q_scale * ks, 1e-37, propagate_nan=KEEP_NAN)
-            row_add = row_mul * -12582912.0
+            row_add = row_mul * -FLOAT_ROUND_BIAS
         if BAND or (MASKED and IS_VARLEN):
             t = gl.where(key_band_mask(offs_n, rows, start_n, seqlen_k, diag, seqs.window_left, seqs.window_right,
                                          MASK_LEFT, MASK_RIGHT), t, float("-inf"))
@@ -353,7 +354,7 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, ring, turns, row_consts, lo, hi, item
             pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok, ))
         elif PV_E4M3:
             # P's scale per row of the tile, as in INT8: the tile's row maximum maps to 448
-            p_scale = gl.exp2(tile_max - m_ref) * (1.0 / 448.0)
+            p_scale = gl.exp2(tile_max - m_ref) * (1.0 / E4M3_MAX)
             p8 = as_operand(e.to(gl.float8e4nv), opts.V_ORDER, p_layout)
             pv_tok = warpgroup_mma(p8, ring.vt.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
             l_i = l_i * alpha + gl.sum(e, 1) * p_scale
@@ -362,14 +363,14 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, ring, turns, row_consts, lo, hi, item
             acc = acc * alpha_o[:, None]
             pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok, ))
         else:
-            p_scale = gl.exp2(tile_max - m_ref) * (1.0 / 127.0)
+            p_scale = gl.exp2(tile_max - m_ref) * (1.0 / INT8_MAX)
             p8 = as_operand(round_to_int8(e), opts.V_ORDER, p_layout)
             pv_tok = warpgroup_mma(p8, ring.vt.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
             # while P V runs: the row sum, and the rescaled accumulator less the int32_times offset
             l_i = l_i * alpha + gl.sum(e, 1) * p_scale
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
             p_scale_o = gl.convert_layout(p_scale, gl.SliceLayout(1, o_layout))
-            acc = gl.fma(acc, alpha_o[:, None], (p_scale_o * -12582912.0)[:, None])
+            acc = gl.fma(acc, alpha_o[:, None], (p_scale_o * -FLOAT_ROUND_BIAS)[:, None])
             pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok, ))
         if NAMED_BARRIERS:
             named_barrier(True, RELEASE_BARRIER + s, 32 + opts.CONSUMERS * 128, 4)
@@ -377,7 +378,7 @@ def _consume(acc, m_i, l_i, it, ks, q, q2, ring, turns, row_consts, lo, hi, item
             mbarrier.arrive(ring.empty.index(s), count=1)
         it += 1
         if not PV_E4M3:
-            acc = gl.fma((pv + 0x4B400000).to(gl.float32, bitcast=True), p_scale_o[:, None], acc)
+            acc = gl.fma((pv + FLOAT_ROUND_BIAS_BITS).to(gl.float32, bitcast=True), p_scale_o[:, None], acc)
         elif P_STATIC:
             acc = gl.fma(acc, alpha_o[:, None], pv)
         else:
@@ -419,7 +420,8 @@ def _consumer(C: gl.constexpr, turns, q_bufs, ring, mailbox, seqs, scales, outpu
         rows = item.start + C * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
         m_ok = rows < item.seqlen_q
         # kept above zero: masked (-inf) scores are scaled by it, and an all-zero row has scale 0 (a NaN stays)
-        q_scale = gl.maximum(gl.load(scales.QS + qs_off + rows, mask=m_ok, other=0.0), 1e-30, propagate_nan=KEEP_NAN)
+        q_scale = gl.maximum(gl.load(scales.QS + qs_off + rows, mask=m_ok, other=0.0), TINY_SCALE,
+                             propagate_nan=KEEP_NAN)
         cap_a = q_scale     # unused unless SOFTCAP
         cap_b = q_scale
         if SOFTCAP:   # the score's dequantization and the shift back to the caller's scores, both over the cap
@@ -434,7 +436,7 @@ def _consumer(C: gl.constexpr, turns, q_bufs, ring, mailbox, seqs, scales, outpu
         hi = item.hi
         ks = gl.load(scales.KS + ks_off + lo, mask=lo < hi, other=0.0)
 
-        mbarrier.wait(q_bufs.ready, j & 1)
+        mbarrier.wait(q_bufs.ready, ring_phase(j, 1))
         q = q_bufs.q.index(C)
         q2 = q_bufs.q2.index(C)
         row_consts = RowConstants(rows, q_scale, cap_a, cap_b, scales.KS, ks_off)
@@ -457,7 +459,7 @@ def _consumer(C: gl.constexpr, turns, q_bufs, ring, mailbox, seqs, scales, outpu
             sink_row = gl.full([HALF_M], 0.0, gl.float32, row_layout) + gl.load(terms.SINKS + h).to(gl.float32)
             if SINK_MODE == 2:
                 sink_row = sink_row - gl.load(terms.SINK_SHIFT + lse_off + rows, mask=m_ok, other=0.0)
-            sink2 = sink_row * 1.4426950408889634
+            sink2 = sink_row * LOG2E
             top = gl.maximum(lse, sink2)
             new_lse = top + gl.log2(gl.exp2(lse - top) + gl.exp2(sink2 - top))
             inv_l = gl.where(has_keys, gl.exp2(lse - new_lse) / l_i, 0.0)
@@ -467,7 +469,7 @@ def _consumer(C: gl.constexpr, turns, q_bufs, ring, mailbox, seqs, scales, outpu
         offs_d = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
         v_scale = gl.load(scales.VS + vs_off + offs_d)
         if opts.PV_E4M3:   # VS holds each channel's max |v| (quantize_v's e4m3): its scale is max / 448
-            v_scale = v_scale * (1.0 / 448.0)
+            v_scale = v_scale * (1.0 / E4M3_MAX)
         out = acc * inv_l[:, None] * v_scale[None, :]
         rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
         # 64-bit token offsets: a [B, H, N, D] output can pass 2^31 elements

@@ -1,7 +1,8 @@
-"""Gluon helpers both Hopper kernels (forward_hopper.py, backward_hopper.py) inline: the rounding and score math
-they share with the portable kernels, the key-tile ranges and masks of a work item, the loader's work-item
-hand-off to the consumers (an atomic counter, a one-slot mailbox), hardware named barriers, and the register
-relabelling that feeds a wgmma accumulator to the next product as its A operand.
+"""Gluon helpers the Hopper kernels (forward_hopper.py, backward_hopper_dkdv.py, backward_hopper_dq.py) inline: the
+numbers and the rounding and score math they share with the portable kernels, the key-tile ranges and masks of a
+work item, the TMA ring's buffer and barrier phases, the loader's work-item hand-off to the consumers (an atomic
+counter, a one-slot mailbox), hardware named barriers, the TMA reduce-add, and the register relabelling that feeds a
+wgmma accumulator to the next product as its A operand.
 
 Each is a ``@gluon.jit`` function inlined where it is called (a Gluon kernel cannot call ``@triton.jit`` ones, so
 the few lines that repeat quantize.py's and forward.py's arithmetic are written again here). What travels together
@@ -10,17 +11,29 @@ item, the item mailbox here; each kernel's buffers, descriptors, tensors and opt
 """
 from typing import Union
 
+from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin as gl_builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-from triton.language.core import PropagateNan, _aggregate, base_value
+from triton.language.core import PropagateNan, _aggregate, _unwrap_if_constexpr, base_value
+
+from . import constants
 
 # A launch's integer argument as a kernel sees it: a run-time value, or the constant Triton specializes a 1 to
 Scalar = Union[gl.tensor, gl.constexpr]
 
-# FP8 e4m3's largest finite value and its log2: with the pv_e4m3 rule P's (and dO's) largest value maps to it
-E4M3_MAX = gl.constexpr(448.0)
-LOG2_448 = gl.constexpr(8.807354922057604)
+# constants.py's numbers as the Gluon kernels read them (a jit function reads only constexpr globals): INT8's and
+# FP8 e4m3's largest values and their log2 (with the pv_e4m3 rule P's and dO's largest value maps to 448), the
+# smallest max |x| that gets a scale, the float-add rounding trick's bias and its bits, log2(e)
+INT8_MAX = gl.constexpr(constants.INT8_MAX)
+LOG2_127 = gl.constexpr(constants.LOG2_127)
+E4M3_MAX = gl.constexpr(constants.E4M3_MAX)
+LOG2_448 = gl.constexpr(constants.LOG2_448)
+TINY_SCALE = gl.constexpr(constants.TINY_SCALE)
+FLOAT_ROUND_BIAS = gl.constexpr(constants.FLOAT_ROUND_BIAS)
+FLOAT_ROUND_BIAS_BITS = gl.constexpr(constants.FLOAT_ROUND_BIAS_BITS)
+LOG2E = gl.constexpr(constants.LOG2E)
 
 
 def aggregate(cls):
@@ -42,6 +55,17 @@ def aggregate(cls):
 # The TMA load is ``async_load`` from Triton 3.8 on (3.9 removed the old name); 3.6 and 3.7 have only
 # ``async_copy_global_to_shared``. Same arguments in all four.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gl_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Triton 3.8's ``tma.async_atomic_add`` (a TMA reduce-add from shared memory) for 3.6 and 3.7, whose Gluon
+    builder has the op but no function for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+tma_atomic_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add
 
 
 @gluon.constexpr_function
@@ -70,7 +94,7 @@ def nan_max(x, axis: gl.constexpr):
 
 @gluon.jit
 def round_to_int8(x):
-    return (x + 12582912.0).to(gl.int32, bitcast=True).to(gl.int8)
+    return (x + FLOAT_ROUND_BIAS).to(gl.int32, bitcast=True).to(gl.int8)
 
 
 @gluon.jit
@@ -172,6 +196,33 @@ def named_barrier(ARRIVE: gl.constexpr, bar_id, threads, WARPS: gl.constexpr):
                               is_pure=False, pack=1)
 
 
+# The ring's arithmetic as builtins, not @gluon.jit helpers: their ops are traced in place as the expressions they
+# stand for (an inlined jit call adds debug-info labels to the PTX, and ptxas then scheduled some kernels differently).
+@gl_builtin
+def ring_slot(i, STAGES, _semantic=None):
+    """The buffer that use ``i`` (counted from 0, on across work items) of a ``STAGES``-buffer ring takes:
+    ``i % STAGES``."""
+    return i.__mod__(STAGES, _semantic=_semantic)
+
+
+@gl_builtin
+def ring_phase(i, STAGES, _semantic=None):
+    """The phase a wait for use ``i`` of a ``STAGES``-buffer ring's ``ready`` barrier waits for, ``(i // STAGES) & 1``:
+    it flips each time the ring comes round (a one-buffer ring's: every use, ``i & 1``)."""
+    one = gl.constexpr(1)
+    if _unwrap_if_constexpr(STAGES) == 1:
+        return i.__and__(one, _semantic=_semantic)
+    return i.__floordiv__(STAGES, _semantic=_semantic).__and__(one, _semantic=_semantic)
+
+
+@gl_builtin
+def free_phase(i, STAGES, _semantic=None):
+    """The phase the producer's wait on the ``empty`` barrier of use ``i``'s buffer waits for, ``ring_phase ^ 1``: its
+    previous use's release. A fresh barrier's previous phase counts as complete, so the ring's first round passes at
+    once."""
+    return ring_phase(i, STAGES, _semantic=_semantic).__xor__(gl.constexpr(1), _semantic=_semantic)
+
+
 @aggregate
 class Sequences:
     """The batch as a kernel's work items see it: padded lengths ``n_q`` / ``n_k``, or (``IS_VARLEN``) the packed
@@ -246,7 +297,7 @@ class ItemMailbox:
     @gluon.jit
     def next(self, j):
         """A consumer warpgroup waits for the loader's ``j``-th posted item and reads its index."""
-        mbarrier.wait(self.posted, j & 1)
+        mbarrier.wait(self.posted, ring_phase(j, 1))
         return gl.max(self.slot.load(gl.BlockedLayout([1], [32], [4], [0])), 0)
 
 

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import constants
 from .constants import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E, Q_SMOOTH_BLOCK  # noqa: F401  (re-exported)
 from .launch import launch
 from .layout import SeqLayout, cdiv, strides3, strides4
@@ -44,6 +45,16 @@ from .layout import SeqLayout, cdiv, strides3, strides4
 TOKEN_ALIGN = 16        # transposed copies pad the token axis so every row starts 16-byte aligned
 STATS_CHUNK = 512       # tokens per program for a whole sequence's mean or max (padded batches)
 STATS_ROWS = 32         # tokens per load in the statistics kernel (its accumulator holds that many rows)
+
+# constants.py's numbers as @triton.jit code reads them (a jit function reads only constexpr globals): here's,
+# forward.py's and backward.py's. (LOG2E stays the plain float the host code multiplies by.)
+FLOAT_ROUND_BIAS = tl.constexpr(constants.FLOAT_ROUND_BIAS)
+FLOAT_ROUND_BIAS_BITS = tl.constexpr(constants.FLOAT_ROUND_BIAS_BITS)
+TINY_SCALE = tl.constexpr(constants.TINY_SCALE)
+INT8_MAX = tl.constexpr(constants.INT8_MAX)
+LOG2_127 = tl.constexpr(constants.LOG2_127)
+E4M3_MAX = tl.constexpr(constants.E4M3_MAX)
+LOG2E_CONSTEXPR = tl.constexpr(constants.LOG2E)
 
 
 def _field_by_key(self, key):
@@ -90,7 +101,7 @@ def round_to_int8(x):
 
     Adding 1.5 * 2^23 leaves the rounded integer in the low mantissa bits, whose low byte is the int8:
     one float add instead of a float-to-int conversion (those issue at a quarter of the FP32 rate)."""
-    return (x + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+    return (x + FLOAT_ROUND_BIAS).to(tl.int32, bitcast=True).to(tl.int8)
 
 
 @triton.jit
@@ -116,7 +127,7 @@ def int32_times(x, scale):
     column vector): an integer add and one FMA. ``(x + 0x4B400000)`` read as a float is ``1.5 * 2^23 + x``
     exactly; the FMA multiplies and takes off ``1.5 * 2^23 * scale`` with one rounding (an error under one
     unit of ``x``, far below the INT8 quantization error)."""
-    return tl.fma((x + 0x4B400000).to(tl.float32, bitcast=True), scale, scale * -12582912.0)
+    return tl.fma((x + FLOAT_ROUND_BIAS_BITS).to(tl.float32, bitcast=True), scale, scale * -FLOAT_ROUND_BIAS)
 
 
 @triton.jit
@@ -262,29 +273,29 @@ def _quantize_program(
             c_scale = tl.load(CSCALE + h * s_csh + b * s_csb + offs_d, mask=d_ok, other=0.0)
         if E4M3:   # c_scale is the channel's max |x|; a tiny one quantizes to zeros, as in the reference
             # (rounded division: ``/`` is div.full.f32, within 2 ulp, and the reference's bytes need 448 / max's)
-            y = x * tl.where(c_scale > 1e-30, tl.math.div_rn(tl.full([BLOCK_D], 448.0, tl.float32), c_scale),
+            y = x * tl.where(c_scale > TINY_SCALE, tl.math.div_rn(tl.full([BLOCK_D], E4M3_MAX, tl.float32), c_scale),
                              0.0)[None, :]
         else:
             y = x * tl.where(c_scale > 1e-32, 1.0 / c_scale, 0.0)[None, :]
     elif TILE_CHANNELS:   # (e4m3) one scale per channel over the program's tokens, max |x| to 448 (rows past the
         # end hold zeros), written as max / 448 to CSCALE [S, H, tiles, D] at (sequence, head, this tile)
         c_max = nan_max(tl.abs(x), 0)
-        y = x * tl.where(c_max > 1e-30, tl.math.div_rn(tl.full([BLOCK_D], 448.0, tl.float32), c_max), 0.0)[None, :]
-        tl.store(CSCALE + h * s_csh + b * s_csb + pid_t * head_dim + offs_d, c_max * (1.0 / 448.0), mask=d_ok)
+        y = x * tl.where(c_max > TINY_SCALE, tl.math.div_rn(tl.full([BLOCK_D], E4M3_MAX, tl.float32), c_max),
+                         0.0)[None, :]
+        tl.store(CSCALE + h * s_csh + b * s_csb + pid_t * head_dim + offs_d, c_max * (1.0 / E4M3_MAX), mask=d_ok)
     elif E4M3:   # one scale per token, max |x| to 448 (448 / max rounded once, as the reference divides)
         amax = nan_max(tl.abs(x), 1)
-        y = x * tl.where(amax > 1e-30, tl.math.div_rn(tl.full([BLOCK_T], 448.0, tl.float32), amax), 0.0)[:, None]
-        tl.store(SCALE + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / 448.0), mask=t_ok)
+        y = x * tl.where(amax > TINY_SCALE, tl.math.div_rn(tl.full([BLOCK_T], E4M3_MAX, tl.float32), amax), 0.0)[:, None]
+        tl.store(SCALE + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / E4M3_MAX), mask=t_ok)
     else:
         amax = nan_max(tl.abs(x), 1)
         if BLOCK_SCALE:   # one scale for the program's BLOCK_T tokens (rows past the end hold zeros)
             amax = tl.zeros_like(amax) + nan_max(amax, 0)
-        # A row whose largest magnitude is tiny (a denormal) quantizes to zeros: 127 / amax would overflow to
-        # inf and 0 * inf is NaN. 1e-30 is far below any value that moves a bf16 result.
-        y = x * tl.where(amax > 1e-30, 127.0 / amax, 0.0)[:, None]
-        tl.store(SCALE + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / 127.0), mask=t_ok)
+        # A row whose largest magnitude is tiny (a denormal) quantizes to zeros (constants.TINY_SCALE)
+        y = x * tl.where(amax > TINY_SCALE, INT8_MAX / amax, 0.0)[:, None]
+        tl.store(SCALE + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / INT8_MAX), mask=t_ok)
         if WITH_SCALED:   # Q's scale with the softmax scale folded in, as the forward kernels take it
-            tl.store(SCALED + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / 127.0) * scaled_factor, mask=t_ok)
+            tl.store(SCALED + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / INT8_MAX) * scaled_factor, mask=t_ok)
     if E4M3:   # round to nearest even, saturating (cvt.rn.satfinite.e4m3x2.f32, two values an instruction)
         tl.static_assert(not (BLOCK_SCALE or WITH_SCALED), "e4m3 bytes: per channel, per token or per tile channel")
         x8 = y.to(tl.float8e4nv).to(tl.int8, bitcast=True)
@@ -791,7 +802,7 @@ def quantize_v(v4: torch.Tensor, layout: SeqLayout, t_starts=None, v_scale=None,
 def _v_stats_factor(e4m3: bool) -> float:
     """What V's channel maxima are multiplied by into ``quantize_v``'s ``v_scale``: 1/127 (INT8's scale), or 1 with
     e4m3 (the max itself)."""
-    return 1.0 if e4m3 else 1.0 / 127.0
+    return 1.0 if e4m3 else 1.0 / constants.INT8_MAX
 
 
 def _v_options(v4, layout, t_starts, v_scale, operand_order, v_parts, e4m3=False):

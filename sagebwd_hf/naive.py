@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .kernels.constants import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E, Q_SMOOTH_BLOCK
+from .kernels.constants import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, INT8_MAX, LOG2E, Q_SMOOTH_BLOCK, TINY_SCALE
 from .numerics import ACCURATE, DS_TILE, E4M3_MAX, Numerics, round_e4m3
 
 
@@ -88,17 +88,12 @@ def attention_exact(q, k, v, softmax_scale=None, window_size=(-1, -1), dtype=tor
 # The quantized algorithm
 # ---------------------------------------------------------------------------------------------------
 
-# Slices whose largest magnitude is at most this quantize to zeros (as in the kernels): for a denormal maximum,
-# 127 / max overflows to inf and 0 * inf is NaN.
-TINY_MAX = 1e-30
-
-
 def quantize_per_token(x: torch.Tensor):
     """Symmetric INT8 with one scale per row of the last dim (stored as integer-valued fp32)."""
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > TINY_MAX, 127.0 / amax, torch.zeros_like(amax))
-    return torch.round(xf * inv), amax.squeeze(-1) * (1.0 / 127.0)   # the kernels multiply too
+    inv = torch.where(amax > TINY_SCALE, INT8_MAX / amax, torch.zeros_like(amax))
+    return torch.round(xf * inv), amax.squeeze(-1) * (1.0 / INT8_MAX)   # the kernels multiply too
 
 
 def quantize_per_block(x: torch.Tensor, block: int):
@@ -108,15 +103,15 @@ def quantize_per_block(x: torch.Tensor, block: int):
     n = xf.shape[2]
     amax = _tiles(xf.abs().amax(-1), 2, block).amax(-1, keepdim=True)           # [B, H, T, 1]
     amax = amax.expand(*amax.shape[:-1], block).flatten(2)[..., :n]             # [B, H, N]
-    inv = torch.where(amax > TINY_MAX, 127.0 / amax, torch.zeros_like(amax))
-    return torch.round(xf * inv[..., None]), amax * (1.0 / 127.0)
+    inv = torch.where(amax > TINY_SCALE, INT8_MAX / amax, torch.zeros_like(amax))
+    return torch.round(xf * inv[..., None]), amax * (1.0 / INT8_MAX)
 
 
 def _row_quantize(x: torch.Tensor, dim: int, signed: bool):
     """Quantize ``x`` with one scale per slice along ``dim`` (the reduced-over tile axis)."""
     x_max = (x.abs() if signed else x).amax(dim, keepdim=True)
-    inv = torch.where(x_max > TINY_MAX, 127.0 / x_max, torch.zeros_like(x_max))
-    return torch.round(x * inv), x_max * (1.0 / 127.0)     # round half to even, as the kernels do
+    inv = torch.where(x_max > TINY_SCALE, INT8_MAX / x_max, torch.zeros_like(x_max))
+    return torch.round(x * inv), x_max * (1.0 / INT8_MAX)     # round half to even, as the kernels do
 
 
 def _e4m3_per_slice(x: torch.Tensor, dim: int):
@@ -127,7 +122,7 @@ def _e4m3_per_slice(x: torch.Tensor, dim: int):
     # A tensor divided by a tensor: IEEE division on the CPU and CUDA. ``448.0 / x_max`` would be PyTorch's
     # reciprocal times 448, rounded twice; on bf16 inputs x / max is often a ratio of small integers whose product
     # with 448 lies exactly on an e4m3 tie, which the second rounding pushes off it.
-    inv = torch.where(x_max > TINY_MAX, torch.full_like(x_max, E4M3_MAX) / x_max, torch.zeros_like(x_max))
+    inv = torch.where(x_max > TINY_SCALE, torch.full_like(x_max, E4M3_MAX) / x_max, torch.zeros_like(x_max))
     return round_e4m3(x * inv), x_max * (1.0 / E4M3_MAX)
 
 
@@ -136,8 +131,8 @@ def _tile_quantize(x: torch.Tensor, tile: int):
     ends): values ``[B, H, row tiles, tile, col tiles, tile]``, scales ``[B, H, row tiles, col tiles]``."""
     t = _tiles(_tiles(x, 2, tile), 4, tile)
     x_max = t.abs().amax((3, 5), keepdim=True)
-    inv = torch.where(x_max > TINY_MAX, 127.0 / x_max, torch.zeros_like(x_max))
-    return torch.round(t * inv), (x_max * (1.0 / 127.0))[:, :, :, 0, :, 0]
+    inv = torch.where(x_max > TINY_SCALE, INT8_MAX / x_max, torch.zeros_like(x_max))
+    return torch.round(t * inv), (x_max * (1.0 / INT8_MAX))[:, :, :, 0, :, 0]
 
 
 def _q_block_means(qf: torch.Tensor) -> torch.Tensor:
@@ -246,8 +241,8 @@ def sagebwd_forward_naive(q, k, v, softmax_scale, window_size=(-1, -1), k_smooth
     if numerics.pv_e4m3:
         v8, v_scale = _e4m3_per_slice(vf, 2)
     else:
-        v_scale = vf.abs().amax(2, keepdim=True) * (1.0 / 127.0)               # per channel
-        v_inv = torch.where(v_scale > TINY_MAX / 127, 1.0 / v_scale, torch.zeros_like(v_scale))
+        v_scale = vf.abs().amax(2, keepdim=True) * (1.0 / INT8_MAX)               # per channel
+        v_inv = torch.where(v_scale > TINY_SCALE / INT8_MAX, 1.0 / v_scale, torch.zeros_like(v_scale))
         v8 = torch.round(vf * v_inv)
     v8 = _repeat_kv(v8, h)
     v_scale = _repeat_kv(v_scale, h)

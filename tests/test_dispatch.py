@@ -467,7 +467,7 @@ def test_gluon_forward_on_packed_batches(head_dims, window, monkeypatch):
     window its bounds crossed and the loader and consumers disagreed: a hang)."""
     # at D=64 without a mask: three consumer warpgroups (from any length here); 5 programs walk the work items
     # (past a sequence's end too), more than one each
-    monkeypatch.setattr(dispatch, "GLUON_THREE_CONSUMERS_MIN_QUERIES", 1)
+    monkeypatch.setattr(plan, "GLUON_THREE_CONSUMERS_MIN_QUERIES", 1)
     monkeypatch.setattr(plan, "gluon_programs", lambda device: 5)
     lengths = [300, 0, 1, 129, 128, 517]
     h, hk = 4, 2

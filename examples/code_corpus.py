@@ -40,9 +40,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common.arguments import HelpFormatter  # noqa: E402
-from common.data import train_bpe, vocab_fingerprint  # noqa: E402
-from common.files import code_corpus_dir  # noqa: E402
+from common.arguments import HelpFormatter
+from common.data import train_bpe, vocab_fingerprint
+from common.files import code_corpus_dir
 
 
 def parse_args(argv=None):

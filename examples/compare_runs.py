@@ -42,8 +42,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common.arguments import ATTN_IMPLEMENTATIONS, HelpFormatter  # noqa: E402
-from common.metrics import read_metrics  # noqa: E402
+from common.arguments import ATTN_IMPLEMENTATIONS, HelpFormatter
+from common.metrics import read_metrics
 
 PRETRAIN = Path(__file__).resolve().parent / "pretrain.py"
 # pretrain.py flags that this script sets for each run itself.

@@ -31,9 +31,9 @@ from pathlib import Path
 from accelerate.utils import set_seed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import arguments, checkpoints, data, models, training  # noqa: E402
+from common import arguments, checkpoints, data, models, training
 
-import sagebwd_hf  # noqa: E402  (registers attn_implementation="sagebwd" with Transformers)
+import sagebwd_hf  # registers attn_implementation="sagebwd" with Transformers
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DEFAULT_LR, DEMO_LR = 2e-4, 3e-3       # --learning_rate default with --model_name_or_path / with the demo base

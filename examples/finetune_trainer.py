@@ -54,10 +54,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import arguments, checkpoints, data, models, training  # noqa: E402
-from common.metrics import CSVLogger, read_metrics  # noqa: E402
+from common import arguments, checkpoints, data, models, training
+from common.metrics import CSVLogger, read_metrics
 
-import sagebwd_hf  # noqa: E402  (registers attn_implementation="sagebwd" with Transformers)
+import sagebwd_hf  # registers attn_implementation="sagebwd" with Transformers
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 # --learning_rate defaults: (full fine-tuning, LoRA) for the tiny demo base model / a real pre-trained model.

@@ -38,10 +38,10 @@ import torch
 from accelerate.utils import set_seed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import arguments, checkpoints, context_parallel, data, models, training  # noqa: E402
+from common import arguments, checkpoints, context_parallel, data, models, training
 
-import sagebwd_hf  # noqa: E402  (registers attn_implementation="sagebwd" with Transformers)
-from sagebwd_hf import numerics  # noqa: E402
+import sagebwd_hf  # registers attn_implementation="sagebwd" with Transformers
+from sagebwd_hf import numerics
 
 # Peak learning rates that work for each preset (smaller models tolerate larger steps).
 PRESET_LR = {"tiny": 3e-3, "60m": 1e-3, "1b": 3e-4}

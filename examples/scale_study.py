@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common.arguments import HelpFormatter  # noqa: E402
-from common.files import code_corpus_dir  # noqa: E402
+from common.arguments import HelpFormatter
+from common.files import code_corpus_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN = Path(__file__).resolve().parent / "pretrain.py"

@@ -23,7 +23,7 @@ scales), the dQ launch walks 128-key tiles (dS's per-query scales):
   announces it, waits for the other's only after its own dV product, then adds up its half of dQ's channels as
   ``dS K`` in the input dtype over the program's 128 keys (K as exact bf16 integers times its one scale), and a
   TMA reduce-add puts the fp32 result into a zeroed accumulator. dQ's product is unquantized (more accurate) and
-  the adds' order varies: not bit-identical run to run. dispatch.gluon_one_launch_backward says when it runs.
+  the adds' order varies: not bit-identical run to run. plan.gluon_one_launch_backward says when it runs.
 
 Each of the three launches writes every gradient once (deterministic). Why three launches by default and not one:
 INT8 wgmma accumulates in int32 and the quantization scale changes per tile, so each product is dequantized

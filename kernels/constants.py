@@ -44,6 +44,6 @@ K_SCALE_BLOCK = 128
 K_BLOCK_HEAD_DIMS = (64, 128, 192)
 
 # The one-launch backward's query tile: P^T's and dS^T's per-key scales span this many queries, so it is part of
-# the numerics (interface.backward_rule), and CPU code must know it without importing Gluon. With 128 queries S^T
+# the numerics (plan.backward_rule), and CPU code must know it without importing Gluon. With 128 queries S^T
 # and dP^T take 64 registers each and the loop spilled ~1 KB at D=64 (sm_90); 64 is FlashAttention 3's tile there.
 ONE_LAUNCH_QUERY_TILE = 64

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .launch import launch
 from .layout import SeqLayout, cdiv, maybe, strides3, strides4
-from .plan import block_dim  # noqa: F401  (the portable kernels' head-dim tile: re-exported)
+from .plan import block_dim  # (the portable kernels' head-dim tile: re-exported)
 from .quantize import (INT8_MAX, LOG2_127, LOG2E, LOG2E_CONSTEXPR, Q_SMOOTH_BLOCK, TINY_SCALE, _seq_bounds, int32_times,
                        round_to_int8)
 

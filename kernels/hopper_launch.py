@@ -145,13 +145,13 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
                         programs=None, v_operand_order=False, counter=None, pv_e4m3=False, p_static=False):
     """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift``,
     ``softcap``, ``shift`` as there). ``pingpong`` defaults to on at V's head dim 128 and off at 64; the op
-    passes ``dispatch.gluon_forward_pingpong``'s choice (off is faster for short unmasked calls and MLA's head
+    passes ``plan.gluon_forward_pingpong``'s choice (off is faster for short unmasked calls and MLA's head
     dims).
     ``named_barriers``: the turns and the buffer releases on hardware named barriers, each thread arriving for
     itself, instead of mbarriers (whose one-thread arrivals Gluon precedes with a ``bar.sync`` of the warpgroup:
     three of a tile's four go); default on at V's head dim 128, where kernels alone ran 1.00-1.05x faster with two
     consumers and 1.01-1.04x with three (H100), off at 64 (0.98-1.03x).
-    ``programs``: launch this many programs (``dispatch.gluon_programs``: one per SM), each taking work
+    ``programs``: launch this many programs (``plan.gluon_programs``: one per SM), each taking work
     items (the query rows of one sequence and head) from an atomic counter until none is left, so the next item's
     Q and first K / V tiles load while this one's epilogue runs, and causal calls' items of unequal length balance
     (a static round-robin did not); None (or at least one per item): one program per work item.

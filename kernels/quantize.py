@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from . import constants
-from .constants import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E, Q_SMOOTH_BLOCK  # noqa: F401  (re-exported)
+from .constants import K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E, Q_SMOOTH_BLOCK  # (re-exported)
 from .launch import launch
 from .layout import SeqLayout, cdiv, strides3, strides4
 

@@ -22,15 +22,15 @@ def _mount_kernels():
 _mount_kernels()
 
 from .interface import sagebwd_attn_func, sagebwd_attn_varlen_func  # noqa: E402
-from .transformers_integration import attention_stats, reset_attention_stats  # noqa: E402,F401  (registers "sagebwd")
+from .transformers_integration import attention_stats, reset_attention_stats  # noqa: E402  (registers "sagebwd")
 
 __all__ = ["sagebwd_attn_func", "sagebwd_attn_varlen_func"]
 __version__ = "0.2.0"
-from .config import (SageBwdOptions, clear_options, configure, get_global_options, get_options,  # noqa: E402,F401
+from .config import (SageBwdOptions, clear_options, configure, get_global_options, get_options,  # noqa: E402
                      options_for, reset_global_options, set_global_options)
 __all__ += ["SageBwdOptions", "configure", "get_options", "options_for", "set_global_options",
             "get_global_options", "reset_global_options", "clear_options"]
-from .qk_norm import (QK_NORM_TOKENS_THRESHOLD, Finding, add_qk_norm, check_training_setup,  # noqa: E402,F401
+from .qk_norm import (QK_NORM_TOKENS_THRESHOLD, Finding, add_qk_norm, check_training_setup,  # noqa: E402
                       has_qk_norm, load_with_qk_norm, qk_norm_parameters)
 __all__ += ["add_qk_norm", "has_qk_norm", "qk_norm_parameters", "load_with_qk_norm", "check_training_setup",
             "Finding", "QK_NORM_TOKENS_THRESHOLD"]

@@ -340,7 +340,7 @@ def test_gluon_backward_matches_reference(case, monkeypatch):
     """dQ, dK, dV of the Gluon backward (kernels/backward_hopper.py) against the reference and the portable
     kernels, over the padded grid (GQA summed over the group, Nq != Nk, rows that see no key, windows, MLA's
     head dims); where the default (``SAGEBWD_BACKWARD=fast``) takes the one launch (head dim 64), that too,
-    against the reference of its rule (interface.backward_rule)."""
+    against the reference of its rule (plan.backward_rule)."""
     b, h, hk, nq, nk, d, causal, window, dv = _unpack(case)
     q, k, v, do = make_qkv(b, h, hk, nq, nk, d, torch.bfloat16, "cuda", head_dim_v=dv)
     kw = dict(causal=causal, window_size=window)
@@ -540,10 +540,10 @@ def test_one_launch_backward_rule(monkeypatch):
 
 
 def test_backward_rule_and_the_pytorch_path_follow_the_one_launch(monkeypatch):
-    """interface.backward_rule says what a backward computes: the one launch's rule (64-query tiles, dQ from dS
-    in the inputs' dtype) where the Gluon kernels run at head dim 64 and determinism is not asked for, the three
-    launches' elsewhere; the PyTorch path computes the rule of its device (here a CPU made to look like a
-    Hopper GPU), so that a GPU's ``backend="naive"`` is the reference of its default."""
+    """plan.backward_rule (interface.backward_rule too) says what a backward computes: the one launch's rule
+    (64-query tiles, dQ from dS in the inputs' dtype) where the Gluon kernels run at head dim 64 and determinism is
+    not asked for, the three launches' elsewhere; the PyTorch path computes the rule of its device (here a CPU made
+    to look like a Hopper GPU), so that a GPU's ``backend="naive"`` is the reference of its default."""
     from sagebwd_hf.naive import sagebwd_backward_naive, sagebwd_forward_naive
     monkeypatch.delenv(dispatch.BACKWARD_ENV, raising=False)
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)

@@ -56,7 +56,7 @@ def _case_id(c):
 def _check_against_reference(attn, q, k, v, do, rule, label):
     """The op's forward and backward with ``precision=rule`` on the kernels (``attn``: the op with the call's other
     arguments) against the reference's of the same rule (``backend="naive"``, which computes the rule of the
-    backward the kernels run: interface.backward_rule). Returns (the rule's kernel results, the accurate kernel's).
+    backward the kernels run: plan.backward_rule). Returns (the rule's kernel results, the accurate kernel's).
 
     dV's bound: dO's e4m3 bytes are the reference's (the dO pass test), and S^T, P^T's exponent, the per-key maxima
     and the epilogue are the accurate kernel's code: what those differ by is measured here, as the accurate kernel

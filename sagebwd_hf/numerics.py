@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-E4M3_MAX = 448.0      # the largest finite float8 e4m3fn value
-INT8_MAX = 127.0
+from .kernels.constants import E4M3_MAX, INT8_MAX  # (named here too: the rules' scales)
+
 DS_TILE = 64          # queries and keys per dS scale under ds_tile; tokens per Q scale in dK's product
 
 

@@ -29,6 +29,7 @@ dO's (the backward) in one launch, Q's also zeroing the Gluon launches' work cou
 backward's dQ accumulator. Every byte is the separate passes' (tests/test_launch_count.py compares them).
 """
 import functools
+import os
 import warnings
 import weakref
 from typing import NamedTuple, Optional
@@ -104,6 +105,9 @@ def round_to_int8(x):
     return (x + FLOAT_ROUND_BIAS).to(tl.int32, bitcast=True).to(tl.int8)
 
 
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")   # kernels run by Triton's interpreter
+
+
 @triton.jit
 def _max_keeping_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
@@ -116,8 +120,14 @@ def nan_max(x, axis: tl.constexpr):
     A scale is this max over 127 (or 448). ``tl.max`` skips NaN on the GPU (PTX ``max``), and an inf max makes the
     block's bytes 0 with an inf scale that cancels against them: either way a NaN or inf input gave finite outputs
     where SDPA's are NaN. With the scale NaN, every product that reads the block is NaN, as in SDPA (more elements
-    than SDPA's where the block holds more than the bad one). One ``max.NaN`` a step, the cost of ``max``."""
-    m = tl.reduce(x, axis, _max_keeping_nan)
+    than SDPA's where the block holds more than the bad one). One ``max.NaN`` a step, the cost of ``max``.
+    (Under Triton's interpreter a reduction with a combine function of our own calls it once an element in Python,
+    and its ``tl.max`` skips NaN too: there the max plus the sum of ``x * 0``, which is NaN where any element is NaN
+    or inf and 0 elsewhere, gives the same numbers with numpy's reductions.)"""
+    if INTERPRETED:
+        m = tl.max(x, axis) + tl.sum(x * 0.0, axis)
+    else:
+        m = tl.reduce(x, axis, _max_keeping_nan)
     return tl.where(m == float("inf"), float("nan"), m)
 
 

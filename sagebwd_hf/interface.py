@@ -29,6 +29,8 @@ _PACKAGE = __name__.split(".")[0] + "."
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 _warned = set()
+
+
 def _warn_once(key: str, message: str):
     """Warn once per process, pointing at the caller's line that called into this package."""
     if key not in _warned:

@@ -138,6 +138,9 @@ def make_method(name, shape, torch, F, ctx):
         return (lambda q, k, v: ctx["sagebwd_attn_func"](q, k, v, causal=causal)), ""
     if name == "sagebwd_fast":
         return (lambda q, k, v: ctx["sagebwd_attn_func"](q, k, v, causal=causal, precision="fast")), ""
+    if name.startswith("sagebwd@"):   # any precision (sagebwd_hf.numerics), e.g. sagebwd@pv_e4m3+dk_e4m3
+        precision = name.split("@", 1)[1]
+        return (lambda q, k, v: ctx["sagebwd_attn_func"](q, k, v, causal=causal, precision=precision)), ""
     if name == "sagebwd_sinks":
         sinks = torch.randn(shape.heads, device="cuda", requires_grad=True)   # its gradient is computed too
         return (lambda q, k, v: ctx["sagebwd_attn_func"](q, k, v, causal=causal, sinks=sinks)), ""
@@ -422,7 +425,8 @@ def main():
     p.add_argument("--no-gqa-shapes", action="store_true", help="leave out the two extra GQA shapes")
     p.add_argument("--mla", action="store_true", help="add MLA's head dims (Q/K 192, V 128, 16 heads) at each N")
     p.add_argument("--methods", "--backends", nargs="+", default=DEFAULT_METHODS,
-                   help=f"of {METHODS + ['efficient']} (sageattn is skipped when not installed)")
+                   help=f"of {METHODS + ['efficient']} (sageattn is skipped when not installed), or sagebwd@PRECISION "
+                        "(any preset or rules joined by '+')")
     p.add_argument("--reps", type=int, default=10, help="fewest timed reps per mode")
     p.add_argument("--max-reps", type=int, default=50)
     p.add_argument("--budget-ms", type=float, default=100.0, help="more reps while they fit in this")
@@ -436,7 +440,7 @@ def main():
         return
     if not shapes:
         sys.exit("no shape matches --shapes")
-    bad = [m for m in args.methods if m not in METHODS + ["efficient"]]
+    bad = [m for m in args.methods if m not in METHODS + ["efficient"] and not m.startswith("sagebwd@")]
     if bad:
         sys.exit(f"unknown method(s) {bad}; choose from {METHODS + ['efficient']}")
 
@@ -489,7 +493,7 @@ def main():
             note = ""
             try:
                 try:
-                    res = bench(torch, fn, name in TRAIN_METHODS, q, k, v, do, args)
+                    res = bench(torch, fn, name in TRAIN_METHODS or name.startswith("sagebwd@"), q, k, v, do, args)
                 except RuntimeError as e:
                     if not fallback:
                         raise
@@ -514,7 +518,8 @@ def main():
                        fwd_bwd_tflops=((s.flops + s.bwd_flops) / res["fwd_bwd_ms"] * 1e-9
                                        if res.get("fwd_bwd_ms") else None),
                        peak_gib=res["peak_gib"], out_cos=cosine(out, ref) if ref is not None else None,
-                       note=res["note"] + ("" if name in TRAIN_METHODS else "forward only"))
+                       note=res["note"] + ("" if name in TRAIN_METHODS or name.startswith("sagebwd@") else
+                                           "forward only"))
             for r in REFS:
                 for key in ("fwd_ms", "bwd_ms", "fwd_bwd_ms"):
                     rr = results.get(r, {}).get(key)

@@ -116,7 +116,13 @@ def backward(q4, k4, v4, o4, do4, lse, dq4, dk4, dv4, call: Call, plan: Backward
                                    row_shift=call.need_shift, operand_order=gluon, t_starts_q=starts_q,
                                    t_starts_k=starts_k, k_transposed=not one_launch, zero_ints=counters,
                                    zero_rows=dq_acc, do_e4m3=plan.pv_e4m3,
-                                   do_channel_tile=rule.block_m_dkdv if plan.p_static else None)
+                                   do_channel_tile=rule.block_m_dkdv if plan.p_static else None,
+                                   do_group=q4.shape[1] // k4.shape[1] if plan.do_sequence else None)
+    q_e4m3 = None
+    if plan.dk_e4m3:   # dK's operand: Q^T in e4m3, one scale per token (its own pass)
+        q_e4m3 = quantize(q4, lay_q, natural=False, transposed=True, e4m3=True, operand_order=gluon,
+                          t_starts=starts_q)
+        q_e4m3 = (q_e4m3.x8t, q_e4m3.scale)
     q_shift = quant.q_shift if call.need_shift else None
     if call.q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
         raw = quantize(q4, lay_q, natural=False, transposed=True)
@@ -135,7 +141,9 @@ def backward(q4, k4, v4, o4, do4, lse, dq4, dk4, dv4, call: Call, plan: Backward
                                         programs=plan.programs, operand_order=True,
                                         packing=(lay_q, lay_k, starts_q, starts_k) if varlen else None,
                                         fused_dq=one_launch, counters=counters, dq_acc=dq_acc,
-                                        pv_e4m3=plan.pv_e4m3, p_static=plan.p_static, **term, **cap_args)
+                                        pv_e4m3=plan.pv_e4m3, p_static=plan.p_static,
+                                        fused_dkdv=plan.in_place and not one_launch, q_e4m3=q_e4m3,
+                                        in_place=plan.in_place, **term, **cap_args)
         dispatch.count("bwd_gluon_one_launch" if one_launch else "bwd_gluon")
     else:
         launch_backward(quant, q8rt, q_scale_raw, quant.k8t, v4, do4, do_q.x8t, do_q.scale, lse, do_q.delta, dq4,

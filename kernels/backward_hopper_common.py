@@ -8,8 +8,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma
 
-from .hopper_common import (FLOAT_ROUND_BIAS, FLOAT_ROUND_BIAS_BITS, INT8_MAX, TINY_SCALE, Scalar, aggregate,
-                            as_operand, round_to_int8)
+from .hopper_common import (E4M3_MAX, FLOAT_ROUND_BIAS, FLOAT_ROUND_BIAS_BITS, INT8_MAX, TINY_SCALE, Scalar,
+                            aggregate, as_operand, round_to_int8)
 
 HALF_N = gl.constexpr(64)     # rows per consumer warpgroup (one wgmma M): keys (key-tile launches) or queries (dQ)
 STAGES = gl.constexpr(2)      # buffers of the loader's TMA ring: query tiles (key-tile launches) or key tiles (dQ)
@@ -87,6 +87,28 @@ def accumulate_product(acc, x8, x_scale, b_smem):
     prod = warpgroup_mma(x8, b_smem.permute((1, 0)), gl.zeros(acc.shape, gl.int32, o_layout), use_acc=False)
     return gl.fma((prod + FLOAT_ROUND_BIAS_BITS).to(gl.float32, bitcast=True), x_scale[:, None],
                   acc + (x_scale * -FLOAT_ROUND_BIAS)[:, None])
+
+
+@gluon.jit
+def running_scale(acc_scale, x_scale):
+    """An accumulator that sums in place: each row's scale after this tile (the tile's ``x_scale``, or the old
+    ``acc_scale`` where the tile's row is all zeros) and the factor the accumulator's row takes first. The sum over
+    tiles is then the reference's ``sum_t (x8_t @ B) * x_scale_t``, up to the fp32 rounding of the factors; a NaN
+    scale reaches the accumulator."""
+    x_scale = gl.convert_layout(x_scale, acc_scale.type.layout, assert_trivial=True)
+    empty = x_scale <= TINY_SCALE * (1.0 / E4M3_MAX)
+    return gl.where(empty, acc_scale, x_scale), gl.where(empty, 1.0, acc_scale / x_scale)
+
+
+@gluon.jit
+def accumulate_in_place(acc, factor, x8, b_smem):
+    """``acc = acc * factor + x8 @ B``: an FP8 e4m3 product from registers into the fp32 accumulator itself (one
+    wgmma chain over every tile: no second register set, no per-tile conversion), its rows rescaled first to the
+    tile's scales (running_scale)."""
+    o_layout: gl.constexpr = acc.type.layout
+    x8 = gl.convert_layout(x8, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4), assert_trivial=True)
+    factor = gl.convert_layout(factor, gl.SliceLayout(1, o_layout), assert_trivial=True)
+    return warpgroup_mma(x8, b_smem.permute((1, 0)), acc * factor[:, None])
 
 
 @gluon.jit

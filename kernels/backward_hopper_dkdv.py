@@ -7,8 +7,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .backward_hopper_common import (HALF_N, STAGES, CallerRows, KeyScales, accumulate_product, no_tiles_unless,
-                                     quantize_rows, sequence_bounds, store_rows)
+from .backward_hopper_common import (HALF_N, STAGES, CallerRows, KeyScales, accumulate_in_place, accumulate_product,
+                                     no_tiles_unless, quantize_rows, running_scale, sequence_bounds, store_rows)
 from .hopper_common import (E4M3_MAX, FLOAT_ROUND_BIAS, FLOAT_ROUND_BIAS_BITS, LOG2_448, TINY_SCALE, ItemMailbox,
                             Scalar, Sequences, WorkItem, aggregate, as_operand, ceil_to, claim_item, floor_to,
                             free_phase, inside_sequences, named_barrier, nan_max, ring_phase, ring_slot, split_item,
@@ -16,7 +16,8 @@ from .hopper_common import (E4M3_MAX, FLOAT_ROUND_BIAS, FLOAT_ROUND_BIAS_BITS, L
 
 BLOCK_N = gl.constexpr(128)   # keys per program: two consumers
 # per-query vectors the loader stages beside each query tile: one row each of vec_smem per stage
-VQS, VLSE, VDOS, VDELTA, VQSR, VSHIFT, NVEC = (gl.constexpr(i) for i in range(7))
+# (the rows a launch uses come first: ``KeyTileOptions.NVEC`` rows a stage, dO's scales and the shift only where read)
+VQS, VLSE, VDELTA, VQSR, VDOS, VSHIFT = (gl.constexpr(i) for i in range(6))
 # Hardware barrier ids of the one launch (Gluon's own take ids 0-4): consumer C's K operand for dQ is stored
 # (_k_operand) on 9 + C; consumer C announces its dS^T tile of parity p on 11 + 2C + p (_dq_signal)
 K_OPERAND_BARRIER = gl.constexpr(9)
@@ -43,8 +44,8 @@ class KeyTileDescriptors:
 class QueryRing:
     """The ``STAGES`` shared-memory buffers the key-tile launches stream a query tile through: Q8, Q8^T, dO, dO8^T
     (``q2`` / ``qt2``: the channels past the first block; a buffer a launch does not need is another one standing
-    in), and the per-query vectors (``vec``: ``NVEC`` rows a stage); each stage ``ready`` once the loader's bytes
-    and vectors landed, ``empty`` once both consumers are done with it."""
+    in), and the per-query vectors (``vec``: ``KeyTileOptions.NVEC`` rows a stage); each stage ``ready`` once the
+    loader's bytes and vectors landed, ``empty`` once both consumers are done with it."""
     q: gl.shared_memory_descriptor
     q2: gl.shared_memory_descriptor
     qt: gl.shared_memory_descriptor
@@ -91,7 +92,9 @@ class QueryVectors:
 @aggregate
 class KeyGradients:
     """What the key-tile launches write: dV and dK [B, Hk, N, D] with their batch, head and token strides, and the
-    softmax scale dK is multiplied by."""
+    softmax scale dK is multiplied by; with ``P_STATIC`` and ``IN_PLACE`` dO's channel maxima of each sequence and KV
+    group ``DOS`` [S, H, Dv] (read at the group's first head) with sequence and head strides, which dV's columns take
+    at the end."""
     DV: gl.tensor
     s_dvb: Scalar
     s_dvh: Scalar
@@ -101,6 +104,9 @@ class KeyGradients:
     s_dkh: Scalar
     s_dkt: Scalar
     softmax_scale: gl.tensor
+    DOS: gl.tensor
+    s_dtb: Scalar
+    s_dth: Scalar
 
 
 @aggregate
@@ -134,6 +140,10 @@ class KeyTileOptions:
     DYNAMIC: gl.constexpr
     PV_E4M3: gl.constexpr
     P_STATIC: gl.constexpr
+    DK_E4M3: gl.constexpr
+    IN_PLACE: gl.constexpr
+    NVEC: gl.constexpr
+    ASYNC: gl.constexpr
 
 
 @aggregate
@@ -278,34 +288,40 @@ def _loader(descs, ring, own, mailbox, COUNTER, seqs, vectors, key_scales, calle
                 if SOFTCAP:
                     if TILE_KS:   # the add trick's offset joins the shift: the cap's argument is one FMA
                         shift = gl.fma(q_scale, -FLOAT_ROUND_BIAS, shift)
-                    ring.vec.index(NVEC * s + VSHIFT).store(shift)
-                ring.vec.index(NVEC * s + VQS).store(q_scale)
+                    ring.vec.index(opts.NVEC * s + VSHIFT).store(shift)
+                ring.vec.index(opts.NVEC * s + VQS).store(q_scale)
                 lse = gl.load(vectors.LSE + base, mask=ok, other=float("inf"))
-                if DO_DV and opts.P_STATIC:
+                if DO_DV and opts.P_STATIC and opts.IN_PLACE:   # (dO's channel scales: the consumers' epilogue)
+                    if FOLD or opts.ASYNC:
+                        lse = lse - LOG2_448
+                elif DO_DV and opts.P_STATIC:
                     # dO's scales per channel of this query tile (the row's first HEAD_DIM_V entries), with P^T's
                     # fixed 1/448; P^T = 448 p needs no per-query factor (FOLD: 448 into its exponent)
                     # (32-bit offsets: the scales number dO's elements / BLOCK_Q)
                     tile_row = (item.b * vectors.s_dtb + (hk * seqs.group + g) * vectors.s_dth
                                 + (start_m // BLOCK_Q) * opts.HEAD_DIM_V)
                     tile_scales = gl.load(vectors.DOS + tile_row + offs, mask=offs < opts.HEAD_DIM_V, other=0.0)
-                    ring.vec.index(NVEC * s + VDOS).store(tile_scales * (1.0 / E4M3_MAX))
+                    ring.vec.index(opts.NVEC * s + VDOS).store(tile_scales * (1.0 / E4M3_MAX))
                     if FOLD:
                         lse = lse - LOG2_448
                 elif DO_DV:
                     do_scale = gl.load(vectors.DOS + base, mask=ok, other=0.0)
-                    ring.vec.index(NVEC * s + VDOS).store(do_scale)
+                    ring.vec.index(opts.NVEC * s + VDOS).store(do_scale)
                     if FOLD:    # log2 of dO's scale folded into P^T's exponent (log2(0) - lse = -inf: P^T 0)
                         lse = lse - gl.log2(do_scale)
                 if DO_DK:
-                    ring.vec.index(NVEC * s + VDELTA).store(gl.load(vectors.DELTA + base, mask=ok, other=0.0))
+                    delta = gl.load(vectors.DELTA + base, mask=ok, other=0.0)
+                    if opts.ASYNC:   # P^T holds 448 p: dS^T = P^T (dP^T / 448 - delta / 448)
+                        delta = delta * (1.0 / E4M3_MAX)
+                    ring.vec.index(opts.NVEC * s + VDELTA).store(delta)
                     qr_scale = gl.load(vectors.QSR + base, mask=ok, other=0.0)
                     if FOLD:    # dK alone: Q's scale into the exponent instead (dS^T = P^T (dP^T - delta) * it)
                         lse = lse - gl.log2(qr_scale)
                     else:
-                        ring.vec.index(NVEC * s + VQSR).store(qr_scale)
+                        ring.vec.index(opts.NVEC * s + VQSR).store(qr_scale)
                 if TILE_KS and not SOFTCAP:   # P^T's exponent offset: the add trick's, less lse
                     lse = gl.fma(q_scale, -FLOAT_ROUND_BIAS, -lse)
-                ring.vec.index(NVEC * s + VLSE).store(lse)
+                ring.vec.index(opts.NVEC * s + VLSE).store(lse)
                 mbarrier.arrive(ring.ready.index(s), count=1)     # the second of ready's two arrivals
                 i += 1
         j += 1
@@ -357,14 +373,16 @@ def _accumulate_e4m3(acc, x8, x_scale, b_smem, PER_COLUMN: gl.constexpr):
 
 
 @gluon.jit
-def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, lo, hi, item, seqs, softcap2, MASKED: gl.constexpr,
-                   opts, dq_x, dq_row, dq_scale):
+def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, ring, lo, hi, item, seqs, softcap2,
+                   MASKED: gl.constexpr, opts, dq_x, dq_row, dq_scale):
     """Query tiles ``[lo, hi)`` of one head for one warpgroup's 64 keys: dV += P^T dO and/or dK += dS^T Q
     (``QK_SPLIT``: Q's channels past the first block into ``dk2_acc``). ``TILE_KS``: the item's keys share one K
     scale, which the loader folded into the per-query vectors with the add trick's offset (q_scale * k_scale and
     that times -1.5 * 2^23 less lse), so S^T's dequantization and P^T's exponent are one FMA a score.
     ``DO_DQ``: also dQ += dS K in the input dtype (_dq_signal, _dq_issue), reduce-added to an fp32 accumulator
-    (_reduce_dq)."""
+    (_reduce_dq). ``DK_E4M3``: dS^T and Q^T in FP8 e4m3 (Q's per-token e4m3 scale folded into dS^T as in INT8).
+    ``IN_PLACE`` (e4m3 products): dV and dK sum in their accumulators themselves, each key row in units of its
+    latest tile's scale (``dv_scale``, ``dk_scale``; running_scale), applied once at the end."""
     BLOCK_Q: gl.constexpr = opts.BLOCK_Q
     QK_SPLIT: gl.constexpr = opts.QK_SPLIT
     DO_DK: gl.constexpr = opts.DO_DK
@@ -376,7 +394,12 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, lo, hi, item, seq
     ORDER: gl.constexpr = opts.ORDER
     PV_E4M3: gl.constexpr = opts.PV_E4M3
     P_STATIC: gl.constexpr = opts.P_STATIC
+    DK_E4M3: gl.constexpr = opts.DK_E4M3
+    IN_PLACE: gl.constexpr = opts.IN_PLACE
+    ASYNC: gl.constexpr = opts.ASYNC
     gl.static_assert(PV_E4M3 or not P_STATIC, "a fixed P scale only with e4m3 P^T dO")
+    gl.static_assert(not IN_PLACE or ((not DO_DV or PV_E4M3) and (not DO_DK or DK_E4M3)),
+                     "in place: e4m3 products")
     MASK_LEFT: gl.constexpr = seqs.MASK_LEFT
     MASK_RIGHT: gl.constexpr = seqs.MASK_RIGHT
     C: gl.constexpr = key_ops.C
@@ -406,11 +429,11 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, lo, hi, item, seq
             st_int = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))   # P^T's math under dP^T's product
         else:
             st_int = warpgroup_mma_wait(num_outstanding=0, deps=(st_tok, ))
-        q_scale = ring.vec.index(NVEC * s + VQS).load(col_layout)
-        lse = ring.vec.index(NVEC * s + VLSE).load(col_layout)
+        q_scale = ring.vec.index(opts.NVEC * s + VQS).load(col_layout)
+        lse = ring.vec.index(opts.NVEC * s + VLSE).load(col_layout)
         bits = (st_int + FLOAT_ROUND_BIAS_BITS).to(gl.float32, bitcast=True)
         if SOFTCAP:   # capped scores as in the forward; tanh kept for the cap's derivative in dS^T
-            shift = ring.vec.index(NVEC * s + VSHIFT).load(col_layout)
+            shift = ring.vec.index(opts.NVEC * s + VSHIFT).load(col_layout)
             if TILE_KS:   # (q_scale and shift hold the K scale and the add trick's offset: see the loader)
                 tht = tanh_scores(gl.fma(bits, q_scale[None, :], shift[None, :]))
             else:
@@ -437,39 +460,64 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, lo, hi, item, seq
         if DO_DV:
             xv = pt
             if P_STATIC:   # P^T = 448 p straight to e4m3 (no per-key max); dO's scales are per channel
-                if not FOLD:
+                if not (FOLD or ASYNC):
                     xv = xv * E4M3_MAX
                 pv8 = as_operand(xv.to(gl.float8e4nv), ORDER, p_layout)
+                if ASYNC:   # dV's product under dS^T's math
+                    dv_tok = warpgroup_mma(gl.convert_layout(pv8, gl.DotOperandLayout(0, dv_acc.type.layout, 4),
+                                                             assert_trivial=True),
+                                           ring.dot.index(s).permute((1, 0)), dv_acc, is_async=True)
             else:
                 if not FOLD:
-                    xv = xv * ring.vec.index(NVEC * s + VDOS).load(col_layout)[None, :]
+                    xv = xv * ring.vec.index(opts.NVEC * s + VDOS).load(col_layout)[None, :]
                 if PV_E4M3:
                     pv8, pv_scale = _e4m3_rows(xv, nan_max(xv, 1), ORDER, p_layout, o_layout)
                 else:
                     pv8, pv_scale = quantize_rows(xv, nan_max(xv, 1), ORDER, p_layout, o_layout)
         if DO_DK:
-            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_tok, ))
-            delta = ring.vec.index(NVEC * s + VDELTA).load(col_layout)
-            xk = pt * (gl.convert_layout(dpt, s_layout) - delta[None, :])
+            dpt = warpgroup_mma_wait(num_outstanding=1 if ASYNC else 0, deps=(dpt_tok, ))
+            delta = ring.vec.index(opts.NVEC * s + VDELTA).load(col_layout)
+            if ASYNC:   # (P^T holds 448 p, delta / 448 the loader's: one FMA for the subtraction and the 1 / 448)
+                xk = pt * gl.fma(gl.convert_layout(dpt, s_layout), 1.0 / E4M3_MAX, -delta[None, :])
+            else:
+                xk = pt * (gl.convert_layout(dpt, s_layout) - delta[None, :])
             if DO_DQ:   # dS^T itself (no FOLD, no cap here): stored and announced now, multiplied after dV's product
                 if it % 2 == 0:   # (constant buffer indices: see _dq_issue)
                     _dq_signal(xk, dq_x.ds.index(C), C, it)
                 else:
                     _dq_signal(xk, dq_x.ds.index(2 + C), C, it)
-                xk = xk * ring.vec.index(NVEC * s + VQSR).load(col_layout)[None, :]
+                xk = xk * ring.vec.index(opts.NVEC * s + VQSR).load(col_layout)[None, :]
             else:
                 if not FOLD:   # (FOLD: Q's scale already sits in P^T's exponent)
-                    xk = xk * ring.vec.index(NVEC * s + VQSR).load(col_layout)[None, :]
+                    xk = xk * ring.vec.index(opts.NVEC * s + VQSR).load(col_layout)[None, :]
                 if SOFTCAP:   # dS^T with respect to the uncapped score: times 1 - tanh^2
                     xk = xk * (1.0 - tht * tht)
-            ds8, ds_scale = quantize_rows(xk, nan_max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
-        if DO_DV:
-            if P_STATIC:   # dO's channel scales of this tile (times 1/448: the loader's)
-                dos_row = ring.vec.index(NVEC * s + VDOS)
+            if DK_E4M3:
+                ds8, ds_scale = _e4m3_rows(xk, nan_max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
+            else:
+                ds8, ds_scale = quantize_rows(xk, nan_max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
+            if ASYNC:   # dK's product before the wait for the other consumer's dS^T
+                dk_scale, factor = running_scale(dk_scale, ds_scale)
+                factor = gl.convert_layout(factor, gl.SliceLayout(1, dk_acc.type.layout), assert_trivial=True)
+                dk_tok = warpgroup_mma(gl.convert_layout(ds8, gl.DotOperandLayout(0, dk_acc.type.layout, 4),
+                                                         assert_trivial=True),
+                                       ring.qt.index(s).permute((1, 0)), dk_acc * factor[:, None], is_async=True)
+        if ASYNC:
+            pass
+        elif DO_DV:
+            if P_STATIC and IN_PLACE:   # dO's channel scales hold for the sequence: applied once at the end
+                dv_acc = warpgroup_mma(gl.convert_layout(pv8, gl.DotOperandLayout(0, dv_acc.type.layout, 4),
+                                                         assert_trivial=True),
+                                       ring.dot.index(s).permute((1, 0)), dv_acc)
+            elif P_STATIC:   # dO's channel scales of this tile (times 1/448: the loader's)
+                dos_row = ring.vec.index(opts.NVEC * s + VDOS)
                 if opts.HEAD_DIM_V < BLOCK_Q:
                     dos_row = dos_row.slice(0, opts.HEAD_DIM_V)
                 dv_acc = _accumulate_e4m3(dv_acc, pv8, dos_row.load(gl.SliceLayout(0, dv_acc.type.layout)),
                                           ring.dot.index(s), True)
+            elif IN_PLACE:
+                dv_scale, factor = running_scale(dv_scale, pv_scale)
+                dv_acc = accumulate_in_place(dv_acc, factor, pv8, ring.dot.index(s))
             elif PV_E4M3:
                 dv_acc = _accumulate_e4m3(dv_acc, pv8, pv_scale, ring.dot.index(s), False)
             else:
@@ -482,16 +530,31 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, lo, hi, item, seq
             else:
                 dq_tok = _dq_issue(dq_x.ds.index(2), dq_x.ds.index(3), dq_x.kb.index(C), dq_x.kb.index(2 + C),
                                    dq_zero)
-        if DO_DK:
-            dk_acc = accumulate_product(dk_acc, ds8, ds_scale, ring.qt.index(s))
-            if QK_SPLIT:
-                dk2_acc = accumulate_product(dk2_acc, ds8, ds_scale, ring.qt2.index(s))
+        if ASYNC:
+            pass
+        elif DO_DK:
+            if IN_PLACE:
+                dk_scale, factor = running_scale(dk_scale, ds_scale)
+                dk_acc = accumulate_in_place(dk_acc, factor, ds8, ring.qt.index(s))
+                if QK_SPLIT:
+                    dk2_acc = accumulate_in_place(dk2_acc, factor, ds8, ring.qt2.index(s))
+            elif DK_E4M3:
+                dk_acc = _accumulate_e4m3(dk_acc, ds8, ds_scale, ring.qt.index(s), False)
+                if QK_SPLIT:
+                    dk2_acc = _accumulate_e4m3(dk2_acc, ds8, ds_scale, ring.qt2.index(s), False)
+            else:
+                dk_acc = accumulate_product(dk_acc, ds8, ds_scale, ring.qt.index(s))
+                if QK_SPLIT:
+                    dk2_acc = accumulate_product(dk2_acc, ds8, ds_scale, ring.qt2.index(s))
+        if ASYNC:
+            dv_acc = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, ))
+            dk_acc = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, ))
         mbarrier.arrive(ring.empty.index(s), count=1)
         if DO_DQ:
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, )) * dq_scale
             _reduce_dq(dq, it, C, dq_x.dq, dq_x.desc, dq_row + start_m)
         it += 1
-    return dv_acc, dk_acc, dk2_acc, it
+    return dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it
 
 
 @gluon.jit
@@ -586,6 +649,9 @@ def _bwd_consumer(C: gl.constexpr, k8, k8b, v16, own, ring, mailbox, seqs, key_s
         dv_acc = gl.zeros([HALF_N, opts.HEAD_DIM_V], gl.float32, dv_layout)
         dk_acc = gl.zeros([HALF_N, D1], gl.float32, dk_layout)
         dk2_acc = gl.zeros([HALF_N, D2], gl.float32, dk2_layout)
+        # (IN_PLACE: each key row's scale, the units its accumulator holds)
+        dv_scale = gl.zeros([HALF_N], gl.float32, gl.SliceLayout(1, dv_layout))
+        dk_scale = gl.zeros([HALF_N], gl.float32, gl.SliceLayout(1, dk_layout))
         mbarrier.wait(own.ready, ring_phase(j, 1))
         # the item's one K scale (TILE_KS) and the softmax scale, on both consumers' dQ products: from its first key,
         # not this consumer's (whose keys may all lie past the sequence's end)
@@ -596,16 +662,27 @@ def _bwd_consumer(C: gl.constexpr, k8, k8b, v16, own, ring, mailbox, seqs, key_s
         group = seqs.group
         for g in range(group):
             dq_row = (bt * seqs.num_kv_heads * group + hk * group + g) * seqs.n_q + item.q0   # (DO_DQ: dQ's rows)
-            dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, item.lo,
-                                                         item.full_lo, item, seqs, softcap2, True, opts, dq_x, dq_row,
-                                                         dq_scale)
-            dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, item.full_lo,
-                                                         item.full_hi, item, seqs, softcap2, False, opts, dq_x,
-                                                         dq_row, dq_scale)
-            dv_acc, dk_acc, dk2_acc, it = _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, it, key_ops, ring, item.full_hi,
-                                                         item.hi, item, seqs, softcap2, True, opts, dq_x, dq_row,
-                                                         dq_scale)
+            dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it = _key_tiles_bwd(
+                dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, ring, item.lo, item.full_lo, item, seqs,
+                softcap2, True, opts, dq_x, dq_row, dq_scale)
+            dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it = _key_tiles_bwd(
+                dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, ring, item.full_lo, item.full_hi, item,
+                seqs, softcap2, False, opts, dq_x, dq_row, dq_scale)
+            dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it = _key_tiles_bwd(
+                dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, ring, item.full_hi, item.hi, item, seqs,
+                softcap2, True, opts, dq_x, dq_row, dq_scale)
         mbarrier.arrive(own.empty, count=1)     # every product with this item's K and V was waited for
+        if opts.IN_PLACE:   # each key row's accumulator in units of its last scale
+            if opts.P_STATIC:   # P^T = 448 p; dO's channel scales of the sequence and KV group (at its first head)
+                offs_dv = gl.arange(0, opts.HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout))
+                dos = gl.load(grads.DOS + item.b * grads.s_dtb + hk * seqs.group * grads.s_dth + offs_dv)
+                dv_acc = dv_acc * (dos * (1.0 / (E4M3_MAX * E4M3_MAX)))[None, :]
+            else:
+                dv_acc = dv_acc * dv_scale[:, None]
+            dk_acc = dk_acc * dk_scale[:, None]
+            if QK_SPLIT:
+                dk2_scale = gl.convert_layout(dk_scale, gl.SliceLayout(1, dk2_layout), assert_trivial=True)
+                dk2_acc = dk2_acc * dk2_scale[:, None]
         if opts.DO_DV:
             dv_off = bt.to(gl.int64) * grads.s_dvb + hk.to(gl.int64) * grads.s_dvh + k0.to(gl.int64) * grads.s_dvt
             store_rows(dv_acc, keys, seqlen_k, grads.DV, dv_off, grads.s_dvt, 1.0, 0)
@@ -631,6 +708,7 @@ def _attn_bwd_dkdv_hopper_kernel(
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr,
     BLOCK_Q: gl.constexpr, DYNAMIC: gl.constexpr, ORDER: gl.constexpr, TILE_KS: gl.constexpr,
     DO_DQ: gl.constexpr, DQ_BUFFERS: gl.constexpr, PV_E4M3: gl.constexpr = False, P_STATIC: gl.constexpr = False,
+    DK_E4M3: gl.constexpr = False, IN_PLACE: gl.constexpr = False,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
@@ -673,6 +751,12 @@ def _attn_bwd_dkdv_hopper_kernel(
         kb_smem = v_smem
         ds_smem = v_smem
         dq_smem = v_smem
+    # per-query vector rows a stage: VQS..VQSR always, dO's scales where staged per tile, the shift under a cap
+    NVEC: gl.constexpr = 6 if SOFTCAP else (5 if DO_DV and not (P_STATIC and IN_PLACE) else 4)
+    # dV and dK in place with P at its fixed scale: both products run async, each issued as soon as its operand is
+    # ready (dV's before dS^T's math, dK's before the wait for the other consumer's dS^T), waited for at the tile's
+    # end; P^T = 448 p straight from the exponent (its 1 / 448 joins dP^T - delta, one FMA)
+    ASYNC: gl.constexpr = IN_PLACE and P_STATIC and DO_DV and DO_DK and not QK_SPLIT
     vec_smem = gl.allocate_shared_memory(gl.float32, [NVEC * STAGES, BLOCK_Q],
                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     k_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -695,10 +779,10 @@ def _attn_bwd_dkdv_hopper_kernel(
     seqs = Sequences(CU_Q, CU_K, CU_QT, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right,
                      num_items, num_n, IS_VARLEN, MASK_LEFT, MASK_RIGHT)
     key_scales = KeyScales(KS, s_ksb, s_ksh)
-    grads = KeyGradients(DV, s_dvb, s_dvh, s_dvt, DK, s_dkb, s_dkh, s_dkt, softmax_scale)
+    grads = KeyGradients(DV, s_dvb, s_dvh, s_dvt, DK, s_dkb, s_dkh, s_dkt, softmax_scale, DOS, s_dtb, s_dth)
     dq_x = DqExchange(ds_smem, kb_smem, dq_smem, dq_desc)
     opts = KeyTileOptions(HEAD_DIM, HEAD_DIM_V, D1, D2, QK_SPLIT, DO_DK, DO_DV, DO_DQ, FOLD, SOFTCAP, BLOCK_Q, ORDER,
-                          TILE_KS, DYNAMIC, PV_E4M3, P_STATIC)
+                          TILE_KS, DYNAMIC, PV_E4M3, P_STATIC, DK_E4M3, IN_PLACE, NVEC, ASYNC)
     # (K and V by constant indices: a run-time index of a wgmma operand's shared memory read wrong rows,
     # forward_hopper)
     gl.warp_specialize([

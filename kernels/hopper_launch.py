@@ -16,7 +16,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from . import backward_hopper, forward_hopper
 from .constants import GLUON_HEAD_DIMS, K_BLOCK_HEAD_DIMS, K_SCALE_BLOCK, LOG2E, ONE_LAUNCH_QUERY_TILE
 from .plan import (BACKWARD_CONSUMER_REGS, BACKWARD_LOADER_REGS, FORWARD_CONSUMER_REGS, FORWARD_LOADER_REGS,
-                   ONE_LAUNCH_DQ_BUFFERS, dkdv_query_tile, dq_key_tile, gluon_forward_named_barriers)
+                   dkdv_query_tile, dq_key_tile, gluon_forward_named_barriers, one_launch_dq_buffers)
 from .launch import descriptor_key, launch
 from .layout import cdiv, tma_addressable, token_rows
 
@@ -252,9 +252,10 @@ def _caller_desc(x4, block_shape, dtype):
 def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, group, head_dim, window,
                      softmax_scale, consumer_regs=BACKWARD_CONSUMER_REGS, loader_regs=BACKWARD_LOADER_REGS, fold=None,
                      block_q=None, softcap=0.0, shift=None, programs=None, operand_order=False, packing=None,
-                     tile_ks=None, dq_acc=None, dq_buffers=ONE_LAUNCH_DQ_BUFFERS, counter=None, pv_e4m3=False,
-                     p_static=False):
-    """(grid, args, kwargs) of one key-tile launch, ``part`` "dv", "dk" or "dkdvq" (the one launch): ``[B, H, N, D]``
+                     tile_ks=None, dq_acc=None, dq_buffers=None, counter=None, pv_e4m3=False,
+                     p_static=False, q_e4m3=None, in_place=False):
+    """(grid, args, kwargs) of one key-tile launch, ``part`` "dv", "dk", "dkdv" (both: S^T and dP^T once) or "dkdvq"
+    (the one launch): ``[B, H, N, D]``
     tensors as ``backward.launch_backward`` takes them (``quant`` from ``quantize_qk(..., transposed=True)``;
     ``softcap`` and ``shift`` as there); ``dv4`` / ``dk4`` may be None where not written. ``operand_order``:
     ``do8t`` and ``quant.q8t`` hold each 16 queries in quantize's operand order, so P^T and dS^T feed their
@@ -269,19 +270,28 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     e4m3 bytes and ``do_scale`` its per-token scales max / 448 (``quantize(..., e4m3=True)``), P^T's largest value
     per key over the query tile mapped to 448; with ``p_static`` P^T = 448 p (no per-key max) and ``do_scale``
     dO's scales per channel per query tile, ``[S, H, tiles, Dv]`` (``quantize(..., e4m3=True,
-    channel_tile=block_q)``)."""
+    channel_tile=block_q)``). ``q_e4m3`` (the dk_e4m3 rule): (Q^T's FP8 e4m3 bytes, in an int8 tensor laid out as
+    ``quant.q8t``, and Q's per-token scales max / 448, ``quantize(..., transposed=True, e4m3=True)``'s): dK =
+    dS^T Q in e4m3. ``in_place`` (e4m3 products: ``pv_e4m3``, ``q_e4m3``): dV and dK sum in their accumulators
+    in place, each key row in units of its latest tile's scale (backward_hopper_common.running_scale); with
+    ``p_static`` ``do_scale`` holds dO's channel maxima of each sequence and KV group instead, ``[S, H, Dv]``
+    (the do_sequence rule: quantize.quantize_do_sequence), and dV needs no rescaling."""
     head_dim_v = v4.shape[3]
-    assert part in ("dv", "dk", "dkdvq") and (head_dim, head_dim_v) in GLUON_HEAD_DIMS
-    do_dv, do_dk, do_dq = part in ("dv", "dkdvq"), part in ("dk", "dkdvq"), part == "dkdvq"
+    assert part in ("dv", "dk", "dkdv", "dkdvq") and (head_dim, head_dim_v) in GLUON_HEAD_DIMS
+    do_dv, do_dk, do_dq = part != "dk", part != "dv", part == "dkdvq"
     if p_static and not pv_e4m3:
         raise ValueError("the key-tile kernel takes p_static only with pv_e4m3 (a fixed INT8 P scale is not built)")
     if pv_e4m3 and not do_dv:
         raise ValueError(f"pv_e4m3 is a rule of dV's product: part {part!r} computes none")
+    if q_e4m3 is not None and not do_dk:
+        raise ValueError(f"q_e4m3 is a rule of dK's product: part {part!r} computes none")
+    if in_place and not ((not do_dv or pv_e4m3) and (not do_dk or q_e4m3 is not None)):
+        raise ValueError("in_place sums e4m3 products: pv_e4m3 (dV) and q_e4m3 (dK)")
     if fold is None:    # dV alone 1.09-1.12x with it (H100); dK alone 1.00-1.03x (H200)
         fold = part in ("dv", "dk")
     assert not (fold and do_dv and do_dk), "FOLD scales P^T by one product's scale: the other needs it unscaled"
     assert not (do_dq and softcap), "a cap's K-smoothing row term needs dS's row sums, which the one launch lacks"
-    block_q = block_q or (ONE_LAUNCH_QUERY_TILE if do_dq else dkdv_query_tile(head_dim))
+    block_q = block_q or (ONE_LAUNCH_QUERY_TILE if do_dv and do_dk else dkdv_query_tile(head_dim))
     can_tile_ks = head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == backward_hopper.BLOCK_N.value
     tile_ks = can_tile_ks if tile_ks is None else bool(tile_ks)
     assert can_tile_ks or not tile_ks, "tile_ks needs one K scale a key tile"
@@ -289,10 +299,14 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     q8, k8, q_scale, k_scale = quant.q8, quant.k8, quant.q_scale, quant.k_scale
     bsz, hq, n_q, d = q8.shape
     hk, n_k = k8.shape[1], k8.shape[2]
-    q_scale_raw = quant.q_scale_raw
+    q_scale_raw = quant.q_scale_raw if q_e4m3 is None else q_e4m3[1]
     shift = shift if softcap else lse
     tile_strides = (None, None)
-    if p_static:   # dO's scales per channel of each query tile: a tile's Dv of them fill a vector row
+    if p_static and in_place and do_dv:   # dO's channel maxima of each sequence and KV group, [S, H, Dv]
+        num_seqs = packing[0].num_seqs if packing is not None else bsz
+        assert do_scale.shape == (num_seqs, hq, head_dim_v) and do_scale.stride(2) == 1
+        tile_strides = do_scale.stride()[:2]
+    elif p_static:   # dO's scales per channel of each query tile: a tile's Dv of them fill a vector row
         num_seqs = packing[0].num_seqs if packing is not None else bsz
         assert do_scale.shape[:2] == (num_seqs, hq) and do_scale.shape[3] == head_dim_v <= block_q
         assert do_scale.stride(3) == 1 and do_scale.stride(2) == head_dim_v
@@ -311,9 +325,10 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     else:
         dot_desc = tma_desc_rows(do8t, [head_dim_v, block_q], gl.int8) if do_dv else q_desc
     if do_dk:
-        qt = quant.q8t
-        qt_desc = tma_desc_rows(qt, [d1, block_q], gl.int8)
-        qt2_desc = tma_desc_rows(qt, [d2, block_q], gl.int8) if d2 else qt_desc
+        qt, qt_type = (quant.q8t, gl.int8) if q_e4m3 is None else (q_e4m3[0].view(torch.float8_e4m3fn),
+                                                                   gl.float8e4nv)
+        qt_desc = tma_desc_rows(qt, [d1, block_q], qt_type)
+        qt2_desc = tma_desc_rows(qt, [d2, block_q], qt_type) if d2 else qt_desc
         do_desc, do_coords = _caller_desc(do4, [block_q, head_dim_v], io_dtype)
         v_desc, v_coords = _caller_desc(v4, [backward_hopper.HALF_N.value, head_dim_v], io_dtype)
     else:
@@ -345,7 +360,9 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
             CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FOLD=fold, SOFTCAP=bool(softcap),
             BLOCK_Q=block_q, DYNAMIC=dynamic, ORDER=operand_order, TILE_KS=tile_ks,
             DO_DQ=do_dq,
-            DQ_BUFFERS=dq_buffers, PV_E4M3=bool(pv_e4m3), P_STATIC=bool(p_static), num_warps=4,
+            DQ_BUFFERS=dq_buffers or one_launch_dq_buffers(head_dim), PV_E4M3=bool(pv_e4m3), P_STATIC=bool(p_static),
+            DK_E4M3=q_e4m3 is not None,
+            IN_PLACE=bool(in_place), num_warps=4,
             ptx_options=ptx_options())
 
 
@@ -434,7 +451,7 @@ def _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing):
 def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4, dv4, num_heads, num_kv_heads,
                            head_dim, window, softmax_scale, softcap=0.0, shift=None, row_ds=None,
                            k_mean=None, packing=None, fused_dq=False, counters=None, dq_acc=None, pv_e4m3=False,
-                           p_static=False, **tuning):
+                           p_static=False, fused_dkdv=False, q_e4m3=None, in_place=False, **tuning):
     """backward.launch_backward's contract on the Gluon kernels, without Q-smoothing: dV, dK and dQ as three
     launches, each gradient written once (deterministic). ``softcap`` > 0: capped scores
     (``shift`` as the forward's); ``k_mean``, ``row_ds``: as there. ``packing``: None for a padded batch; for a
@@ -445,7 +462,9 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
     copied into it (the caller frees the launch's inputs first). ``counters``: COUNTER_INTS zeroed int32s, the
     launches' work counters (``counter_slot``), instead of one zeroed a launch; ``dq_acc``: the one launch's fp32 dQ
     accumulator, zeroed (``[B, H, N, D]`` contiguous), instead of one zeroed here. ``pv_e4m3``, ``p_static``: dV's
-    rule (dkdv_hopper_args'; ``do8t`` and ``do_scale`` as it takes them); dK and dQ are the same in every rule."""
+    rule (dkdv_hopper_args'; ``do8t`` and ``do_scale`` as it takes them). ``fused_dkdv``: dV and dK in one launch
+    (64-query tiles: S^T and dP^T once), then the dQ launch. ``q_e4m3``, ``in_place``: dK's rule and the
+    accumulation (dkdv_hopper_args')."""
     group = num_heads // num_kv_heads
     common = (group, head_dim, window, softmax_scale)
     lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides
@@ -460,7 +479,7 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
             dq_acc = torch.zeros(quant.q8.shape, dtype=torch.float32, device=quant.q8.device)
         launch_dkdv_hopper("dkdvq", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common,
                            packing=key_tiles_packing, dq_acc=dq_acc, counter=counter_slot(counters, 0),
-                           pv_e4m3=pv_e4m3, p_static=p_static, **tuning)
+                           pv_e4m3=pv_e4m3, p_static=p_static, q_e4m3=q_e4m3, in_place=in_place, **tuning)
         if k_mean is not None:   # (its key-tile programs cannot sum dS's rows: the sinks' only, given)
             assert row_ds is not None, "the one launch takes the sinks' row term, not its own row sums"
             _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing)
@@ -468,11 +487,17 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
             return dq_acc
         dq4.copy_(dq_acc)
         return None
-    launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, None, *common,
-                       packing=key_tiles_packing, counter=counter_slot(counters, 0), pv_e4m3=pv_e4m3,
-                       p_static=p_static, **tuning)
-    launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, None, dk4, *common,
-                       packing=key_tiles_packing, counter=counter_slot(counters, 1), **tuning)
+    if fused_dkdv:
+        launch_dkdv_hopper("dkdv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common,
+                           packing=key_tiles_packing, counter=counter_slot(counters, 0), pv_e4m3=pv_e4m3,
+                           p_static=p_static, q_e4m3=q_e4m3, in_place=in_place, **tuning)
+    else:
+        launch_dkdv_hopper("dv", quant, lse, do4, do8t, do_scale, delta, v4, dv4, None, *common,
+                           packing=key_tiles_packing, counter=counter_slot(counters, 0), pv_e4m3=pv_e4m3,
+                           p_static=p_static, in_place=in_place, **tuning)
+        launch_dkdv_hopper("dk", quant, lse, do4, do8t, do_scale, delta, v4, None, dk4, *common,
+                           packing=key_tiles_packing, counter=counter_slot(counters, 1), q_e4m3=q_e4m3,
+                           in_place=in_place, **tuning)
     launch_dq_hopper(quant, lse, do4, delta, v4, dq4, *common, row_ds=row_ds, k_mean=k_mean, packing=dq_packing,
                      counter=counter_slot(counters, 2),
                      **{key: value for key, value in tuning.items() if key not in ("fold", "block_q", "tile_ks")})

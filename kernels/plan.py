@@ -96,16 +96,24 @@ GLUON_THREE_CONSUMERS_MIN_QUERIES = 2048
 # Ping-pong turns between two consumers at V's head dim 128 paid off only for masked square-head calls from this
 # many query rows (capped calls keep them; docs/history.md)
 GLUON_PINGPONG_MIN_QUERIES = 2048
-# Head dims of the one-launch backward: at 128 its loop spills and it ran slower than the three launches
+# Head dims of the one-launch backward: at 128 its loop spills and it ran slower than the three launches, unless dV
+# and dK accumulate in place (their per-tile conversions and second register sets gone)
 ONE_LAUNCH_HEAD_DIMS = ((64, 64), )
+ONE_LAUNCH_IN_PLACE_HEAD_DIMS = ((64, 64), (128, 128))
 # Registers a thread of each warpgroup gets (setmaxnreg): one SM's 64K registers shared by the consumers beside the
 # loader. Forward: by consumer count; the backward's launches: two consumers.
 FORWARD_CONSUMER_REGS = types.MappingProxyType({2: 240, 3: 160})
 FORWARD_LOADER_REGS = 24
 BACKWARD_CONSUMER_REGS = 240
 BACKWARD_LOADER_REGS = 32
-# The one launch's dQ staging buffers a consumer (reduce-adds in flight)
+# The one launch's dQ staging buffers a consumer (reduce-adds in flight): at head dim 128 one fits shared memory
 ONE_LAUNCH_DQ_BUFFERS = 3
+ONE_LAUNCH_DQ_BUFFERS_D128 = 1
+
+
+def one_launch_dq_buffers(head_dim: int) -> int:
+    """The one launch's dQ staging buffers a consumer at ``head_dim``."""
+    return ONE_LAUNCH_DQ_BUFFERS_D128 if head_dim > 64 else ONE_LAUNCH_DQ_BUFFERS
 
 
 def gluon_forward_consumers(head_dim: int, masked: bool, softcap: bool, max_len_q: int,
@@ -133,19 +141,24 @@ def gluon_forward_named_barriers(head_dim_v: int) -> bool:
     return head_dim_v == 128
 
 
-def gluon_one_launch_backward(deterministic: Optional[bool], head_dim: int, head_dim_v: int, softcap: bool) -> bool:
+def gluon_one_launch_backward(deterministic: Optional[bool], head_dim: int, head_dim_v: int, softcap: bool,
+                              in_place: bool = False) -> bool:
     """Whether a backward that runs on the Gluon kernels takes the one launch (FlashAttention 3's: dQ added up by
     fp32 reduce-adds, whose order varies run to run; 64-query tiles and dQ's product unquantized, so other, more
     accurate, numbers: ``backward_rule``). It does when ``deterministic`` is False (the op's argument; None asks
     ``dispatch.BACKWARD_ENV``, "fast" meaning False), torch does not demand determinism, the head dims are
-    ``ONE_LAUNCH_HEAD_DIMS`` and there is no cap (its K-smoothing term needs dS's row sums; the sinks' is given).
+    ``ONE_LAUNCH_HEAD_DIMS`` (``ONE_LAUNCH_IN_PLACE_HEAD_DIMS`` for a precision whose dV and dK accumulate in place
+    with P at its fixed scale, ``in_place``: at head dim 128 a per-query row of dO's scales more overflows shared
+    memory)
+    and there is no cap (its K-smoothing term needs dS's row sums; the sinks' is given).
     It is faster at every length, masked or not. Otherwise dV, dK and dQ run as three launches, each gradient
     written once: bit-identical run to run."""
     if deterministic is None:
         deterministic = dispatch.backward_requested() == "deterministic"
     if deterministic or torch.are_deterministic_algorithms_enabled():
         return False
-    return (head_dim, head_dim_v) in ONE_LAUNCH_HEAD_DIMS and not softcap
+    head_dims = ONE_LAUNCH_IN_PLACE_HEAD_DIMS if in_place else ONE_LAUNCH_HEAD_DIMS
+    return (head_dim, head_dim_v) in head_dims and not softcap
 
 
 def gluon_programs(device: torch.device) -> Optional[int]:
@@ -163,7 +176,9 @@ class BackwardRule(NamedTuple):
     """What a backward computes, beside the forward's tiles (naive.sagebwd_backward_naive's arguments of the same
     names): P and dS get one scale per key per ``block_m_dkdv`` queries; with ``dq_int8`` dQ = dS K runs in INT8,
     dS with one scale per query per ``block_n_dq`` keys; without it dS in the inputs' dtype times the int8 K (the
-    Hopper one launch's, ``one_launch``)."""
+    Hopper one launch's, ``one_launch``). With rules whose dV and dK accumulate in place (numerics'
+    ``in_place``) the Hopper kernels compute dV and dK in one launch over 64-query tiles
+    (``ONE_LAUNCH_QUERY_TILE``), beside the dQ launch or in the one launch."""
     block_m_dkdv: int
     block_n_dq: int
     dq_int8: bool
@@ -172,21 +187,29 @@ class BackwardRule(NamedTuple):
 
 def backward_rule(device: torch.device, head_dim: int, head_dim_v: Optional[int] = None, *,
                   softcap: float = 0.0, q_smoothing: bool = False, varlen: bool = False,
-                  deterministic: Optional[bool] = None, key_shard: bool = False) -> BackwardRule:
+                  deterministic: Optional[bool] = None, key_shard: bool = False,
+                  in_place: bool = False, p_static: bool = False) -> BackwardRule:
     """The rule of a backward call on ``device`` (``deterministic``: the op's argument; ``key_shard``: a shard of
     each row's keys, which the one launch cannot take: its key-tile programs cannot sum dS's rows). The kernels
     compute it, and so does the PyTorch path on the same device (``backend="naive"``): on a Hopper GPU at head dim
     64 the default is the one launch's rule (``SAGEBWD_BACKWARD``), elsewhere and with ``deterministic=True`` the
-    three launches'."""
+    three launches'. ``in_place``: the precision's dV and dK accumulate in place (numerics' ``in_place``), which
+    on the Gluon kernels fuses dV's and dK's launches (their 64-query tiles); with ``p_static`` too the one launch
+    runs at head dim 128 as well."""
     cfg = tile_configs(head_dim, device, head_dim_v)
     head_dim_v = head_dim_v or head_dim
+    def gluon():
+        return (dispatch.gluon_unavailable(device) is None
+                and dispatch.use_gluon(device, head_dim, q_smoothing, varlen, softcap=bool(softcap),
+                                       head_dim_v=head_dim_v))
     one_launch = (not key_shard
-                  and gluon_one_launch_backward(deterministic, head_dim, head_dim_v, bool(softcap))
-                  and dispatch.gluon_unavailable(device) is None
-                  and dispatch.use_gluon(device, head_dim, q_smoothing, varlen, softcap=bool(softcap),
-                                         head_dim_v=head_dim_v))
+                  and gluon_one_launch_backward(deterministic, head_dim, head_dim_v, bool(softcap),
+                                                in_place and p_static)
+                  and gluon())
     if one_launch:
         return BackwardRule(ONE_LAUNCH_QUERY_TILE, cfg["dq"][1], False, True)
+    if in_place and gluon():
+        return BackwardRule(ONE_LAUNCH_QUERY_TILE, cfg["dq"][1], True, False)
     return BackwardRule(dkdv_block_m(cfg), cfg["dq"][1], True, False)
 
 
@@ -222,12 +245,17 @@ class ForwardPlan:
 class BackwardPlan:
     """How a backward call runs: ``family`` and ``tiles`` as ForwardPlan's; ``rule`` (``backward_rule``); on the
     Gluon kernels ``one_launch`` (dV, dK and dQ in one launch, dQ by reduce-adds) or three launches, dV's numerics
-    rule (``pv_e4m3``, ``p_static``), the register split and persistent ``programs``."""
+    rule (``pv_e4m3``, ``p_static``, ``do_sequence``), dK's (``dk_e4m3``), whether dV and dK accumulate in place
+    (``in_place``: one key-tile launch for both, or the one launch), the register split and persistent
+    ``programs``."""
     family: str
     tiles: Mapping
     rule: BackwardRule
     pv_e4m3: bool = False
     p_static: bool = False
+    dk_e4m3: bool = False
+    do_sequence: bool = False
+    in_place: bool = False
     consumer_regs: int = BACKWARD_CONSUMER_REGS
     loader_regs: int = BACKWARD_LOADER_REGS
     dq_buffers: int = ONE_LAUNCH_DQ_BUFFERS
@@ -260,12 +288,16 @@ def forward_plan(device: torch.device, head_dim: int, head_dim_v: int, *, q_smoo
 
 def backward_plan(device: torch.device, head_dim: int, head_dim_v: int, *, q_smoothing: bool, varlen: bool,
                   softcap: float, deterministic: Optional[bool], key_shard: bool = False, pv_e4m3: bool = False,
-                  p_static: bool = False, empty: bool = False) -> BackwardPlan:
-    """The plan of a backward call (arguments as ``forward_plan``'s and ``backward_rule``'s)."""
+                  p_static: bool = False, dk_e4m3: bool = False, do_sequence: bool = False,
+                  empty: bool = False) -> BackwardPlan:
+    """The plan of a backward call (arguments as ``forward_plan``'s and ``backward_rule``'s; ``pv_e4m3``,
+    ``p_static``, ``dk_e4m3``, ``do_sequence``: the precision's rules)."""
     tiles = tile_configs(head_dim, device, head_dim_v)
+    in_place = pv_e4m3 and dk_e4m3 and (not p_static or do_sequence)     # (numerics.Numerics.in_place)
     rule = backward_rule(device, head_dim, head_dim_v, softcap=softcap, q_smoothing=q_smoothing, varlen=varlen,
-                         deterministic=deterministic, key_shard=key_shard)
+                         deterministic=deterministic, key_shard=key_shard, in_place=in_place, p_static=p_static)
     if empty or not dispatch.use_gluon(device, head_dim, q_smoothing, varlen, softcap=bool(softcap),
                                        head_dim_v=head_dim_v):
         return BackwardPlan("triton", tiles, rule)
-    return BackwardPlan("gluon", tiles, rule, pv_e4m3=pv_e4m3, p_static=p_static, programs=gluon_programs(device))
+    return BackwardPlan("gluon", tiles, rule, pv_e4m3=pv_e4m3, p_static=p_static, dk_e4m3=dk_e4m3,
+                        do_sequence=do_sequence, in_place=in_place, programs=gluon_programs(device))

@@ -825,6 +825,21 @@ def _v_options(v4, layout, t_starts, v_scale, operand_order, v_parts, e4m3=False
                          operand_order=operand_order, parts=v_parts, e4m3=e4m3)
 
 
+def quantize_do_sequence(do4: torch.Tensor, layout: SeqLayout, group: int, out_for_delta: torch.Tensor,
+                         t_starts=None, operand_order: bool = False) -> Quantized:
+    """dO for the do_sequence rule: token-major FP8 e4m3 bytes (``x8t``), each channel's max |dO| over its sequence
+    and the ``group`` query heads of its KV group mapped to 448, with ``delta``; ``scale`` holds those maxima
+    ``[S, H, D]`` (every head of a group its group's; a view of ``[H, S, D]``)."""
+    stats = _stats(do4, layout, True)[0]                                       # [H, S, D]
+    if group > 1:   # (amax keeps a NaN)
+        h = stats.shape[0]
+        stats = stats.view(h // group, group, *stats.shape[1:]).amax(1, keepdim=True)
+        stats = stats.expand(-1, group, -1, -1).reshape(h, *stats.shape[2:]).contiguous()
+    result = quantize(do4, layout, channel_scale=stats, natural=False, transposed=True, out_for_delta=out_for_delta,
+                      t_starts=t_starts, operand_order=operand_order, e4m3=True)
+    return result._replace(scale=stats.transpose(0, 1))
+
+
 def prepare_forward(q4, k4, v4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float, k_smoothing: bool,
                     q_smoothing: bool, row_shift: bool = False, v_starts=None, v_operand_order: bool = False,
                     zero_ints=None, v_e4m3: bool = False):
@@ -845,17 +860,20 @@ def prepare_forward(q4, k4, v4, layout_q: SeqLayout, layout_k: SeqLayout, softma
 def prepare_backward(q4, k4, do4, o4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float,
                      k_smoothing: bool, q_smoothing: bool, row_shift: bool = False, operand_order: bool = False,
                      t_starts_q=None, t_starts_k=None, k_transposed: bool = True, zero_ints=None, zero_rows=None,
-                     do_e4m3: bool = False, do_channel_tile: Optional[int] = None):
+                     do_e4m3: bool = False, do_channel_tile: Optional[int] = None, do_group: Optional[int] = None):
     """The backward's preparation in the fewest launches: ``quantize_qk(..., transposed=True, fused=True)`` and dO's
     pass (``quantize(do4, natural=False, transposed=True, out_for_delta=o4)``: token-major INT8, scales, delta) in
     Q's launch (the same bytes as the separate passes). Returns (``QuantizedQK``, dO's ``Quantized``).
     ``do_e4m3`` (the pv_e4m3 rule's dV): dO in FP8 e4m3, one scale per token (``quantize``'s ``e4m3``), or with
     ``do_channel_tile`` one per channel per that many queries of each sequence (with p_static: the dK/dV kernel's
-    query tile); a pass of its own unless its program tile is Q's."""
+    query tile); a pass of its own unless its program tile is Q's. ``do_group`` (the do_sequence rule): dO by
+    ``quantize_do_sequence`` with KV groups of that many query heads, after its own statistics pass."""
     do_options = dict(natural=False, transposed=True, out_for_delta=o4, operand_order=operand_order,
                       t_starts=t_starts_q, e4m3=do_e4m3, channel_tile=do_channel_tile)
-    alone = do_channel_tile is not None and do_channel_tile != QUANTIZE_TILE[0]
+    alone = (do_channel_tile is not None and do_channel_tile != QUANTIZE_TILE[0]) or do_group is not None
     quant, do_q = _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoothing, True, row_shift,
                                None, operand_order, t_starts_q, t_starts_k, k_transposed, True, zero_ints, zero_rows,
                                partner=None if alone else lambda scale, parts: (do4, layout_q, do_options))
+    if do_group is not None:
+        return quant, quantize_do_sequence(do4, layout_q, do_group, o4, t_starts_q, operand_order)
     return quant, quantize(do4, layout_q, **do_options) if alone else do_q

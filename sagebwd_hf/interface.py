@@ -178,10 +178,12 @@ def _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, max_k, scale, window, k
     """The PyTorch path's dq, dk, dv (into the op's layouts), by the rule the kernels would compute on this
     device (backward_rule)."""
     varlen = cu_q is not None
+    rules = numerics_rules.parse_precision(precision)
     rule = backward_rule(q.device, q.shape[-1], v.shape[-1], softcap=softcap, q_smoothing=q_smoothing,
-                         varlen=varlen, deterministic=deterministic, key_shard=key_shard)
+                         varlen=varlen, deterministic=deterministic, key_shard=key_shard, in_place=rules.in_place,
+                         p_static=rules.p_static)
     tiles = dict(block_m_dkdv=rule.block_m_dkdv, block_n_dq=rule.block_n_dq, softcap=softcap, dq_int8=rule.dq_int8,
-                 key_shard=key_shard, numerics=numerics_rules.parse_precision(precision))
+                 key_shard=key_shard, numerics=rules)
     dq, dk, dv = _poisoned(_new_like(q, varlen), _new_like(k, varlen), _new_like(v, varlen))
     dispatch.count("bwd_naive")
     if varlen:
@@ -211,10 +213,11 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     rules = numerics_rules.parse_precision(precision)
     plan = kernel_plan.backward_plan(q.device, q4.shape[3], v4.shape[3], q_smoothing=q_smoothing, varlen=varlen,
                                      softcap=softcap, deterministic=deterministic, key_shard=key_shard,
-                                     pv_e4m3=rules.pv_e4m3, p_static=rules.p_static, empty=empty)
+                                     pv_e4m3=rules.pv_e4m3, p_static=rules.p_static, dk_e4m3=rules.dk_e4m3,
+                                     do_sequence=rules.do_sequence, empty=empty)
     # before any launch (an empty side has no P to round: its zero gradients are every rule's)
     check_kernels_compute(precision, backward_on_gluon=plan.gluon or empty)
-    if plan.p_static and v4.shape[3] > plan.rule.block_m_dkdv:
+    if plan.p_static and not plan.do_sequence and v4.shape[3] > plan.rule.block_m_dkdv:
         raise NotImplementedError(
             f"precision={precision!r}: the Gluon dV kernel stages dO's per-channel scales of a query tile in one "
             f"vector of {plan.rule.block_m_dkdv} (its query tile), fewer than V's head dim {v4.shape[3]}; the "
@@ -503,11 +506,15 @@ def _check_precision(precision, backend) -> str:
 
 
 # The rules the Gluon (Hopper) kernels compute besides "accurate": P V (forward) and P^T dO (the backward's dV) in
-# FP8 e4m3, P's scale per key tile (per key over a query tile) or fixed. A precision's forward rule is its rules less
-# ds_tile, which changes only the backward's dS: the Gluon forward of "pv_e4m3+ds_tile" is that of "pv_e4m3"; no
-# backward kernel computes ds_tile. "fast" is "pv_e4m3+p_static".
-GLUON_FORWARD_RULES = (numerics_rules.Numerics(pv_e4m3=True), numerics_rules.Numerics(pv_e4m3=True, p_static=True))
-GLUON_BACKWARD_RULES = GLUON_FORWARD_RULES
+# FP8 e4m3, P's scale per key tile (per key over a query tile) or fixed; in the backward also dK in e4m3 (dk_e4m3)
+# and, with a fixed P scale, dO's per sequence (do_sequence). A precision's forward rule is its rules less the
+# backward-only ones (Numerics.forward): the Gluon forward of "pv_e4m3+ds_tile" is that of "pv_e4m3"; no backward
+# kernel computes ds_tile. "fast" is "pv_e4m3+p_static".
+_N = numerics_rules.Numerics
+GLUON_FORWARD_RULES = (_N(pv_e4m3=True), _N(pv_e4m3=True, p_static=True))
+GLUON_BACKWARD_RULES = GLUON_FORWARD_RULES + (
+    _N(pv_e4m3=True, dk_e4m3=True), _N(pv_e4m3=True, p_static=True, dk_e4m3=True),
+    _N(pv_e4m3=True, p_static=True, do_sequence=True, dk_e4m3=True))
 
 
 def _where_gluon_runs() -> str:
@@ -528,7 +535,7 @@ def check_kernels_compute(precision: str, forward_on_gluon: Optional[bool] = Non
     if rules == numerics_rules.ACCURATE:
         return
     prefix = f"precision={precision!r} is computed only by the PyTorch path so far (CPU tensors, or backend='naive')"
-    gluon_forward = rules._replace(ds_tile=False) in GLUON_FORWARD_RULES
+    gluon_forward = rules.forward in GLUON_FORWARD_RULES
     if forward_on_gluon is None:
         if rules in GLUON_BACKWARD_RULES and backward_on_gluon:
             return
@@ -540,7 +547,8 @@ def check_kernels_compute(precision: str, forward_on_gluon: Optional[bool] = Non
                 f"{prefix} and by the Gluon kernels ({_where_gluon_runs()}), which compute its forward and, without "
                 f"ds_tile, its backward; {missing}")
         raise NotImplementedError(f"{prefix}; the Triton and Gluon backward kernels compute precision='accurate', and "
-                                  "the Gluon (Hopper) backward also 'pv_e4m3' and 'pv_e4m3+p_static'")
+                                  "the Gluon (Hopper) backward also 'pv_e4m3' and 'pv_e4m3+p_static', each with or "
+                                  "without dk_e4m3, and 'pv_e4m3+p_static+do_sequence+dk_e4m3'")
     if not gluon_forward:
         raise NotImplementedError(
             f"{prefix}; the Triton and Gluon kernels compute precision='accurate', and the Gluon (Hopper) forward also "

@@ -328,11 +328,22 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
         rhs = _tiles(x8, 2, block_m_dkdv)                                     # [B, H, T, bm, D]
         return ((t8.transpose(-1, -2) @ rhs) * t_scale.transpose(-1, -2)).sum(2)
 
+    if numerics.do_sequence:   # dO's channel maxima over each sequence and the query heads of its KV group
+        hkv = k.shape[1]
+        do_max = dout.float().abs().amax(2).view(b, hkv, h // hkv, -1).amax(2, keepdim=True)
+        do_max = do_max.expand(-1, -1, h // hkv, -1).reshape(b, h, 1, -1)        # [B, H, 1, D]
+
     def pt_do_static(p, do_rows):
-        """dV's part with P at its fixed scale (p_static): dO one scale per channel per query tile."""
+        """dV's part with P at its fixed scale (p_static): dO one scale per channel per query tile, or with
+        do_sequence per channel over the sequence and KV group (one scale along the whole sum)."""
+        p_max = numerics.p_max
+        if numerics.do_sequence:
+            inv = torch.where(do_max > TINY_SCALE, torch.full_like(do_max, E4M3_MAX) / do_max,
+                              torch.zeros_like(do_max))
+            do8 = round_e4m3(do_rows.float() * inv)
+            return (round_e4m3(p * p_max).transpose(-1, -2) @ do8) * (do_max * (1.0 / (E4M3_MAX * p_max)))
         do_t = _tiles(do_rows.float(), 2, block_m_dkdv)                        # [B, H, T, bm, D]
         do8, do_t_scale = _e4m3_per_slice(do_t, 3) if numerics.pv_e4m3 else _row_quantize(do_t, 3, True)
-        p_max = numerics.p_max
         p8 = _tiles(round_e4m3(p * p_max) if numerics.pv_e4m3 else torch.round(p * p_max), 2, block_m_dkdv)
         return ((p8.transpose(-1, -2) @ do8) * do_t_scale).sum(2) * (1.0 / p_max)
 
@@ -376,6 +387,9 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
             dk_tiles = torch.einsum("bhqikj,bhqid->bhqkjd", ds8, q8t)    # exact: integer sums below 2^24
             dk_tiles = (dk_tiles * (ds_scale * q_scale_t[..., None])[..., None, None]).sum(2)   # [B, H, Tk, t, D]
             dk[:, :, cols] += dk_tiles.flatten(2, 3)[:, :, :cols.stop - cols.start]
+        elif numerics.dk_e4m3:   # Q one e4m3 scale per token (folded into dS), dS one per key per query tile
+            q8e, q_scale_e = _e4m3_per_slice(q_rows.float(), -1)
+            dk[:, :, cols] += over_queries(ds, q8e, q_scale_e.squeeze(-1), True, e4m3=True)
         else:   # dK needs the true Q, not the smoothed one the scores used
             dk[:, :, cols] += over_queries(ds, *quantize_per_token(q_rows), True)
         if ds8 is not None and dq_int8:

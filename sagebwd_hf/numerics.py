@@ -14,8 +14,16 @@ own by joining rule names with ``+`` (``precision="pv_e4m3+ds_tile"``):
 * ``ds_tile``: dS gets one scale per ``DS_TILE`` x ``DS_TILE`` tile, so one INT8 dS serves dK = dSᵀ·Q and
   dQ = dS·K, instead of one scale per key (dK) and another per query (dQ). Q's and K's scales in these two products
   are then one per ``DS_TILE`` tokens (K's already is at head dims 64, 128 and 192).
+* ``dk_e4m3``: dK = dSᵀ·Q in FP8 e4m3 instead of INT8: Q one e4m3 scale per token, folded into dS, and dS one per
+  key per query tile (its largest magnitude mapped to 448), as INT8's. e4m3's exponent keeps dS's small values,
+  and an e4m3 product accumulates in fp32 on the tensor core: the Hopper kernels sum dK in place across query tiles
+  (each key row rescaled to its latest tile's scale), with no int32 partial to convert every tile.
+* ``do_sequence`` (with ``p_static``): dO gets one e4m3 scale per channel over its whole sequence and the query
+  heads of its KV group, instead of one per query tile: P's and dO's scales then hold along all of dV's sum, which
+  the Hopper kernels accumulate in place and scale once at the end.
 
-QKᵀ stays INT8 with K-smoothing and dP = dO·Vᵀ stays in 16-bit in every preset. The PyTorch reference
+``ds_tile``, ``dk_e4m3`` and ``do_sequence`` change only the backward. QKᵀ stays INT8 with K-smoothing and
+dP = dO·Vᵀ stays in 16-bit in every preset. The PyTorch reference
 (``sagebwd_hf.naive``) computes every rule; the Gluon kernels (Hopper) compute "accurate", ``pv_e4m3`` and
 ``pv_e4m3+p_static`` ("fast") forward and backward (and the forward of those rules with ``ds_tile``, a backward rule
 no kernel computes: its accuracy is measured, its speed is not), the portable kernels "accurate" only; a kernel call
@@ -36,6 +44,19 @@ class Numerics(NamedTuple):
     pv_e4m3: bool = False
     p_static: bool = False
     ds_tile: bool = False
+    dk_e4m3: bool = False
+    do_sequence: bool = False
+
+    @property
+    def forward(self) -> "Numerics":
+        """The rules of the forward (the backward-only ones off)."""
+        return self._replace(ds_tile=False, dk_e4m3=False, do_sequence=False)
+
+    @property
+    def in_place(self) -> bool:
+        """Whether dV's and dK's products keep their scales along the sum (up to a per-row rescale), so the Hopper
+        kernels accumulate them in place: e4m3 products, P's scale per key a tile or fixed with dO's per sequence."""
+        return self.pv_e4m3 and self.dk_e4m3 and (not self.p_static or self.do_sequence)
 
     @property
     def p_max(self) -> float:
@@ -57,7 +78,11 @@ def parse_precision(precision: str, argument: str = "precision") -> Numerics:
             return PRESETS[precision]
         names = precision.split("+")
         if all(name in RULES for name in names) and len(set(names)) == len(names):
-            return Numerics(**{name: True for name in names})
+            rules = Numerics(**{name: True for name in names})
+            if rules.do_sequence and not rules.p_static:
+                raise ValueError(f"{argument}: do_sequence is a rule of p_static's dO scales (add p_static and "
+                                 f"pv_e4m3), got {precision!r}")
+            return rules
     raise ValueError(f"{argument} must be 'accurate', 'fast' or rule names joined by '+' ({', '.join(RULES)}), "
                      f"got {precision!r}")
 

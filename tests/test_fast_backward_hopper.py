@@ -23,7 +23,9 @@ def on_hopper(test):
     return pytest.mark.gpu(pytest.mark.skipif(not IS_SM90, reason="the Gluon kernels need an sm_90 GPU")(test))
 
 
-FP8_RULES = ["pv_e4m3", "pv_e4m3+p_static"]
+# (the last two sum dV and dK in place: one key-tile launch for both over 64-query tiles)
+FP8_RULES = ["pv_e4m3", "pv_e4m3+p_static", "pv_e4m3+dk_e4m3", "pv_e4m3+p_static+dk_e4m3",
+             "pv_e4m3+p_static+do_sequence+dk_e4m3"]
 
 # dV against the reference of the same rule: the share of the e4m3 roundings' effect the kernel may move, derived
 # as tests/test_fast_forward_hopper.py's _check_against_reference derives O's (see _check_against_reference here).
@@ -109,8 +111,11 @@ def test_gluon_backward_computes_the_rule(case, rule):
     dispatch.reset_kernel_counts()
     run_with_grads(functools.partial(attn, precision=rule), q, k, v, do)
     counts = dispatch.kernel_counts()
-    one_launch = backward_rule(q.device, d, d, deterministic=deterministic).one_launch
-    assert one_launch == (d == 64 and not deterministic) or os.environ.get(dispatch.BACKWARD_ENV)
+    rules = parse_precision(rule)    # (in place with P's fixed scale, the one launch runs at head dim 128 too)
+    one_launch = backward_rule(q.device, d, d, deterministic=deterministic, in_place=rules.in_place,
+                               p_static=rules.p_static).one_launch
+    d128 = rules.in_place and rules.p_static
+    assert one_launch == ((d == 64 or d128) and not deterministic) or os.environ.get(dispatch.BACKWARD_ENV)
     assert counts.get("bwd_gluon_one_launch" if one_launch else "bwd_gluon") == 1, counts
     assert counts.get("fwd_gluon") == 1, counts
     got, accurate = _check_against_reference(attn, q, k, v, do, rule, f"{rule} {_case_id(case)}")
@@ -211,6 +216,28 @@ def test_do_pass_writes_the_reference_bytes(head_dim):
         _assert_same_e4m3(got, want8.flatten(2, 3)[:, :, :n], f"packed sequence {i}")
         if n:
             assert torch.equal(do_q.scale[i, :, :want_scale.shape[2]], want_scale[0, :, :, 0])
+
+
+@on_hopper
+@pytest.mark.parametrize("group", [1, 2])
+def test_do_sequence_pass_writes_the_reference_bytes(group):
+    """dO's pass under do_sequence (quantize_do_sequence): one e4m3 scale per channel over each sequence and the
+    query heads of its KV group, the reference's bytes bit for bit, its maxima as the scales of every head of the
+    group, and delta = rowsum(dO * O)."""
+    from sagebwd_hf.kernels.layout import SeqLayout
+    from sagebwd_hf.kernels.quantize import quantize_do_sequence
+
+    gen = torch.Generator().manual_seed(group)
+    do = torch.randn(2, 4, 700, 128, generator=gen) * torch.exp(torch.randn(1, 4, 700, 1, generator=gen) * 2)
+    do = do.to("cuda", torch.bfloat16)
+    o = torch.randn_like(do)
+    got = quantize_do_sequence(do, SeqLayout(2, 700, None), group, o)
+    want_max = do.float().abs().amax(2).view(2, 4 // group, group, 128).amax(2, keepdim=True)
+    want_max = want_max.expand(-1, -1, group, -1).reshape(2, 4, 128)
+    assert torch.equal(got.scale, want_max)
+    want8 = naive.round_e4m3(do.float() * (torch.full_like(want_max, 448.0) / want_max)[:, :, None])
+    _assert_same_e4m3(_e4m3(got.x8t, 700), want8, f"per channel per sequence, group {group}")
+    torch.testing.assert_close(got.delta, (do.float() * o.float()).sum(-1), rtol=1e-5, atol=1e-4)
 
 
 def test_which_backward_computes_which_precision():

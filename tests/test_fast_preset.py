@@ -15,7 +15,8 @@ from sagebwd_hf.testing import compare, exact_reference, make_qkv, run_with_grad
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 BAR = {"O": 0.999, "dV": 0.999, "dQ": 0.99, "dK": 0.99}
-EVERY_RULE = ["accurate", "fast"] + list(RULES)
+# (do_sequence is a rule of p_static's dO scales: it comes with them)
+EVERY_RULE = ["accurate", "fast"] + [r for r in RULES if r != "do_sequence"] + ["pv_e4m3+p_static+do_sequence"]
 
 
 def e4m3_float64(x: torch.Tensor) -> torch.Tensor:
@@ -168,7 +169,7 @@ def test_varlen_computes_each_sequence_with_the_preset():
 def test_bad_precision_names_the_argument_and_the_allowed_values(bad):
     q, k, v, _ = make_qkv(1, 2, 2, 16, 16, 64, torch.bfloat16, "cpu", seed=7)
     with pytest.raises(ValueError, match=r"precision must be 'accurate', 'fast' or rule names joined by '\+' "
-                                         r"\(pv_e4m3, p_static, ds_tile\), got"):
+                                         r"\(pv_e4m3, p_static, ds_tile, dk_e4m3, do_sequence\), got"):
         sagebwd_attn_func(q, k, v, precision=bad, backend="naive")
     cu = torch.tensor([0, 16], dtype=torch.int32)
     with pytest.raises(ValueError, match="precision must be"):
@@ -176,6 +177,12 @@ def test_bad_precision_names_the_argument_and_the_allowed_values(bad):
                                  precision=bad, backend="naive")
     with pytest.raises(ValueError, match="SageBwd option 'precision' must be 'accurate', 'fast'"):
         sagebwd_hf.SageBwdOptions(precision=bad)
+
+
+def test_do_sequence_needs_p_static():
+    for bad in ("do_sequence", "pv_e4m3+do_sequence", "do_sequence+dk_e4m3"):
+        with pytest.raises(ValueError, match="do_sequence is a rule of p_static's dO scales"):
+            parse_precision(bad)
 
 
 def test_precision_strings_round_trip():

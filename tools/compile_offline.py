@@ -129,12 +129,19 @@ def make_inputs(mod, a):
                                   h // hk, d, window, d ** -0.5, **kw)
     do8t = torch.empty(b, h, dv, npad, dtype=torch.int8)
     do_scale = vec()
-    if rules.p_static:   # dO's scales per channel per query tile [S, H, tiles, Dv] (quantize's channel_tile)
-        block_q = kw.get("block_q") or (mod.ONE_LAUNCH_QUERY_TILE if a.kernel == "dkdvq" else mod.dkdv_query_tile(d))
+    if rules.do_sequence:   # dO's channel maxima per sequence and KV group [S, H, Dv]
+        do_scale = torch.empty(num_seqs, h, dv)
+    elif rules.p_static:   # dO's scales per channel per query tile [S, H, tiles, Dv] (quantize's channel_tile)
+        block_q = kw.get("block_q") or (mod.ONE_LAUNCH_QUERY_TILE if a.kernel in ("dkdv", "dkdvq")
+                                        else mod.dkdv_query_tile(d))
         do_scale = torch.empty(num_seqs, h, -(-max_len // block_q), dv)
     grads = torch.empty(b, hk, n, dv, dtype=torch.bfloat16), torch.empty(b, hk, n, d, dtype=torch.bfloat16)
     if a.kernel == "dkdvq":
         kw.update(dq_acc=torch.empty(b, h, n, d))
+    if rules.dk_e4m3 and a.kernel != "dv":   # dK's product in e4m3: Q^T's e4m3 bytes (as q8t), per-token scales
+        kw.update(q_e4m3=(torch.empty_like(quant.q8t), vec()))
+    if rules.in_place:
+        kw.update(in_place=True)
     return mod.dkdv_hopper_args(a.kernel, quant, lse, do4, do8t, do_scale, vec(), v4, grads[0], grads[1], h // hk, d,
                                 window, d ** -0.5, **kw)
 
@@ -206,7 +213,7 @@ def main():
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--seqlen", type=int, default=4096)
-    p.add_argument("--kernel", choices=["fwd", "dv", "dk", "dkdvq", "dq"], default="fwd",
+    p.add_argument("--kernel", choices=["fwd", "dv", "dk", "dkdv", "dkdvq", "dq"], default="fwd",
                    help="the forward, or one backward launch (backward_hopper; dkdvq: the one launch, dV, dK and "
                         "dQ by reduce-adds)")
     p.add_argument("--kernel-file", default=None)
@@ -216,8 +223,8 @@ def main():
     p.add_argument("--row-sums", action="store_true",
                    help="dq: a shard of each row's keys (K-smoothing's row term from the kernel's own dS sums)")
     p.add_argument("--precision", default="accurate",
-                   help="fwd, dv, dkdvq: the numerics rule the kernel computes (sagebwd_hf.numerics: accurate, "
-                        "pv_e4m3, pv_e4m3+p_static); the builders' pv_e4m3 / p_static")
+                   help="fwd, dv, dk, dkdv, dkdvq: the numerics rule the kernel computes (sagebwd_hf.numerics: "
+                        "accurate, pv_e4m3, pv_e4m3+p_static, ... +dk_e4m3, +do_sequence)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 

@@ -1,8 +1,10 @@
 """Numerics presets: which rounding each low-precision product of SageBwd uses.
 
 ``precision="accurate"`` (the default) is the rule every kernel computes. ``precision="fast"`` is ``pv_e4m3`` with
-``p_static``: the cheaper rules the Hopper kernels compute forward and backward. Each rule is also selectable on its
-own by joining rule names with ``+`` (``precision="pv_e4m3+ds_tile"``):
+``p_static``: the cheaper rules the Hopper kernels compute forward and backward. ``precision="fastest"`` is "fast"
+with ``do_sequence`` and ``dk_e4m3``: the rules under which dV's and dK's products keep their scales along the sum,
+so the Hopper backward accumulates them in place and computes S and dP once (one launch at head dims 64 and 128).
+Each rule is also selectable on its own by joining rule names with ``+`` (``precision="pv_e4m3+ds_tile"``):
 
 * ``pv_e4m3``: P·V (forward) and Pᵀ·dO (backward) in FP8 e4m3 instead of INT8. P, in [0, 1], is mapped onto
   e4m3's largest value 448; V gets one scale per channel, dO one per token (one per channel of a query tile with
@@ -67,8 +69,9 @@ class Numerics(NamedTuple):
 RULES = Numerics._fields
 ACCURATE = Numerics()
 FAST = Numerics(pv_e4m3=True, p_static=True)
-PRESETS = {"accurate": ACCURATE, "fast": FAST}
-ALLOWED = ("accurate", "fast", "rule names joined by '+': " + ", ".join(RULES))
+FASTEST = Numerics(pv_e4m3=True, p_static=True, dk_e4m3=True, do_sequence=True)
+PRESETS = {"accurate": ACCURATE, "fast": FAST, "fastest": FASTEST}
+ALLOWED = ("accurate", "fast", "fastest", "rule names joined by '+': " + ", ".join(RULES))
 
 
 def parse_precision(precision: str, argument: str = "precision") -> Numerics:
@@ -83,8 +86,8 @@ def parse_precision(precision: str, argument: str = "precision") -> Numerics:
                 raise ValueError(f"{argument}: do_sequence is a rule of p_static's dO scales (add p_static and "
                                  f"pv_e4m3), got {precision!r}")
             return rules
-    raise ValueError(f"{argument} must be 'accurate', 'fast' or rule names joined by '+' ({', '.join(RULES)}), "
-                     f"got {precision!r}")
+    raise ValueError(f"{argument} must be 'accurate', 'fast', 'fastest' or rule names joined by '+' "
+                     f"({', '.join(RULES)}), got {precision!r}")
 
 
 def precision_name(numerics: Numerics) -> str:

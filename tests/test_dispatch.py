@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 
-from sagebwd_hf import attention_stats, reset_attention_stats, sagebwd_attn_func, sagebwd_attn_varlen_func
+from sagebwd_hf import (attention_stats, numerics, reset_attention_stats, sagebwd_attn_func,
+                        sagebwd_attn_varlen_func)
 from sagebwd_hf.interface import backward_rule
 from sagebwd_hf.kernels import dispatch, plan
 from sagebwd_hf.naive import LOG2E
@@ -571,6 +572,34 @@ def test_backward_rule_and_the_pytorch_path_follow_the_one_launch(monkeypatch):
     for got, ref in zip(grads[True], want):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     assert not torch.equal(grads[None][0], grads[True][0])
+
+
+def test_backward_rule_of_the_in_place_rules(monkeypatch):
+    """Precisions whose dV and dK sum in place (numerics' ``in_place``): on the Gluon kernels dV and dK run over
+    64-query tiles (one key-tile launch for both, or the one launch), the one launch also at head dim 128 with P's
+    fixed scale ("fastest"; with per-tile P scales a per-query row of dO's scales more overflows its shared memory);
+    elsewhere the three launches' rule, and the plan says so."""
+    monkeypatch.delenv(dispatch.BACKWARD_ENV, raising=False)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert backward_rule(cpu, 128, in_place=True, p_static=True) == backward_rule(cpu, 128)
+    monkeypatch.setattr(dispatch, "gluon_unavailable", lambda device: None)
+    monkeypatch.setattr(dispatch, "use_gluon", lambda *args, **kw: True)
+    tile = plan.ONE_LAUNCH_QUERY_TILE
+    assert backward_rule(gpu, 128, in_place=True, p_static=True) == (tile, 128, False, True)
+    assert backward_rule(gpu, 128, in_place=True) == (tile, 128, True, False)      # dV and dK fused, dQ's launch
+    assert backward_rule(gpu, 128, in_place=True, p_static=True, deterministic=True) == (tile, 128, True, False)
+    assert backward_rule(gpu, 128, in_place=True, p_static=True, softcap=5.0) == (tile, 128, True, False)
+    assert backward_rule(gpu, 128) == (128, 128, True, False)
+    assert backward_rule(gpu, 64, in_place=True) == (tile, 128, False, True)
+    rules = numerics.parse_precision("fastest")
+    assert rules.in_place and not numerics.FAST.in_place and not numerics.parse_precision("pv_e4m3").in_place
+    monkeypatch.setattr(plan, "gluon_programs", lambda device: 132)
+    made = plan.backward_plan(gpu, 128, 128, q_smoothing=False, varlen=False, softcap=0.0, deterministic=True,
+                              pv_e4m3=True, p_static=True, dk_e4m3=True, do_sequence=True)
+    assert made.in_place and made.gluon and not made.one_launch and made.rule.block_m_dkdv == tile
+    made = plan.backward_plan(gpu, 128, 128, q_smoothing=False, varlen=False, softcap=0.0, deterministic=None,
+                              pv_e4m3=True, p_static=True, dk_e4m3=True)      # per-tile dO scales: not in place
+    assert not made.in_place and not made.one_launch and made.rule.block_m_dkdv == 128
 
 
 @pytest.mark.gpu

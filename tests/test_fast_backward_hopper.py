@@ -240,6 +240,33 @@ def test_do_sequence_pass_writes_the_reference_bytes(group):
     torch.testing.assert_close(got.delta, (do.float() * o.float()).sum(-1), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
+                    reason="the preparation under Triton's interpreter")
+def test_do_sequence_pass_scales():
+    """quantize_do_sequence under the interpreter: its scales are dO's channel maxima over each sequence and the
+    query heads of its KV group (a packed batch's per sequence), delta is every rule's, and prepare_backward takes
+    it for ``do_group``."""
+    from sagebwd_hf.kernels.layout import SeqLayout
+    from sagebwd_hf.kernels.quantize import prepare_backward, quantize_do_sequence
+
+    gen = torch.Generator().manual_seed(4)
+    do = (torch.randn(2, 4, 150, 64, generator=gen) * torch.exp(torch.randn(1, 4, 150, 1, generator=gen))).bfloat16()
+    q, o = torch.randn_like(do), torch.randn_like(do)
+    lay = SeqLayout(2, 150, None)
+    got = quantize_do_sequence(do, lay, 2, o)
+    want = do.float().abs().amax(2).view(2, 2, 2, 64).amax(2, keepdim=True).expand(-1, -1, 2, -1).reshape(2, 4, 64)
+    assert torch.equal(got.scale, want)
+    prep = functools.partial(prepare_backward, q, q, do, o, lay, lay, 0.125, True, False)
+    assert torch.equal(got.delta, prep()[1].delta)
+    assert torch.equal(prep(do_e4m3=True, do_group=2)[1].scale, want)
+    cu = torch.tensor([0, 40, 40, 150], dtype=torch.int32)
+    packed = quantize_do_sequence(do[:1], SeqLayout(3, 110, cu), 4, o[:1])
+    for i in range(3):
+        a, n = int(cu[i]), int(cu[i + 1] - cu[i])
+        if n:
+            assert torch.equal(packed.scale[i], do[0, :, a:a + n].float().abs().amax((0, 1)).expand(4, -1))
+
+
 def test_which_backward_computes_which_precision():
     """check_kernels_compute for a backward: the Gluon kernels compute accurate, pv_e4m3 and pv_e4m3+p_static; with
     ds_tile the refusal names ds_tile; the portable kernels accurate only; no kernel p_static or ds_tile alone."""

@@ -16,7 +16,8 @@ from sagebwd_hf.testing import compare, exact_reference, make_qkv, run_with_grad
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 BAR = {"O": 0.999, "dV": 0.999, "dQ": 0.99, "dK": 0.99}
 # (do_sequence is a rule of p_static's dO scales: it comes with them)
-EVERY_RULE = ["accurate", "fast"] + [r for r in RULES if r != "do_sequence"] + ["pv_e4m3+p_static+do_sequence"]
+EVERY_RULE = (["accurate", "fast", "fastest"] + [r for r in RULES if r != "do_sequence"]
+              + ["pv_e4m3+p_static+do_sequence"])
 
 
 def e4m3_float64(x: torch.Tensor) -> torch.Tensor:
@@ -125,6 +126,41 @@ def test_backward_rules_match_float64():
         assert (dq.double() - want_dq).norm() / want_dq.norm() < 4e-3
 
 
+def test_in_place_rules_match_float64():
+    """dV under do_sequence (dO one e4m3 scale per channel over the sequence and both query heads of the KV group)
+    and dK under dk_e4m3 (Q one e4m3 scale per token folded into dS, dS one per key over the query tile), from their
+    definitions in float64, on one tile of 64 queries and 64 keys, two query heads sharing one KV head."""
+    q, k, v, do = make_qkv(1, 2, 1, 64, 64, 64, torch.bfloat16, "cpu", k_outliers=10.0, seed=9)
+    do[:, 1] *= 16    # the group's second head sets most of dO's channel maxima
+    scale = 64 ** -0.5
+    out, lse = naive.sagebwd_forward_naive(q, k, v, scale)
+    keys = naive._quantize_keys(k, 2, True)
+    s = naive._block_scores(q, keys, slice(0, 64), slice(0, 64), 64, 64, scale, (-1, -1), False)[0]
+    p = torch.exp2(s - lse[..., None])
+    dp = do.float() @ v.float().transpose(-1, -2)                      # (one KV head: broadcast over both heads)
+    ds = (p * (dp - (do.float() * out.float()).sum(-1, keepdim=True))).double()
+    rules = parse_precision("fastest")
+    dq, dk, dv = naive.sagebwd_backward_naive(q, k, v, out, lse, do, scale, block_m_dkdv=64, block_n_dq=64,
+                                              numerics=rules)
+    do_max = do.float().abs().amax((1, 2), keepdim=True)               # over the tokens and the group's heads
+    do_quotient = (do.float() * (torch.full_like(do_max, E4M3_MAX) / do_max)).double()
+    want_dv = ((e4m3_float64(p.double() * E4M3_MAX).transpose(-1, -2) @ e4m3_float64(do_quotient))
+               * do_max.double() / E4M3_MAX ** 2).sum(1, keepdim=True)
+    # the bf16 result against the definition rounded to bf16 (one max per head instead: 3e-3 here)
+    want_dv = want_dv.to(dv.dtype).double()
+    assert (dv.double() - want_dv).norm() / want_dv.norm() < 5e-4
+    q_max = q.float().abs().amax(-1, keepdim=True)                     # Q per token
+    q8 = e4m3_float64((q.float() * (torch.full_like(q_max, E4M3_MAX) / q_max)).double())
+    x = ds * (q_max.double() / E4M3_MAX)                               # Q's scale folded into dS
+    x_max = x.abs().amax(-2, keepdim=True)                             # per key over the tile
+    want_dk = ((e4m3_float64(x * (E4M3_MAX / x_max)).transpose(-1, -2) @ q8) * x_max.transpose(-1, -2) / E4M3_MAX
+               * scale).sum(1, keepdim=True).to(dk.dtype).double()
+    assert (dk.double() - want_dk).norm() / want_dk.norm() < 5e-4
+    fast = naive.sagebwd_backward_naive(q, k, v, out, lse, do, scale, block_m_dkdv=64, block_n_dq=64, numerics=FAST)
+    assert torch.equal(dq, fast[0])                                    # dQ's rule is fast's
+    assert not torch.equal(dk, fast[1]) and not torch.equal(dv, fast[2])
+
+
 def test_accurate_is_todays_rule_bit_for_bit():
     q, k, v, do = make_qkv(1, 2, 1, 200, 200, 64, torch.bfloat16, "cpu", k_outliers=10.0, seed=4)
     base = run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, causal=True, backend="naive"), q, k, v, do)
@@ -142,13 +178,14 @@ def test_accurate_is_todays_rule_bit_for_bit():
     assert not any(torch.equal(base[n], fast[n]) for n in base)     # the argument reaches the computation
 
 
+@pytest.mark.parametrize("precision", ["fast", "fastest"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fast_meets_the_accuracy_bar(head_dim, causal):
+def test_fast_meets_the_accuracy_bar(head_dim, causal, precision):
     q, k, v, do = make_qkv(1, 2, 2, 384, 384, head_dim, torch.bfloat16, "cpu", k_outliers=10.0, seed=5)
     ref = exact_reference(q, k, v, do, window_size=(-1, 0) if causal else (-1, -1))
     got = compare(run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, causal=causal, backend="naive",
-                                                                   precision="fast"), q, k, v, do), ref)
+                                                                   precision=precision), q, k, v, do), ref)
     for name, (cos, rel_l2) in got.items():
         assert cos >= BAR[name], (name, cos, rel_l2)
 
@@ -168,7 +205,8 @@ def test_varlen_computes_each_sequence_with_the_preset():
 @pytest.mark.parametrize("bad", ["Fast", "", "fp8", "pv_e4m3+pv_e4m3", "fast+ds_tile", 1, None, True])
 def test_bad_precision_names_the_argument_and_the_allowed_values(bad):
     q, k, v, _ = make_qkv(1, 2, 2, 16, 16, 64, torch.bfloat16, "cpu", seed=7)
-    with pytest.raises(ValueError, match=r"precision must be 'accurate', 'fast' or rule names joined by '\+' "
+    with pytest.raises(ValueError, match=r"precision must be 'accurate', 'fast', 'fastest' or rule names joined by "
+                                         r"'\+' "
                                          r"\(pv_e4m3, p_static, ds_tile, dk_e4m3, do_sequence\), got"):
         sagebwd_attn_func(q, k, v, precision=bad, backend="naive")
     cu = torch.tensor([0, 16], dtype=torch.int32)
@@ -190,6 +228,7 @@ def test_precision_strings_round_trip():
         rules = parse_precision(name)
         assert parse_precision(precision_name(rules)) == rules
     assert parse_precision("pv_e4m3+p_static") == FAST and precision_name(FAST) == "fast"
+    assert precision_name(parse_precision("dk_e4m3+do_sequence+p_static+pv_e4m3")) == "fastest"
     assert precision_name(parse_precision("pv_e4m3+p_static+ds_tile")) == "pv_e4m3+p_static+ds_tile"
 
 

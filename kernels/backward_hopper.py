@@ -24,10 +24,18 @@ scales), the dQ launch walks 128-key tiles (dS's per-query scales):
   ``dS K`` in the input dtype over the program's 128 keys (K as exact bf16 integers times its one scale), and a
   TMA reduce-add puts the fp32 result into a zeroed accumulator. dQ's product is unquantized (more accurate) and
   the adds' order varies: not bit-identical run to run. plan.gluon_one_launch_backward says when it runs.
+* in place (``DK_E4M3``: dK = dS^T Q in e4m3, Q^T's e4m3 bytes from shared memory; ``IN_PLACE``: dV's and dK's e4m3
+  products accumulate in their fp32 wgmma accumulators across every query tile, dV with no per-tile work under
+  ``P_STATIC`` with dO's scales per sequence (applied at the end), dK and a per-tile-scaled dV after one multiply a
+  row where a key's scale moved: backward_hopper_common.running_scale): the launch ``dkdv`` (dV and dK, S^T and
+  dP^T once, 64-query tiles, each gradient written once) and the one launch, also at D=128 (one dQ staging buffer
+  a consumer). ``ASYNC`` (in place with ``P_STATIC``, both gradients): dV's product issued before dS^T's math,
+  dK's before the wait for the other consumer's dS^T, both waited for at the tile's end; P^T = 448 p.
 
 Each of the three launches writes every gradient once (deterministic). Why three launches by default and not one:
 INT8 wgmma accumulates in int32 and the quantization scale changes per tile, so each product is dequantized
-through its own int32 registers into an fp32 accumulator; at D=128 the one launch's registers spill.
+through its own int32 registers into an fp32 accumulator; at D=128 the one launch's registers spill unless dV and dK
+sum in place (above).
 
 Schedule: the forward's (forward_hopper.py): a work item is 128 keys (dV, dK) or 128 queries (dQ) of one
 (sequence, head); one program per SM takes items from an atomic counter (causal items longest first), or one

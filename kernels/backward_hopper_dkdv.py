@@ -502,9 +502,7 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, rin
                 dk_tok = warpgroup_mma(gl.convert_layout(ds8, gl.DotOperandLayout(0, dk_acc.type.layout, 4),
                                                          assert_trivial=True),
                                        ring.qt.index(s).permute((1, 0)), dk_acc * factor[:, None], is_async=True)
-        if ASYNC:
-            pass
-        elif DO_DV:
+        if DO_DV and not ASYNC:   # (ASYNC: issued above)
             if P_STATIC and IN_PLACE:   # dO's channel scales hold for the sequence: applied once at the end
                 dv_acc = warpgroup_mma(gl.convert_layout(pv8, gl.DotOperandLayout(0, dv_acc.type.layout, 4),
                                                          assert_trivial=True),
@@ -530,9 +528,7 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, rin
             else:
                 dq_tok = _dq_issue(dq_x.ds.index(2), dq_x.ds.index(3), dq_x.kb.index(C), dq_x.kb.index(2 + C),
                                    dq_zero)
-        if ASYNC:
-            pass
-        elif DO_DK:
+        if DO_DK and not ASYNC:
             if IN_PLACE:
                 dk_scale, factor = running_scale(dk_scale, ds_scale)
                 dk_acc = accumulate_in_place(dk_acc, factor, ds8, ring.qt.index(s))

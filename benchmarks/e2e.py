@@ -19,6 +19,7 @@ memory, reruns every implementation at that length, and those after it, with it 
 Implementations (all through Transformers' attention interface, the same model and weights):
   sagebwd     attn_implementation="sagebwd" (after `import sagebwd_hf`)
   sagebwd-fast  the same with sagebwd_hf.configure(model, precision="fast")   (not in the default list)
+  sagebwd-fastest  the same with precision="fastest"                         (not in the default list)
   sdpa        attn_implementation="sdpa", torch's own backend choice (the kernels it ran are reported)
   sdpa-flash  "sdpa" inside sdpa_kernel(FLASH_ATTENTION)
   sdpa-cudnn  "sdpa" inside sdpa_kernel(CUDNN_ATTENTION)          (not in the default list)
@@ -37,7 +38,7 @@ import sys
 import time
 
 DEVICE = "cuda"
-IMPLS = ["sagebwd", "sagebwd-fast", "sdpa", "sdpa-flash", "sdpa-cudnn", "noop"]
+IMPLS = ["sagebwd", "sagebwd-fast", "sagebwd-fastest", "sdpa", "sdpa-flash", "sdpa-cudnn", "noop"]
 DEFAULT_IMPLS = ["sagebwd", "sdpa", "sdpa-flash", "noop"]
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
@@ -141,7 +142,8 @@ def main():
     import sagebwd_hf  # registers "sagebwd"
     AttentionInterface.register("noop", noop_attention)   # no mask function: layers get attention_mask=None
 
-    impl_of = {"sagebwd": ("sagebwd", None), "sagebwd-fast": ("sagebwd", None), "sdpa": ("sdpa", None),
+    impl_of = {"sagebwd": ("sagebwd", None), "sagebwd-fast": ("sagebwd", None),
+               "sagebwd-fastest": ("sagebwd", None), "sdpa": ("sdpa", None),
                "noop": ("noop", None),
                "sdpa-flash": ("sdpa", SDPBackend.FLASH_ATTENTION), "sdpa-cudnn": ("sdpa", SDPBackend.CUDNN_ATTENTION)}
     cfg = LlamaConfig(**dict(LLAMA_3_2_1B, num_hidden_layers=args.layers))
@@ -175,7 +177,7 @@ def main():
         impl, backend = impl_of[name]
         model.set_attn_implementation(impl)
         if impl == "sagebwd":   # the numerics preset (None: the default, "accurate")
-            sagebwd_hf.configure(model, precision="fast" if name == "sagebwd-fast" else None)
+            sagebwd_hf.configure(model, precision={"sagebwd-fast": "fast", "sagebwd-fastest": "fastest"}.get(name))
         batch = max(1, args.tokens // seq)
         gen = torch.Generator(device=DEVICE).manual_seed(seq)
         ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=DEVICE, generator=gen)

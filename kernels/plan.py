@@ -100,6 +100,9 @@ GLUON_PINGPONG_MIN_QUERIES = 2048
 # and dK accumulate in place (their per-tile conversions and second register sets gone)
 ONE_LAUNCH_HEAD_DIMS = ((64, 64), )
 ONE_LAUNCH_IN_PLACE_HEAD_DIMS = ((64, 64), (128, 128))
+# Head dims whose in-place backward (dV and dK summed in their e4m3 accumulators) is built and tested on the GPU; MLA's
+# 192/128, whose dK takes two accumulators, is not
+IN_PLACE_HEAD_DIMS = ((64, 64), (128, 128))
 # Registers a thread of each warpgroup gets (setmaxnreg): one SM's 64K registers shared by the consumers beside the
 # loader. Forward: by consumer count; the backward's launches: two consumers.
 FORWARD_CONSUMER_REGS = types.MappingProxyType({2: 240, 3: 160})

@@ -217,6 +217,11 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
                                      do_sequence=rules.do_sequence, empty=empty)
     # before any launch (an empty side has no P to round: its zero gradients are every rule's)
     check_kernels_compute(precision, backward_on_gluon=plan.gluon or empty)
+    if plan.in_place and (q4.shape[3], v4.shape[3]) not in kernel_plan.IN_PLACE_HEAD_DIMS:
+        raise NotImplementedError(
+            f"precision={precision!r}: the Gluon backward sums dV and dK in place at (Q/K, V) head dims "
+            f"{', '.join(f'{a}/{b}' for a, b in kernel_plan.IN_PLACE_HEAD_DIMS)}, not {q4.shape[3]}/{v4.shape[3]}; "
+            "the PyTorch path (backend='naive') computes it")
     if plan.p_static and not plan.do_sequence and v4.shape[3] > plan.rule.block_m_dkdv:
         raise NotImplementedError(
             f"precision={precision!r}: the Gluon dV kernel stages dO's per-channel scales of a query tile in one "

@@ -602,6 +602,22 @@ def test_backward_rule_of_the_in_place_rules(monkeypatch):
     assert not made.in_place and not made.one_launch and made.rule.block_m_dkdv == 128
 
 
+def test_in_place_rules_refuse_head_dims_not_built(monkeypatch):
+    """A backward whose dV and dK would sum in place on the Gluon kernels at head dims where that is not built (MLA's
+    192/128) raises before any launch, naming the head dims it runs at and the PyTorch path."""
+    from sagebwd_hf import interface
+    monkeypatch.setattr(dispatch, "gluon_unavailable", lambda device: None)
+    monkeypatch.setattr(dispatch, "use_gluon", lambda *args, **kw: True)
+    monkeypatch.setattr(plan, "gluon_programs", lambda device: 132)
+    q, k, v, do = (torch.randn(1, 70, 4, d, dtype=torch.bfloat16) for d in (192, 192, 128, 128))   # [B, N, H, D]
+    out, lse = torch.zeros_like(v), torch.zeros(1, 4, 70)
+    for precision in ("fastest", "pv_e4m3+dk_e4m3"):
+        with pytest.raises(NotImplementedError, match=r"sums dV and dK in place at \(Q/K, V\) head dims 64/64, "
+                                                      r"128/128, not 192/128; the PyTorch path"):
+            interface._backward(do, q, k, v, out, lse, None, None, 70, 70, 192 ** -0.5, (-1, 0), True, False,
+                                "triton", precision=precision)
+
+
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])

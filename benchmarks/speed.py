@@ -20,6 +20,7 @@ else cuDNN): a broken kernel shows up as a low cosine instead of a fast time.
     python benchmarks/speed.py --list-shapes        # shape names (for --shapes), no GPU needed
     python benchmarks/speed.py --quick --mla        # + MLA's head dims (192/128) at the same N, causal or not;
                                                     #   flash gets V zero-padded to 192 (it needs one head dim)
+    python benchmarks/speed.py --quick --methods sagebwd sagebwd@fastest cudnn   # any precision as a method
 
 sageattention: `pip install --no-deps sageattention==1.0.6` (pure Python + Triton; tools/device_run.sh installs a
 carried wheel from .whl/). Its sageattn() subtracts the key mean from k in place: it gets its own copy.

@@ -17,9 +17,10 @@ key            default meaning
                        batch), and a compiled model without a padding mask (which the segmented op also reads
                        on the host) can run with ``mode="reduce-overhead"``. It governs only what the backend
                        reads from position_ids: a mask Transformers builds with the packing in it still splits.
-``precision``  "accurate" the numerics preset (``sagebwd_attn_func``'s ``precision``): "accurate", "fast", or
-                       rule names joined by "+" (sagebwd_hf.numerics). The Hopper kernels and the PyTorch
-                       path compute "fast"; a kernel that does not compute a rule raises NotImplementedError.
+``precision``  "accurate" the numerics preset (``sagebwd_attn_func``'s ``precision``): "accurate", "fast",
+                       "fastest", or rule names joined by "+" (sagebwd_hf.numerics). The Hopper kernels and the
+                       PyTorch path compute "fast" and "fastest"; a kernel that does not compute a rule raises
+                       NotImplementedError.
 ============== ======= ===================================================================================
 
 Three levels, the most specific wins: **per layer > per model > global default**.

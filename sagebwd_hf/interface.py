@@ -609,11 +609,12 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
             False. ``backward_rule`` says which numbers a call computes.
         precision: the numerics preset. "accurate" (default): INT8 with per-row and per-column scales, the rule
             every kernel computes. "fast": FP8 e4m3 P·V and Pᵀ·dO with fixed P scales ("pv_e4m3+p_static";
-            ``sagebwd_hf.numerics`` and docs/fast_preset.md), or single rules joined by "+" ("pv_e4m3",
-            "pv_e4m3+ds_tile"). The PyTorch path (CPU tensors, or ``backend="naive"``) computes them all; on the
-            kernels, the Gluon kernels (Hopper) compute "pv_e4m3" and "fast" forward and backward, and the forward
-            of those with ds_tile; any other kernel pass (a backward with ds_tile, the portable kernels) or
-            precision raises NotImplementedError (``check_kernels_compute``).
+            ``sagebwd_hf.numerics`` and docs/fast_preset.md). "fastest": "fast" with dK in e4m3 and dO's scales
+            per sequence, whose backward sums dV and dK in place (head dims 64 and 128 on Hopper). Or single rules
+            joined by "+" ("pv_e4m3", "pv_e4m3+ds_tile"). The PyTorch path (CPU tensors, or ``backend="naive"``)
+            computes them all; on the kernels, the Gluon kernels (Hopper) compute GLUON_BACKWARD_RULES forward
+            and backward, and the forward of those with ds_tile; any other kernel pass (a backward with ds_tile,
+            the portable kernels) or precision raises NotImplementedError (``check_kernels_compute``).
 
     Returns:
         ``out`` ``[batch, heads, seqlen_q, head_dim of v]`` in q's dtype, and ``lse`` if asked.

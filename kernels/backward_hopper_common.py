@@ -101,14 +101,20 @@ def running_scale(acc_scale, x_scale):
 
 
 @gluon.jit
-def accumulate_in_place(acc, factor, x8, b_smem):
-    """``acc = acc * factor + x8 @ B``: an FP8 e4m3 product from registers into the fp32 accumulator itself (one
-    wgmma chain over every tile: no second register set, no per-tile conversion), its rows rescaled first to the
-    tile's scales (running_scale)."""
-    o_layout: gl.constexpr = acc.type.layout
-    x8 = gl.convert_layout(x8, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4), assert_trivial=True)
-    factor = gl.convert_layout(factor, gl.SliceLayout(1, o_layout), assert_trivial=True)
-    return warpgroup_mma(x8, b_smem.permute((1, 0)), acc * factor[:, None])
+def product_in_place(acc, x8, b_smem, IS_ASYNC: gl.constexpr):
+    """``acc + x8 @ B``: an FP8 e4m3 product from registers into the fp32 accumulator itself (one wgmma chain over
+    every tile: no second register set, no per-tile conversion); ``IS_ASYNC``: issued, not waited for."""
+    x8 = gl.convert_layout(x8, gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=4),
+                           assert_trivial=True)
+    return warpgroup_mma(x8, b_smem.permute((1, 0)), acc, is_async=IS_ASYNC)
+
+
+@gluon.jit
+def accumulate_in_place(acc, factor, x8, b_smem, IS_ASYNC: gl.constexpr):
+    """``acc = acc * factor + x8 @ B`` (product_in_place), the accumulator's rows rescaled first to the tile's
+    scales (running_scale)."""
+    factor = gl.convert_layout(factor, gl.SliceLayout(1, acc.type.layout), assert_trivial=True)
+    return product_in_place(acc * factor[:, None], x8, b_smem, IS_ASYNC)
 
 
 @gluon.jit

@@ -8,7 +8,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .backward_hopper_common import (HALF_N, STAGES, CallerRows, KeyScales, accumulate_in_place, accumulate_product,
-                                     no_tiles_unless, quantize_rows, running_scale, sequence_bounds, store_rows)
+                                     no_tiles_unless, product_in_place, quantize_rows, running_scale, sequence_bounds,
+                                     store_rows)
 from .hopper_common import (E4M3_MAX, FLOAT_ROUND_BIAS, FLOAT_ROUND_BIAS_BITS, LOG2_448, TINY_SCALE, ItemMailbox,
                             Scalar, Sequences, WorkItem, aggregate, as_operand, ceil_to, claim_item, floor_to,
                             free_phase, inside_sequences, named_barrier, nan_max, ring_phase, ring_slot, split_item,
@@ -464,9 +465,7 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, rin
                     xv = xv * E4M3_MAX
                 pv8 = as_operand(xv.to(gl.float8e4nv), ORDER, p_layout)
                 if ASYNC:   # dV's product under dS^T's math
-                    dv_tok = warpgroup_mma(gl.convert_layout(pv8, gl.DotOperandLayout(0, dv_acc.type.layout, 4),
-                                                             assert_trivial=True),
-                                           ring.dot.index(s).permute((1, 0)), dv_acc, is_async=True)
+                    dv_tok = product_in_place(dv_acc, pv8, ring.dot.index(s), True)
             else:
                 if not FOLD:
                     xv = xv * ring.vec.index(opts.NVEC * s + VDOS).load(col_layout)[None, :]
@@ -498,15 +497,10 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, rin
                 ds8, ds_scale = quantize_rows(xk, nan_max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
             if ASYNC:   # dK's product before the wait for the other consumer's dS^T
                 dk_scale, factor = running_scale(dk_scale, ds_scale)
-                factor = gl.convert_layout(factor, gl.SliceLayout(1, dk_acc.type.layout), assert_trivial=True)
-                dk_tok = warpgroup_mma(gl.convert_layout(ds8, gl.DotOperandLayout(0, dk_acc.type.layout, 4),
-                                                         assert_trivial=True),
-                                       ring.qt.index(s).permute((1, 0)), dk_acc * factor[:, None], is_async=True)
+                dk_tok = accumulate_in_place(dk_acc, factor, ds8, ring.qt.index(s), True)
         if DO_DV and not ASYNC:   # (ASYNC: issued above)
             if P_STATIC and IN_PLACE:   # dO's channel scales hold for the sequence: applied once at the end
-                dv_acc = warpgroup_mma(gl.convert_layout(pv8, gl.DotOperandLayout(0, dv_acc.type.layout, 4),
-                                                         assert_trivial=True),
-                                       ring.dot.index(s).permute((1, 0)), dv_acc)
+                dv_acc = product_in_place(dv_acc, pv8, ring.dot.index(s), False)
             elif P_STATIC:   # dO's channel scales of this tile (times 1/448: the loader's)
                 dos_row = ring.vec.index(opts.NVEC * s + VDOS)
                 if opts.HEAD_DIM_V < BLOCK_Q:
@@ -515,7 +509,7 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, rin
                                           ring.dot.index(s), True)
             elif IN_PLACE:
                 dv_scale, factor = running_scale(dv_scale, pv_scale)
-                dv_acc = accumulate_in_place(dv_acc, factor, pv8, ring.dot.index(s))
+                dv_acc = accumulate_in_place(dv_acc, factor, pv8, ring.dot.index(s), False)
             elif PV_E4M3:
                 dv_acc = _accumulate_e4m3(dv_acc, pv8, pv_scale, ring.dot.index(s), False)
             else:
@@ -531,9 +525,9 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, rin
         if DO_DK and not ASYNC:
             if IN_PLACE:
                 dk_scale, factor = running_scale(dk_scale, ds_scale)
-                dk_acc = accumulate_in_place(dk_acc, factor, ds8, ring.qt.index(s))
+                dk_acc = accumulate_in_place(dk_acc, factor, ds8, ring.qt.index(s), False)
                 if QK_SPLIT:
-                    dk2_acc = accumulate_in_place(dk2_acc, factor, ds8, ring.qt2.index(s))
+                    dk2_acc = accumulate_in_place(dk2_acc, factor, ds8, ring.qt2.index(s), False)
             elif DK_E4M3:
                 dk_acc = _accumulate_e4m3(dk_acc, ds8, ds_scale, ring.qt.index(s), False)
                 if QK_SPLIT:

@@ -292,11 +292,11 @@ def forward_plan(device: torch.device, head_dim: int, head_dim_v: int, *, q_smoo
 def backward_plan(device: torch.device, head_dim: int, head_dim_v: int, *, q_smoothing: bool, varlen: bool,
                   softcap: float, deterministic: Optional[bool], key_shard: bool = False, pv_e4m3: bool = False,
                   p_static: bool = False, dk_e4m3: bool = False, do_sequence: bool = False,
-                  empty: bool = False) -> BackwardPlan:
+                  in_place: bool = False, empty: bool = False) -> BackwardPlan:
     """The plan of a backward call (arguments as ``forward_plan``'s and ``backward_rule``'s; ``pv_e4m3``,
-    ``p_static``, ``dk_e4m3``, ``do_sequence``: the precision's rules)."""
+    ``p_static``, ``dk_e4m3``, ``do_sequence``: the precision's rules, ``in_place`` whether they let dV and dK sum in
+    place: numerics.Numerics.in_place)."""
     tiles = tile_configs(head_dim, device, head_dim_v)
-    in_place = pv_e4m3 and dk_e4m3 and (not p_static or do_sequence)     # (numerics.Numerics.in_place)
     rule = backward_rule(device, head_dim, head_dim_v, softcap=softcap, q_smoothing=q_smoothing, varlen=varlen,
                          deterministic=deterministic, key_shard=key_shard, in_place=in_place, p_static=p_static)
     if empty or not dispatch.use_gluon(device, head_dim, q_smoothing, varlen, softcap=bool(softcap),

@@ -214,7 +214,7 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     plan = kernel_plan.backward_plan(q.device, q4.shape[3], v4.shape[3], q_smoothing=q_smoothing, varlen=varlen,
                                      softcap=softcap, deterministic=deterministic, key_shard=key_shard,
                                      pv_e4m3=rules.pv_e4m3, p_static=rules.p_static, dk_e4m3=rules.dk_e4m3,
-                                     do_sequence=rules.do_sequence, empty=empty)
+                                     do_sequence=rules.do_sequence, in_place=rules.in_place, empty=empty)
     # before any launch (an empty side has no P to round: its zero gradients are every rule's)
     check_kernels_compute(precision, backward_on_gluon=plan.gluon or empty)
     if plan.in_place and (q4.shape[3], v4.shape[3]) not in kernel_plan.IN_PLACE_HEAD_DIMS:

@@ -595,10 +595,12 @@ def test_backward_rule_of_the_in_place_rules(monkeypatch):
     assert rules.in_place and not numerics.FAST.in_place and not numerics.parse_precision("pv_e4m3").in_place
     monkeypatch.setattr(plan, "gluon_programs", lambda device: 132)
     made = plan.backward_plan(gpu, 128, 128, q_smoothing=False, varlen=False, softcap=0.0, deterministic=True,
-                              pv_e4m3=True, p_static=True, dk_e4m3=True, do_sequence=True)
+                              pv_e4m3=True, p_static=True, dk_e4m3=True, do_sequence=True, in_place=rules.in_place)
     assert made.in_place and made.gluon and not made.one_launch and made.rule.block_m_dkdv == tile
+    per_tile = numerics.parse_precision("pv_e4m3+p_static+dk_e4m3")     # per-tile dO scales: not in place
+    assert not per_tile.in_place
     made = plan.backward_plan(gpu, 128, 128, q_smoothing=False, varlen=False, softcap=0.0, deterministic=None,
-                              pv_e4m3=True, p_static=True, dk_e4m3=True)      # per-tile dO scales: not in place
+                              pv_e4m3=True, p_static=True, dk_e4m3=True, in_place=per_tile.in_place)
     assert not made.in_place and not made.one_launch and made.rule.block_m_dkdv == 128
 
 

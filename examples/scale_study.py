@@ -20,6 +20,8 @@ bf16 autocast, on the code corpus, in two regimes of tokens per step, with these
     sdpa_qknorm          (optional, --arms) the reference for the QK-norm arm: same model, SDPA
     sagebwd_fast         (optional, --arms or --cells) SageBwd with precision="fast" (FP8 e4m3 P·V and Pᵀ·dO,
                          fixed P scales; sagebwd_hf.numerics), against sdpa like sagebwd
+    sagebwd_fastest      (optional, --arms or --cells) precision="fastest" ("fast" plus dK = dSᵀ·Q in e4m3 and
+                         dO's scales per sequence), against sdpa like sagebwd
 
 Each cell (regime, arm, seed) is one examples/pretrain.py run; within a seed every arm starts from the same
 weights (same seed, same config; QK-norm gains start at 1) and sees the same batches in the same order. A
@@ -63,11 +65,13 @@ ARMS = {
     "sagebwd_no_ksmooth": ["--attn_implementation", "sagebwd", "--no_k_smoothing"],
     "sdpa_qknorm": ["--attn_implementation", "sdpa", "--qk_norm"],
     "sagebwd_fast": ["--attn_implementation", "sagebwd", "--precision", "fast"],
+    "sagebwd_fastest": ["--attn_implementation", "sagebwd", "--precision", "fastest"],
 }
 DEFAULT_ARMS = ("sdpa", "sagebwd", "sagebwd_qknorm", "sagebwd_no_ksmooth")
 # --report's comparisons (folder suffix, arms): the first arm is the reference of the others (QK-norm changes the
 # model, so its arm has its own); each draws the arms that have done cells, and only with its reference among them.
-COMPARISONS = [("", ["sdpa", "sagebwd", "sagebwd_qknorm", "sagebwd_no_ksmooth", "sagebwd_fast"]),
+COMPARISONS = [("", ["sdpa", "sagebwd", "sagebwd_qknorm", "sagebwd_no_ksmooth", "sagebwd_fast",
+                     "sagebwd_fastest"]),
                ("_qknorm", ["sdpa_qknorm", "sagebwd_qknorm"])]
 # Seconds a cell needs beyond its training steps (start-up, model build, Triton compilation, evaluations).
 OVERHEAD_S = 45.0

@@ -494,8 +494,11 @@ def test_scale_study_runs_cells_resumes_and_reports(tmp_path, env, monkeypatch):
     for bad in ("2m/sdpa/0", "1m/flash/0", "1m/sdpa", "1m/sdpa/x"):
         with pytest.raises(SystemExit):
             scale_study.parse_args(argv + ["--cells", bad])
-    # the fast preset's arm: not a default arm, run by --cells, judged against sdpa
-    assert "sagebwd_fast" not in scale_study.parse_args([]).arms
+    # the fast presets' arms: not default arms, run by --cells, judged against sdpa
+    assert not {"sagebwd_fast", "sagebwd_fastest"} & set(scale_study.parse_args([]).arms)
+    assert scale_study.parse_args(argv + ["--cells", "64k/sagebwd_fastest/2"]).cells == [("64k", "sagebwd_fastest", 2)]
+    assert scale_study.ARMS["sagebwd_fastest"][-2:] == ["--precision", "fastest"]
+    assert any("sagebwd_fastest" in arms and arms[0] == "sdpa" for _, arms in scale_study.COMPARISONS)
     scale_study.main(argv + ["--cells", "64k/sagebwd_fast/0", "64k/sagebwd_fast/1"])
     cell = json.loads((results / "64k" / "sagebwd_fast" / "seed0" / "cell.json").read_text())
     assert "--attn_implementation sagebwd --precision fast" in cell["command"]

@@ -7,6 +7,7 @@ match at 260K tokens per step, a gap at 2.1M, and without QK-norm a failure at l
     python examples/code_corpus.py --output_dir /tmp/corpus          # the data: installed Python sources
     python examples/scale_study.py --corpus /tmp/corpus --deadline_s 540   # run what fits, resume next call
     python examples/scale_study.py --corpus /tmp/corpus --cells 1m/sdpa/1 1m/sagebwd/1   # chosen cells, in order
+    python examples/scale_study.py --corpus /tmp/corpus --devices 0 1 2 3        # four cells at a time, a GPU each
     python examples/scale_study.py --status                          # the plan, and which cells are done
     python examples/scale_study.py --report                          # tables and PNGs into docs/fidelity/
 
@@ -28,7 +29,8 @@ weights (same seed, same config; QK-norm gains start at 1) and sees the same bat
 cell's metrics.csv, run_summary.json and cell.json (its command and the plan it ran under) go to
 ``--results/REGIME/ARM/seedN/``. A cell is done when its run_summary.json is there and its plan matches: the
 script skips done cells and any cell that would not end by --deadline_s (e.g. a time limit on each use of a
-GPU machine; a later, shorter cell may still fit), so calling it again resumes the study. --report draws each regime
+GPU machine; a later, shorter cell may still fit), so calling it again resumes the study. ``--devices`` runs that
+many cells at once, each on its own GPU (``CUDA_VISIBLE_DEVICES``), in the same order. --report draws each regime
 with examples/compare_runs.py (loss curves, the reference's seed-to-seed band, the gaps with their 95% interval, a
 verdict per arm) and writes the table to ``--docs``.
 """
@@ -92,12 +94,17 @@ def parse_args(argv=None):
                              "--regimes x --arms x --seeds")
     parser.add_argument("--deadline_s", type=float, default=None,
                         help="start no cell that would not end within this many seconds of the start")
+    parser.add_argument("--devices", nargs="+", default=None, metavar="GPU",
+                        help="run a cell on each of these GPUs at once (CUDA_VISIBLE_DEVICES values, e.g. 0 1 2 3); "
+                             "default: one cell at a time on what the machine shows")
     parser.add_argument("--tokens_per_s", type=float, default=3e5,
                         help="throughput assumed for a cell before one of its regime and arm has run")
     parser.add_argument("--status", action="store_true", help="print the plan and what is done, run nothing")
     parser.add_argument("--report", action="store_true", help="draw and tabulate the done cells, run nothing")
     parser.add_argument("--docs", default=str(ROOT / "docs" / "fidelity"), help="where --report writes")
     args = parser.parse_args(argv)
+    if args.devices is not None and len(set(args.devices)) != len(args.devices):
+        parser.error(f"--devices must be different from each other, got {args.devices}")
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds must be different from each other, got {args.seeds}")
     if args.cells is not None:
@@ -163,7 +170,8 @@ def corpus_args(corpus):
             "--tokenizer_name", str(corpus / "tokenizer")], manifest
 
 
-def run_cell(args, regime, arm, seed, data_args, manifest):
+def start_cell(args, regime, arm, seed, data_args, device=None):
+    """Start a cell's pretrain.py run (on GPU ``device`` alone, if given); returns what finish_cell needs."""
     plan = cell_plan(regime, arm)
     work = Path(args.work_dir) / regime / arm / f"seed{seed}"
     shutil.rmtree(work, ignore_errors=True)
@@ -171,29 +179,49 @@ def run_cell(args, regime, arm, seed, data_args, manifest):
         "--gradient_accumulation_steps", str(plan["accumulation"]), "--max_steps", str(plan["steps"]),
         "--learning_rate", str(plan["lr"]), "--eval_steps", str(max(1, plan["steps"] // 8)),
         "--log_every", str(max(1, plan["steps"] // 8)), "--seed", str(seed), "--output_dir", str(work)]
-    print(f"[scale_study] {regime}/{arm}/seed{seed}: {shlex.join(cmd)}", flush=True)
-    start = time.time()
+    where = "" if device is None else f" (GPU {device})"
+    print(f"[scale_study] {regime}/{arm}/seed{seed}{where}: {shlex.join(cmd)}", flush=True)
+    env = dict(os.environ, TQDM_DISABLE="1")
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(device)
     log = work.parent / f"seed{seed}.log"
     work.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        result = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, TQDM_DISABLE="1"))
-    lines = log.read_text(errors="replace").splitlines()
+    out = open(log, "w")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return dict(cell=(regime, arm, seed), plan=plan, cmd=cmd, work=work, log=log, out=out, proc=proc,
+                device=device, start=time.time())
+
+
+def finish_cell(args, job, manifest):
+    """Wait for a started cell, print its log's summary lines, keep its metrics and write its cell.json; a failed
+    run raises SystemExit."""
+    returncode = job["proc"].wait()
+    job["out"].close()
+    (regime, arm, seed), plan, cmd, work = job["cell"], job["plan"], job["cmd"], job["work"]
+    lines = job["log"].read_text(errors="replace").splitlines()
+    print(f"[scale_study] {regime}/{arm}/seed{seed}:", flush=True)
     print("\n".join("    " + line for line in lines if line.startswith(("step ", "check_training", "model:",
                                                                        "tokens per"))), flush=True)
-    if result.returncode != 0:
+    if returncode != 0:
         print("\n".join(lines[-30:]))
-        raise SystemExit(f"[scale_study] {regime}/{arm}/seed{seed} failed (exit code {result.returncode})")
+        raise SystemExit(f"[scale_study] {regime}/{arm}/seed{seed} failed (exit code {returncode})")
+    start = job["start"]
     dest = cell_dir(args.results, regime, arm, seed)
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("metrics.csv", "run_summary.json"):
         shutil.copy(work / name, dest / name)
     train = manifest["splits"]["train"]
     cell = dict(plan=plan, seed=seed, command=shlex.join(cmd), wall_s=round(time.time() - start, 1),
+                device=job["device"],
                 corpus=dict(train_tokens=train["tokens"], sha256=train["sha256"], versions=manifest["versions"]),
                 epochs=round(plan["steps"] * plan["tokens_per_step"] / train["tokens"], 3),
                 log_tail=[line for line in lines if not line.startswith("pretrain")][-12:])
     (dest / "cell.json").write_text(json.dumps(cell, indent=1))
     return cell
+
+
+def run_cell(args, regime, arm, seed, data_args, manifest):
+    return finish_cell(args, start_cell(args, regime, arm, seed, data_args), manifest)
 
 
 def status(args):
@@ -220,16 +248,35 @@ def run(args):
             print(f"[scale_study] warning: {cell_file.parent} was trained on another corpus (train sha256 "
                   f"{other[:12]}, this one {sha[:12]}): other installed packages; compare with care")
     ran = 0
-    for regime, arm, seed in cells(args):
-        if is_done(args.results, regime, arm, seed):
-            continue
-        need = estimate_s(args, regime, arm)
-        left = None if args.deadline_s is None else args.deadline_s - (time.time() - start)
-        if left is not None and need > left:     # a later, shorter cell may still fit
-            print(f"[scale_study] not now: {regime}/{arm}/seed{seed} needs ~{need:.0f} s, {left:.0f} s left")
-            continue
-        cell = run_cell(args, regime, arm, seed, data_args, manifest)
+    free = list(args.devices) if args.devices else [None]
+    running = []
+    pending = [c for c in cells(args) if not is_done(args.results, *c)]
+    while pending or running:
+        while pending and free:   # start what fits the deadline, in order, on the free GPUs
+            regime, arm, seed = pending.pop(0)
+            need = estimate_s(args, regime, arm)
+            left = None if args.deadline_s is None else args.deadline_s - (time.time() - start)
+            if left is not None and need > left:     # a later, shorter cell may still fit
+                print(f"[scale_study] not now: {regime}/{arm}/seed{seed} needs ~{need:.0f} s, {left:.0f} s left")
+                continue
+            running.append(start_cell(args, regime, arm, seed, data_args, free.pop(0)))
+        if not running:
+            break
+        while all(job["proc"].poll() is None for job in running):
+            time.sleep(0.2)
+        job = next(job for job in running if job["proc"].poll() is not None)
+        running.remove(job)
+        try:
+            cell = finish_cell(args, job, manifest)
+        except SystemExit:
+            for other in running:   # (a failed cell ends the study: the others are stopped, not left behind)
+                other["proc"].kill()
+                other["proc"].wait()
+                other["out"].close()
+            raise
+        free.append(job["device"])
         ran += 1
+        regime, arm, seed = job["cell"]
         print(f"[scale_study] {regime}/{arm}/seed{seed} done in {cell['wall_s']} s", flush=True)
     print(f"[scale_study] ran {ran} cell(s) in {time.time() - start:.0f} s")
     status(args)

@@ -508,6 +508,26 @@ def test_scale_study_runs_cells_resumes_and_reports(tmp_path, env, monkeypatch):
     accurate = [float(r["loss"]) for r in train_rows(results / "64k" / "sagebwd" / "seed0")]
     assert fast[0] == pytest.approx(first["sdpa"], abs=1e-2)
     assert fast != accurate                     # the same run but for the preset: its rounding shows in the losses
+    # --devices: a cell on each GPU at once (CUDA_VISIBLE_DEVICES), started in order, each recorded with its GPU
+    with pytest.raises(SystemExit):
+        scale_study.parse_args(argv + ["--devices", "0", "0"])
+    started = []
+    popen = subprocess.Popen
+
+    def spy(cmd, **kwargs):
+        alive = sum(proc.poll() is None for proc in started)
+        proc = popen(cmd, **kwargs)
+        proc.seen = (kwargs["env"].get("CUDA_VISIBLE_DEVICES"), alive)
+        started.append(proc)
+        return proc
+    with monkeypatch.context() as patch:
+        patch.setattr(scale_study.subprocess, "Popen", spy)
+        scale_study.main(argv + ["--results", str(tmp_path / "parallel"), "--cells", "64k/sagebwd_fastest/0",
+                                 "64k/sdpa/2", "--devices", "7", "9"])
+    assert [proc.seen for proc in started] == [("7", 0), ("9", 1)]     # the second started while the first ran
+    for arm, seed, device in (("sagebwd_fastest", 0, "7"), ("sdpa", 2, "9")):
+        cell = json.loads((tmp_path / "parallel" / "64k" / arm / f"seed{seed}" / "cell.json").read_text())
+        assert cell["device"] == device and scale_study.is_done(tmp_path / "parallel", "64k", arm, seed)
 
     scale_study.main(["--report", "--results", str(results), "--docs", str(docs)])
     for regime, arms in (("64k", ["sdpa", "sagebwd", "sagebwd_fast"]), ("1m", ["sdpa", "sagebwd"])):

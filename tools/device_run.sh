@@ -12,6 +12,7 @@
 #   study     the tokens-per-step study (examples/scale_study.py): builds the code corpus, then runs the
 #             study's next cells for STUDY_S seconds (default 540) -> $OUT/study.tgz (docs/fidelity/study,
 #             to unpack into the repository: the next call resumes from it)
+#             on a machine of several GPUs, STUDY_ARGS="--devices 0 1 2 3" runs a cell on each at once
 #   bash tools/device_run.sh [stage ...]       (default: tests accuracy speed)
 # Extra arguments per script: SPEED_ARGS, SWEEP_ARGS, E2E_ARGS, ACCURACY_ARGS (e.g. E2E_ARGS="--seqlens 8192").
 # A time limit per stage in seconds: TIMEOUT_<stage> (e.g. TIMEOUT_tests=330), so one stage cannot eat the call.

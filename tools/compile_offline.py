@@ -259,6 +259,9 @@ def main():
     local = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
+    # ptxas's "Potential Performance Loss" notes: async wgmmas serialized for want of registers (C7510-C7512), a
+    # register split (setmaxnreg) ignored (C7507); such a kernel runs, slower than its spill count says
+    losses = re.findall(r"Potential Performance Loss: ([^\n]*)", ptxas_log)
 
     src_file = mod.__file__
     src_lines = {}
@@ -274,7 +277,7 @@ def main():
         constexprs=kwargs, shared=ck.metadata.shared,
         n_regs=regs, n_spills=local // 4, local_bytes=local,
         stack_frame=int(m.group(1)) if m else None, spill_stores=int(m.group(2)) if m else None,
-        spill_loads=int(m.group(3)) if m else None,
+        spill_loads=int(m.group(3)) if m else None, performance_losses=losses,
         instructions=sum(ops.values()), STL=ops["STL"], LDL=ops["LDL"],
         opcodes=dict(ops.most_common()),
         spills_by_source=[dict(op=k[0], source=k[1], loop=k[2], count=c) for k, c in by_src.most_common()],
@@ -285,6 +288,8 @@ def main():
           f"kw={a.kw}: n_regs {regs}, "
           f"n_spills {local // 4} (ptxas: {m.group(0) if m else '?'}), shared {ck.metadata.shared} B, "
           f"{summary['instructions']} SASS instructions, STL {ops['STL']}, LDL {ops['LDL']} -> {a.out}")
+    for text in losses:
+        print(f"  ptxas: {text}")
     for s in summary["spills_by_source"][:12]:
         print(f"  {s['count']:4d} {s['op']}  {s['source']}  [loop {s['loop']}]")
     for span, c in summary["tile_loops"].items():

@@ -8,8 +8,9 @@ passes (``hopper_launch.forward_hopper_args``, ``dkdv_hopper_args`` or ``dq_hopp
 arguments and constexprs). Written to ``--out``: the TTGIR,
 LLVM IR, PTX, cubin, ptxas's ``-v`` log, the SASS (``nvdisasm`` with line info: Triton's own SASS reader stops
 at address 0xffff) and ``summary.json`` (registers, spills, ptxas's performance-loss notes, opcode counts, where
-the STL / LDL spill traffic comes from in the source, and the innermost loop of each). Needs torch (a CPU build will do) and Triton 3.6.0's
-wheel, which bundles ptxas / nvdisasm / cuobjdump (CUDA 12.8), the ones Triton uses on the GPU machines too::
+the STL / LDL spill traffic comes from in the source, and the innermost loop of each). Needs torch (a CPU build
+will do) and Triton 3.6.0's wheel, which bundles ptxas / nvdisasm / cuobjdump (CUDA 12.8), the ones Triton uses on
+the GPU machines too::
 
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0
     /tmp/t36/bin/pip install --no-deps triton==3.6.0

@@ -220,10 +220,6 @@ def finish_cell(args, job, manifest):
     return cell
 
 
-def run_cell(args, regime, arm, seed, data_args, manifest):
-    return finish_cell(args, start_cell(args, regime, arm, seed, data_args), manifest)
-
-
 def status(args):
     for regime, arm, seed in cells(args):
         done = is_done(args.results, regime, arm, seed)

@@ -75,6 +75,7 @@ class Quantized(NamedTuple):
     delta: Optional[torch.Tensor]     # rowsum(x * out_for_delta) [B, H, N]
     row_dot: Optional[torch.Tensor]   # each token dotted with its sequence's vector (``dot``) [B, H, N]
     scaled: Optional[torch.Tensor]    # scale times the ``scaled`` factor [B, H, N]
+    t_scale: Optional[torch.Tensor] = None   # x8t's own per-token e4m3 scales [B, H, N] (``transposed_e4m3``)
     __getitem__ = _field_by_key
 
 
@@ -93,6 +94,7 @@ class QuantizedQK(NamedTuple):
     k_mean: Optional[torch.Tensor]        # K-smoothing means [Hkv, S, D]
     q_shift: Optional[torch.Tensor]       # softmax_scale * q . mean(k) per query [B, H, N] (``row_shift``)
     v_parts: Optional[tuple] = None       # V's channel maxima per chunk, for quantize_v (``fused`` with ``v4``)
+    qt_scale: Optional[torch.Tensor] = None   # q8t's per-token e4m3 scales, where q8t holds e4m3 bytes (``qt_e4m3``)
     __getitem__ = _field_by_key
 
 
@@ -217,7 +219,7 @@ def _token_stats_kernel(
 def _quantize_program(
     pid_t, pid_bh,
     X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, SCALED, DELTA, CU, T_CU, DOTV, ROW_DOT, PART, PART_CU, ZEROS, ZROWS,
-    s_xb, s_xh, s_xt, s_xd, s_subh, s_subb, s_csh, s_csb, s_ob, s_oh, s_ot, s_od, s_8b, s_8h, s_8t, s_tb, s_th,
+    SCALE_T, s_xb, s_xh, s_xt, s_xd, s_subh, s_subb, s_csh, s_csb, s_ob, s_oh, s_ot, s_od, s_8b, s_8h, s_8t, s_tb, s_th,
     s_td, s_sb, s_sh, s_dvh, s_dvb, s_ph, s_pb, s_zb, s_zh, s_zt, n_dense, num_heads, head_dim, sub_block,
     dot_group, dot_scale, scaled_factor, chunk_tokens, part_factor,
     IS_VARLEN: tl.constexpr, HAS_SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, WITH_DELTA: tl.constexpr,
@@ -225,6 +227,7 @@ def _quantize_program(
     WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     OPERAND_ORDER: tl.constexpr = False, FROM_PARTS: tl.constexpr = False, ZERO_INTS: tl.constexpr = 0,
     ZERO_ROWS: tl.constexpr = False, E4M3: tl.constexpr = False, TILE_CHANNELS: tl.constexpr = False,
+    T_E4M3: tl.constexpr = False,
 ):
     """One program of ``_quantize_kernel`` (``pid_bh`` int64: every head/batch offset in 64 bits, see
     _seq_bounds).
@@ -306,6 +309,12 @@ def _quantize_program(
         tl.store(SCALE + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / INT8_MAX), mask=t_ok)
         if WITH_SCALED:   # Q's scale with the softmax scale folded in, as the forward kernels take it
             tl.store(SCALED + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / INT8_MAX) * scaled_factor, mask=t_ok)
+        if T_E4M3:   # the token-major copy in e4m3 instead, one scale per token of its own (max / 448 in SCALE_T):
+            # the bytes and scales of a pass with E4M3 alone (dK's operand under the dk_e4m3 rule)
+            tl.static_assert(not BLOCK_SCALE, "e4m3 per token")
+            y_t = x * tl.where(amax > TINY_SCALE, tl.math.div_rn(tl.full([BLOCK_T], E4M3_MAX, tl.float32), amax),
+                               0.0)[:, None]
+            tl.store(SCALE_T + bx * s_sb + h * s_sh + t0 + rows, amax * (1.0 / E4M3_MAX), mask=t_ok)
     if E4M3:   # round to nearest even, saturating (cvt.rn.satfinite.e4m3x2.f32, two values an instruction)
         tl.static_assert(not (BLOCK_SCALE or WITH_SCALED), "e4m3 bytes: per channel, per token or per tile channel")
         x8 = y.to(tl.float8e4nv).to(tl.int8, bitcast=True)
@@ -322,7 +331,10 @@ def _quantize_program(
         # operand order's permutation is applied to the data, not the addresses: with permuted addresses the
         # contiguity is unknown and Triton 3.9 laid the lanes along the channels instead (32 rows of X8T a
         # store: the pass ran 5-8x slower than on 3.6, which picked the tokens; H100, Triton 3.9).
-        x8t = tl.trans(x8)
+        if T_E4M3:
+            x8t = tl.trans(y_t.to(tl.float8e4nv).to(tl.int8, bitcast=True))
+        else:
+            x8t = tl.trans(x8)
         # Where each sequence's copy is padded to 16 tokens of its own (padded batches; packed ones with their
         # own starts), whole groups of 16 are written, those past the sequence's end as the zeros of its rows
         # past it: a mask constant over 16 tokens lets each thread store 16 bytes at once. Packed sequences
@@ -344,7 +356,7 @@ def _quantize_program(
 @triton.jit
 def _quantize_kernel(
     X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, SCALED, DELTA, CU, T_CU, DOTV, ROW_DOT, PART, PART_CU, ZEROS, ZROWS,
-    s_xb, s_xh, s_xt, s_xd, s_subh, s_subb, s_csh, s_csb, s_ob, s_oh, s_ot, s_od, s_8b, s_8h, s_8t, s_tb, s_th,
+    SCALE_T, s_xb, s_xh, s_xt, s_xd, s_subh, s_subb, s_csh, s_csb, s_ob, s_oh, s_ot, s_od, s_8b, s_8h, s_8t, s_tb, s_th,
     s_td, s_sb, s_sh, s_dvh, s_dvb, s_ph, s_pb, s_zb, s_zh, s_zt, n_dense, num_heads, head_dim, sub_block,
     dot_group, dot_scale, scaled_factor, chunk_tokens, part_factor,
     IS_VARLEN: tl.constexpr, HAS_SUB: tl.constexpr, PER_CHANNEL: tl.constexpr, WITH_DELTA: tl.constexpr,
@@ -352,29 +364,31 @@ def _quantize_kernel(
     WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     OPERAND_ORDER: tl.constexpr = False, FROM_PARTS: tl.constexpr = False, ZERO_INTS: tl.constexpr = 0,
     ZERO_ROWS: tl.constexpr = False, E4M3: tl.constexpr = False, TILE_CHANNELS: tl.constexpr = False,
+    T_E4M3: tl.constexpr = False,
 ):
     """Quantizes one input (``quantize``): programs (token tile, sequence x head); ``_quantize_program``."""
     _quantize_program(
         tl.program_id(0), tl.program_id(1).to(tl.int64),
         X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, SCALED, DELTA, CU, T_CU, DOTV, ROW_DOT, PART, PART_CU, ZEROS,
-        ZROWS, s_xb, s_xh, s_xt, s_xd, s_subh, s_subb, s_csh, s_csb, s_ob, s_oh, s_ot, s_od, s_8b, s_8h, s_8t, s_tb,
+        ZROWS, SCALE_T, s_xb, s_xh, s_xt, s_xd, s_subh, s_subb, s_csh, s_csb, s_ob, s_oh, s_ot, s_od, s_8b, s_8h, s_8t, s_tb,
         s_th, s_td, s_sb, s_sh, s_dvh, s_dvb, s_ph, s_pb, s_zb, s_zh, s_zt, n_dense, num_heads, head_dim, sub_block,
         dot_group, dot_scale, scaled_factor, chunk_tokens, part_factor,
         IS_VARLEN=IS_VARLEN, HAS_SUB=HAS_SUB, PER_CHANNEL=PER_CHANNEL, WITH_DELTA=WITH_DELTA,
         WITH_SCALED=WITH_SCALED, WRITE_NATURAL=WRITE_NATURAL, WRITE_T=WRITE_T, HAS_T_CU=HAS_T_CU, WITH_DOT=WITH_DOT,
         BLOCK_SCALE=BLOCK_SCALE, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, OPERAND_ORDER=OPERAND_ORDER,
         FROM_PARTS=FROM_PARTS, ZERO_INTS=ZERO_INTS, ZERO_ROWS=ZERO_ROWS, E4M3=E4M3, TILE_CHANNELS=TILE_CHANNELS,
+        T_E4M3=T_E4M3,
     )
 
 
 @triton.jit
 def _quantize_pair_kernel(
     X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, SCALED, DELTA, CU, T_CU, DOTV, ROW_DOT, PART, PART_CU, ZEROS, ZROWS,
-    s_xb, s_xh, s_xt, s_xd, s_subh, s_subb, s_csh, s_csb, s_ob, s_oh, s_ot, s_od, s_8b, s_8h, s_8t, s_tb, s_th,
+    SCALE_T, s_xb, s_xh, s_xt, s_xd, s_subh, s_subb, s_csh, s_csb, s_ob, s_oh, s_ot, s_od, s_8b, s_8h, s_8t, s_tb, s_th,
     s_td, s_sb, s_sh, s_dvh, s_dvb, s_ph, s_pb, s_zb, s_zh, s_zt, n_dense, num_heads, head_dim, sub_block,
     dot_group, dot_scale, scaled_factor, chunk_tokens, part_factor,
     X_b, SUB_b, SUB_CU_b, CSCALE_b, O_b, X8_b, X8T_b, SCALE_b, SCALED_b, DELTA_b, CU_b, T_CU_b, DOTV_b, ROW_DOT_b,
-    PART_b, PART_CU_b, ZEROS_b, ZROWS_b, s_xb_b, s_xh_b, s_xt_b, s_xd_b, s_subh_b, s_subb_b, s_csh_b, s_csb_b,
+    PART_b, PART_CU_b, ZEROS_b, ZROWS_b, SCALE_T_b, s_xb_b, s_xh_b, s_xt_b, s_xd_b, s_subh_b, s_subb_b, s_csh_b, s_csb_b,
     s_ob_b, s_oh_b, s_ot_b, s_od_b, s_8b_b, s_8h_b, s_8t_b, s_tb_b, s_th_b, s_td_b, s_sb_b, s_sh_b, s_dvh_b,
     s_dvb_b, s_ph_b, s_pb_b, s_zb_b, s_zh_b, s_zt_b, n_dense_b, num_heads_b, head_dim_b, sub_block_b, dot_group_b,
     dot_scale_b, scaled_factor_b, chunk_tokens_b, part_factor_b,
@@ -383,12 +397,12 @@ def _quantize_pair_kernel(
     WITH_SCALED: tl.constexpr, WRITE_NATURAL: tl.constexpr, WRITE_T: tl.constexpr, HAS_T_CU: tl.constexpr,
     WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     OPERAND_ORDER: tl.constexpr, FROM_PARTS: tl.constexpr, ZERO_INTS: tl.constexpr,
-    ZERO_ROWS: tl.constexpr, E4M3: tl.constexpr, TILE_CHANNELS: tl.constexpr,
+    ZERO_ROWS: tl.constexpr, E4M3: tl.constexpr, TILE_CHANNELS: tl.constexpr, T_E4M3: tl.constexpr,
     IS_VARLEN_B: tl.constexpr, HAS_SUB_B: tl.constexpr, PER_CHANNEL_B: tl.constexpr, WITH_DELTA_B: tl.constexpr,
     WITH_SCALED_B: tl.constexpr, WRITE_NATURAL_B: tl.constexpr, WRITE_T_B: tl.constexpr, HAS_T_CU_B: tl.constexpr,
     WITH_DOT_B: tl.constexpr, BLOCK_SCALE_B: tl.constexpr, BLOCK_T_B: tl.constexpr, BLOCK_D_B: tl.constexpr,
     OPERAND_ORDER_B: tl.constexpr, FROM_PARTS_B: tl.constexpr, ZERO_INTS_B: tl.constexpr,
-    ZERO_ROWS_B: tl.constexpr, E4M3_B: tl.constexpr, TILE_CHANNELS_B: tl.constexpr,
+    ZERO_ROWS_B: tl.constexpr, E4M3_B: tl.constexpr, TILE_CHANNELS_B: tl.constexpr, T_E4M3_B: tl.constexpr,
 ):
     """Two inputs quantized in one launch (``quantize_pair``): grid axis 2 picks the input, its arguments the
     plain ones or those ending in ``_b`` / ``_B``; each program runs ``_quantize_program`` as ``_quantize_kernel``
@@ -400,21 +414,21 @@ def _quantize_pair_kernel(
             _quantize_program(
                 tl.program_id(0), pid_bh,
                 X, SUB, SUB_CU, CSCALE, O, X8, X8T, SCALE, SCALED, DELTA, CU, T_CU, DOTV, ROW_DOT, PART, PART_CU,
-                ZEROS, ZROWS, s_xb, s_xh, s_xt, s_xd, s_subh, s_subb, s_csh, s_csb, s_ob, s_oh, s_ot, s_od, s_8b,
+                ZEROS, ZROWS, SCALE_T, s_xb, s_xh, s_xt, s_xd, s_subh, s_subb, s_csh, s_csb, s_ob, s_oh, s_ot, s_od, s_8b,
                 s_8h, s_8t, s_tb, s_th, s_td, s_sb, s_sh, s_dvh, s_dvb, s_ph, s_pb, s_zb, s_zh, s_zt, n_dense,
                 num_heads, head_dim, sub_block, dot_group, dot_scale, scaled_factor, chunk_tokens, part_factor,
                 IS_VARLEN=IS_VARLEN, HAS_SUB=HAS_SUB, PER_CHANNEL=PER_CHANNEL, WITH_DELTA=WITH_DELTA,
                 WITH_SCALED=WITH_SCALED, WRITE_NATURAL=WRITE_NATURAL, WRITE_T=WRITE_T, HAS_T_CU=HAS_T_CU,
                 WITH_DOT=WITH_DOT, BLOCK_SCALE=BLOCK_SCALE, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
                 OPERAND_ORDER=OPERAND_ORDER, FROM_PARTS=FROM_PARTS, ZERO_INTS=ZERO_INTS, ZERO_ROWS=ZERO_ROWS,
-                E4M3=E4M3, TILE_CHANNELS=TILE_CHANNELS,
+                E4M3=E4M3, TILE_CHANNELS=TILE_CHANNELS, T_E4M3=T_E4M3,
             )
     else:
         if pid_bh < programs_bh_b:
             _quantize_program(
                 tl.program_id(0), pid_bh,
                 X_b, SUB_b, SUB_CU_b, CSCALE_b, O_b, X8_b, X8T_b, SCALE_b, SCALED_b, DELTA_b, CU_b, T_CU_b, DOTV_b,
-                ROW_DOT_b, PART_b, PART_CU_b, ZEROS_b, ZROWS_b, s_xb_b, s_xh_b, s_xt_b, s_xd_b, s_subh_b, s_subb_b,
+                ROW_DOT_b, PART_b, PART_CU_b, ZEROS_b, ZROWS_b, SCALE_T_b, s_xb_b, s_xh_b, s_xt_b, s_xd_b, s_subh_b, s_subb_b,
                 s_csh_b, s_csb_b, s_ob_b, s_oh_b, s_ot_b, s_od_b, s_8b_b, s_8h_b, s_8t_b, s_tb_b, s_th_b, s_td_b,
                 s_sb_b, s_sh_b, s_dvh_b, s_dvb_b, s_ph_b, s_pb_b, s_zb_b, s_zh_b, s_zt_b, n_dense_b, num_heads_b,
                 head_dim_b, sub_block_b, dot_group_b, dot_scale_b, scaled_factor_b, chunk_tokens_b, part_factor_b,
@@ -422,7 +436,7 @@ def _quantize_pair_kernel(
                 WITH_SCALED=WITH_SCALED_B, WRITE_NATURAL=WRITE_NATURAL_B, WRITE_T=WRITE_T_B, HAS_T_CU=HAS_T_CU_B,
                 WITH_DOT=WITH_DOT_B, BLOCK_SCALE=BLOCK_SCALE_B, BLOCK_T=BLOCK_T_B, BLOCK_D=BLOCK_D_B,
                 OPERAND_ORDER=OPERAND_ORDER_B, FROM_PARTS=FROM_PARTS_B, ZERO_INTS=ZERO_INTS_B,
-                ZERO_ROWS=ZERO_ROWS_B, E4M3=E4M3_B, TILE_CHANNELS=TILE_CHANNELS_B,
+                ZERO_ROWS=ZERO_ROWS_B, E4M3=E4M3_B, TILE_CHANNELS=TILE_CHANNELS_B, T_E4M3=T_E4M3_B,
             )
 
 
@@ -603,7 +617,7 @@ def aligned_starts(layout: SeqLayout) -> torch.Tensor:
 def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
                      channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
                      scaled=None, block_scale=False, operand_order=False, parts=None, zero_ints=None,
-                     zero_rows=None, e4m3=False, channel_tile=None):
+                     zero_rows=None, e4m3=False, channel_tile=None, transposed_e4m3=False):
     """``quantize``'s outputs and its launch, not made: (``Quantized``, grid, arguments, constexprs, warps)."""
     bsz, h, n, d = x4.shape
     dev = x4.device
@@ -623,6 +637,8 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
     delta = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if out_for_delta is not None else None
     row_dot = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if dot is not None else None
     scaled_out = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if scaled is not None else None
+    t_scale = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if transposed_e4m3 else None
+    assert not transposed_e4m3 or (transposed and scale is not None and not (e4m3 or block_scale))
     assert scaled is None or scale is not None
     assert dot is None or scale is not None    # row_dot shares scale's strides
     any_out = x8 if x8 is not None else x8t
@@ -648,7 +664,7 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
         dot[0] if dot is not None else x4, row_dot if row_dot is not None else x4,
         parts[0] if parts is not None else x4, parts[1] if parts is not None else any_out,
         zero_ints if zero_ints is not None else any_out, zero_rows if zero_rows is not None else x4,
-        *strides4(x4), *strides3(sub)[:2],
+        t_scale if t_scale is not None else x4, *strides4(x4), *strides3(sub)[:2],
         *(channel_scale.stride()[1::-1] if channel_tile is not None else strides3(channel_scale)[:2]),
         *strides4(out_for_delta),
         *strides4(x8)[:3], *strides4(x8t)[:3], *strides3(scale if scale is not None else delta)[:2],
@@ -664,16 +680,17 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
         HAS_T_CU=t_starts is not None, WITH_DOT=dot is not None, BLOCK_SCALE=block_scale, BLOCK_T=block_t,
         BLOCK_D=_block_d(d), OPERAND_ORDER=operand_order, FROM_PARTS=parts is not None,
         ZERO_INTS=0 if zero_ints is None else zero_ints.numel(), ZERO_ROWS=zero_rows is not None, E4M3=e4m3,
+        T_E4M3=transposed_e4m3,
     )
     scale = channel_scale if channel_tile is not None else scale
-    return (Quantized(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot, scaled=scaled_out), grid, args,
-            constexprs, num_warps)
+    return (Quantized(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot, scaled=scaled_out, t_scale=t_scale),
+            grid, args, constexprs, num_warps)
 
 
 def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
              channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
              scaled=None, block_scale=False, operand_order=False, parts=None, zero_ints=None, zero_rows=None,
-             e4m3=False, channel_tile=None):
+             e4m3=False, channel_tile=None, transposed_e4m3=False):
     """One pass over ``x4`` ``[B, H, N, D]`` -> ``Quantized`` with ``x8`` (natural ``[B, H, N, D]``), ``x8t``
     (``[B, H, D, N_pad]``), ``scale`` (per token ``[B, H, N]``, unless ``channel_scale`` given) and
     ``delta`` (``rowsum(x * out_for_delta)``) as asked. ``t_starts`` (packed batches): each sequence's first
@@ -690,12 +707,14 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
     channel's max |x|, not a scale): FP8 e4m3 bytes in ``x8`` / ``x8t`` (int8 tensors holding them), the max mapped
     to 448, round to nearest even; without ``channel_scale`` one scale per token, max / 448 in ``scale`` (448 / max
     rounded once, as ``sagebwd_hf.naive``'s e4m3 divides); with ``channel_tile`` too, one per channel per
-    ``channel_tile`` tokens of each sequence, ``scale`` ``[S, H, tiles, D]`` holding max / 448."""
+    ``channel_tile`` tokens of each sequence, ``scale`` ``[S, H, tiles, D]`` holding max / 448.
+    ``transposed_e4m3`` (per-token INT8 otherwise): ``x8t`` in FP8 e4m3 with its own per-token scales max / 448 in
+    ``t_scale``, the bytes of a pass with ``e4m3`` alone, while ``x8`` stays INT8 (Q's pass under dk_e4m3)."""
     result, grid, args, constexprs, num_warps = _quantize_launch(
         x4, layout, sub=sub, sub_cu=sub_cu, sub_block=sub_block, channel_scale=channel_scale, natural=natural,
         transposed=transposed, out_for_delta=out_for_delta, t_starts=t_starts, dot=dot, scaled=scaled,
         block_scale=block_scale, operand_order=operand_order, parts=parts, zero_ints=zero_ints, zero_rows=zero_rows,
-        e4m3=e4m3, channel_tile=channel_tile)
+        e4m3=e4m3, channel_tile=channel_tile, transposed_e4m3=transposed_e4m3)
     launch(_quantize_kernel, grid, *args, **constexprs, num_warps=num_warps)
     return result
 
@@ -741,10 +760,11 @@ def quantize_qk(q4, k4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale:
 
 def _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoothing, transposed, row_shift, v4,
                  operand_order, t_starts_q, t_starts_k, k_transposed, fused, zero_ints, zero_rows, partner=None,
-                 v_e4m3=False):
+                 v_e4m3=False, qt_e4m3=False):
     """quantize_qk, and with ``partner`` a second input quantized in Q's launch (``quantize_pair``):
     ``partner(v_scale, v_parts)`` gives its ``(x4, layout, options)``; returns (QuantizedQK, its Quantized or
-    None)."""
+    None). ``qt_e4m3``: Q's token-major copy in FP8 e4m3 with its own per-token scales (``quantize``'s
+    ``transposed_e4m3``; without Q-smoothing)."""
     k_sub = k_cu = v_scale = k_parts = v_parts = None
     v_factor = _v_stats_factor(v_e4m3)
     v_stats = (v4, True, v_factor) if v4 is not None else None
@@ -772,9 +792,10 @@ def _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoot
     if q_smoothing:   # S = (q - q_mean) K^T + q_mean K^T; the second term is added back in fp32
         q_mean, q_cu = token_stats(q4, layout_q, abs_max=False, block_tokens=Q_SMOOTH_BLOCK)
     dot = (k_sub, q4.shape[1] // k4.shape[1], softmax_scale) if row_shift and k_smoothing else None
+    assert not qt_e4m3 or (transposed and not q_smoothing), "an e4m3 Q^T needs Q's own (unsmoothed) copy"
     q_options = dict(sub=q_mean, sub_cu=q_cu, sub_block=Q_SMOOTH_BLOCK, transposed=transposed and not q_smoothing,
                      dot=dot, scaled=softmax_scale * LOG2E, operand_order=operand_order, t_starts=t_starts_q,
-                     zero_ints=zero_ints, zero_rows=zero_rows)
+                     zero_ints=zero_ints, zero_rows=zero_rows, transposed_e4m3=qt_e4m3)
     paired = None
     if partner is None:
         q = quantize(q4, layout_q, **q_options)
@@ -783,7 +804,7 @@ def _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoot
     return QuantizedQK(q8=q.x8, q_scale=q.scaled, q_scale_raw=q.scale, v_scale=v_scale,
                        q8t=q.x8t, k8=k.x8, k_scale=k.scale, k8t=k.x8t,
                        q_mean=None if q_mean is None else q_mean * (softmax_scale * LOG2E), q_mean_cu=q_cu,
-                       k_mean=k_sub, q_shift=q.row_dot, v_parts=v_parts), paired
+                       k_mean=k_sub, q_shift=q.row_dot, v_parts=v_parts, qt_scale=q.t_scale), paired
 
 
 def operand_order_columns(n: int) -> torch.Tensor:
@@ -860,20 +881,24 @@ def prepare_forward(q4, k4, v4, layout_q: SeqLayout, layout_k: SeqLayout, softma
 def prepare_backward(q4, k4, do4, o4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float,
                      k_smoothing: bool, q_smoothing: bool, row_shift: bool = False, operand_order: bool = False,
                      t_starts_q=None, t_starts_k=None, k_transposed: bool = True, zero_ints=None, zero_rows=None,
-                     do_e4m3: bool = False, do_channel_tile: Optional[int] = None, do_group: Optional[int] = None):
+                     do_e4m3: bool = False, do_channel_tile: Optional[int] = None, do_group: Optional[int] = None,
+                     qt_e4m3: bool = False):
     """The backward's preparation in the fewest launches: ``quantize_qk(..., transposed=True, fused=True)`` and dO's
     pass (``quantize(do4, natural=False, transposed=True, out_for_delta=o4)``: token-major INT8, scales, delta) in
     Q's launch (the same bytes as the separate passes). Returns (``QuantizedQK``, dO's ``Quantized``).
     ``do_e4m3`` (the pv_e4m3 rule's dV): dO in FP8 e4m3, one scale per token (``quantize``'s ``e4m3``), or with
     ``do_channel_tile`` one per channel per that many queries of each sequence (with p_static: the dK/dV kernel's
     query tile); a pass of its own unless its program tile is Q's. ``do_group`` (the do_sequence rule): dO by
-    ``quantize_do_sequence`` with KV groups of that many query heads, after its own statistics pass."""
+    ``quantize_do_sequence`` with KV groups of that many query heads, after its own statistics pass. ``qt_e4m3`` (the
+    dk_e4m3 rule's dK, without Q-smoothing): Q's token-major copy in FP8 e4m3 from Q's pass (``q8t``, ``qt_scale``)
+    instead of INT8."""
     do_options = dict(natural=False, transposed=True, out_for_delta=o4, operand_order=operand_order,
                       t_starts=t_starts_q, e4m3=do_e4m3, channel_tile=do_channel_tile)
     alone = (do_channel_tile is not None and do_channel_tile != QUANTIZE_TILE[0]) or do_group is not None
     quant, do_q = _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoothing, True, row_shift,
                                None, operand_order, t_starts_q, t_starts_k, k_transposed, True, zero_ints, zero_rows,
-                               partner=None if alone else lambda scale, parts: (do4, layout_q, do_options))
+                               partner=None if alone else lambda scale, parts: (do4, layout_q, do_options),
+                               qt_e4m3=qt_e4m3)
     if do_group is not None:
         return quant, quantize_do_sequence(do4, layout_q, do_group, o4, t_starts_q, operand_order)
     return quant, quantize(do4, layout_q, **do_options) if alone else do_q

@@ -16,6 +16,8 @@ from sagebwd_hf.kernels import dispatch
 from sagebwd_hf.numerics import parse_precision
 from sagebwd_hf.testing import error_stats, exact_reference, make_qkv, run_with_grads
 
+from conftest import kernel_devices
+
 IS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
@@ -321,3 +323,31 @@ def test_do_pass_scales_and_launches():
         if n:
             want = naive._e4m3_per_slice(naive._tiles(flat[:, :, a:a + n].float(), 2, 64), 3)[1][0, :, :, 0]
             assert torch.equal(packed.scale[i, :, :want.shape[1]], want)
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+def test_q_pass_writes_the_e4m3_token_major_copy(device):
+    """Q's pass with qt_e4m3 (the dk_e4m3 rule's dK on the Gluon kernels): its natural copy and scales are the INT8
+    pass's, its token-major copy and per-token scales those of an e4m3 pass of their own, bit for bit; padded and
+    packed batches (aligned starts, operand order), an all-zero token and a NaN one included."""
+    from sagebwd_hf.kernels.layout import SeqLayout
+    from sagebwd_hf.kernels.quantize import aligned_starts, prepare_backward, quantize
+
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 2, 150, 64, generator=gen) * torch.exp(torch.randn(1, 1, 150, 1, generator=gen) * 2)
+    q[0, 1, 7], q[1, 0, 30, 5] = 0.0, float("nan")
+    q = q.to(device, torch.bfloat16)
+    k, do, o = (torch.randn_like(q) for _ in range(3))
+    cu = torch.tensor([0, 40, 40, 150], dtype=torch.int32, device=device)
+    for lay, x in ((SeqLayout(2, 150, None), q), (SeqLayout(3, 110, cu), q[:1])):
+        starts = aligned_starts(lay) if lay.is_varlen else None
+        kx, dox, ox = (t[:x.shape[0]].contiguous() for t in (k, do, o))
+        prep = functools.partial(prepare_backward, x, kx, dox, ox, lay, lay, 0.125, True, False, operand_order=True,
+                                 t_starts_q=starts, t_starts_k=starts, k_transposed=False)
+        fused, plain = prep(qt_e4m3=True)[0], prep()[0]
+        alone = quantize(x, lay, natural=False, transposed=True, e4m3=True, operand_order=True, t_starts=starts)
+        assert torch.equal(fused.q8, plain.q8) and plain.qt_scale is None
+        for got, want in ((fused.q_scale, plain.q_scale), (fused.q_scale_raw, plain.q_scale_raw),
+                          (fused.qt_scale, alone.scale)):
+            assert torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0))
+        assert torch.equal(fused.q8t, alone.x8t) and not torch.equal(fused.q8t, plain.q8t)

@@ -30,9 +30,9 @@ cell's metrics.csv, run_summary.json and cell.json (its command and the plan it 
 ``--results/REGIME/ARM/seedN/``. A cell is done when its run_summary.json is there and its plan matches: the
 script skips done cells and any cell that would not end by --deadline_s (e.g. a time limit on each use of a
 GPU machine; a later, shorter cell may still fit), so calling it again resumes the study. ``--devices`` runs that
-many cells at once, each on the GPU named (``CUDA_VISIBLE_DEVICES``; a GPU named twice is shared), in the same
-order. --report draws each regime with examples/compare_runs.py (loss curves, the reference's seed-to-seed band,
-the gaps with their 95% interval, a verdict per arm) and writes the table to ``--docs``.
+many cells at once, each on its own GPU (``CUDA_VISIBLE_DEVICES``), in the same order. --report draws each regime
+with examples/compare_runs.py (loss curves, the reference's seed-to-seed band, the gaps with their 95% interval, a
+verdict per arm) and writes the table to ``--docs``.
 """
 import argparse
 import json
@@ -95,15 +95,16 @@ def parse_args(argv=None):
     parser.add_argument("--deadline_s", type=float, default=None,
                         help="start no cell that would not end within this many seconds of the start")
     parser.add_argument("--devices", nargs="+", default=None, metavar="GPU",
-                        help="run a cell on each of these GPUs at once (CUDA_VISIBLE_DEVICES values, e.g. 0 1 2 3; "
-                             "a GPU named twice runs two cells at once, sharing it: their tokens/s is then not "
-                             "the device's); default: one cell at a time on what the machine shows")
+                        help="run a cell on each of these GPUs at once (CUDA_VISIBLE_DEVICES values, e.g. 0 1 2 3); "
+                             "default: one cell at a time on what the machine shows")
     parser.add_argument("--tokens_per_s", type=float, default=3e5,
                         help="throughput assumed for a cell before one of its regime and arm has run")
     parser.add_argument("--status", action="store_true", help="print the plan and what is done, run nothing")
     parser.add_argument("--report", action="store_true", help="draw and tabulate the done cells, run nothing")
     parser.add_argument("--docs", default=str(ROOT / "docs" / "fidelity"), help="where --report writes")
     args = parser.parse_args(argv)
+    if args.devices is not None and len(set(args.devices)) != len(args.devices):
+        parser.error(f"--devices must be different from each other, got {args.devices}")
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds must be different from each other, got {args.seeds}")
     if args.cells is not None:

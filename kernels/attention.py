@@ -111,23 +111,17 @@ def backward(q4, k4, v4, o4, do4, lse, dq4, dk4, dv4, call: Call, plan: Backward
         counters = torch.empty(COUNTER_INTS, dtype=torch.int32, device=q4.device)
         if one_launch:
             dq_acc = torch.empty(q4.shape, dtype=torch.float32, device=q4.device)
-    # K's statistics, K's pass, then Q's and dO's (with delta = rowsum(dO * O)) in one launch; under dk_e4m3 on the
-    # Gluon kernels Q's pass writes its token-major copy in e4m3 (dK's operand), the INT8 one being unread there
-    qt_e4m3 = plan.dk_e4m3 and gluon and not call.q_smoothing
+    # K's statistics, K's pass, then Q's and dO's (with delta = rowsum(dO * O)) in one launch; under dk_e4m3 (a
+    # Gluon plan's only, never with Q-smoothing) Q's pass writes its token-major copy in e4m3 (dK's operand), the
+    # INT8 one being unread there
     quant, do_q = prepare_backward(q4, k4, do4, o4, lay_q, lay_k, call.scale, call.k_smoothing, call.q_smoothing,
                                    row_shift=call.need_shift, operand_order=gluon, t_starts_q=starts_q,
                                    t_starts_k=starts_k, k_transposed=not one_launch, zero_ints=counters,
                                    zero_rows=dq_acc, do_e4m3=plan.pv_e4m3,
                                    do_channel_tile=rule.block_m_dkdv if plan.p_static else None,
                                    do_group=q4.shape[1] // k4.shape[1] if plan.do_sequence else None,
-                                   qt_e4m3=qt_e4m3)
-    q_e4m3 = None
-    if qt_e4m3:
-        q_e4m3 = (quant.q8t, quant.qt_scale)
-    elif plan.dk_e4m3:   # dK's operand: Q^T in e4m3, one scale per token (its own pass)
-        q_e4m3 = quantize(q4, lay_q, natural=False, transposed=True, e4m3=True, operand_order=gluon,
-                          t_starts=starts_q)
-        q_e4m3 = (q_e4m3.x8t, q_e4m3.scale)
+                                   qt_e4m3=plan.dk_e4m3)
+    q_e4m3 = (quant.q8t, quant.qt_scale) if plan.dk_e4m3 else None
     q_shift = quant.q_shift if call.need_shift else None
     if call.q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
         raw = quantize(q4, lay_q, natural=False, transposed=True)

@@ -304,9 +304,19 @@ class ItemMailbox:
 @gluon.jit
 def claim_item(t, COUNTER, DYNAMIC: gl.constexpr):
     """The loader's next work item after ``t``: with ``DYNAMIC`` the next one handed out (``COUNTER`` counts the
-    items taken past each program's first, which is its program id), else ``t`` plus the number of programs."""
+    items taken past each program's first, which is its program id), else ``t`` plus the number of programs.
+    Called by a one-warp loader. The count reaches the warp's lanes by a shuffle, not shared memory: Triton
+    broadcasts a scalar atomic's result through a scratch word, which its allocator may lay over an mbarrier it
+    sees as dead (the forward's unused turn barriers), and a barrier's memory is not for plain loads and stores.
+    Under GPU time-slicing a program then read a wrong count and dropped the item it had taken (its output rows
+    were never written)."""
     if DYNAMIC:
-        return gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
+        lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        lane = gl.arange(0, 32, layout=lane_layout)
+        first = lane == 0
+        taken = gl.atomic_add(COUNTER + lane * 0, gl.full([32], 1, gl.int32, lane_layout), mask=first,
+                              sem="acq_rel", scope="gpu")
+        return gl.num_programs(0) + gl.max(gl.where(first, taken, 0), 0)
     return t + gl.num_programs(0)
 
 

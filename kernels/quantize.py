@@ -76,6 +76,7 @@ class Quantized(NamedTuple):
     row_dot: Optional[torch.Tensor]   # each token dotted with its sequence's vector (``dot``) [B, H, N]
     scaled: Optional[torch.Tensor]    # scale times the ``scaled`` factor [B, H, N]
     t_scale: Optional[torch.Tensor] = None   # x8t's own per-token e4m3 scales [B, H, N] (``transposed_e4m3``)
+    x8_scale: Optional[torch.Tensor] = None  # x8's own per-token INT8 scales [B, H, N] (``natural_int8``)
     __getitem__ = _field_by_key
 
 
@@ -227,7 +228,7 @@ def _quantize_program(
     WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     OPERAND_ORDER: tl.constexpr = False, FROM_PARTS: tl.constexpr = False, ZERO_INTS: tl.constexpr = 0,
     ZERO_ROWS: tl.constexpr = False, E4M3: tl.constexpr = False, TILE_CHANNELS: tl.constexpr = False,
-    T_E4M3: tl.constexpr = False,
+    T_E4M3: tl.constexpr = False, NAT_INT8: tl.constexpr = False,
 ):
     """One program of ``_quantize_kernel`` (``pid_bh`` int64: every head/batch offset in 64 bits, see
     _seq_bounds).
@@ -241,7 +242,9 @@ def _quantize_program(
     (448 / max rounded once: ``sagebwd_hf.naive``'s); with ``PER_CHANNEL`` ``CSCALE`` holds each channel's max (the
     pv_e4m3 rule's V), else ``SCALE`` gets max / 448 per token (its dO), or with ``TILE_CHANNELS`` one max / 448 per
     channel of the program's ``BLOCK_T`` tokens goes to ``CSCALE`` ``[S, H, tiles, D]`` (sequence and head strides
-    ``s_csb``, ``s_csh``; pv_e4m3+p_static's dO, whose tiles are the dK/dV kernel's query tiles)."""
+    ``s_csb``, ``s_csh``; pv_e4m3+p_static's dO, whose tiles are the dK/dV kernel's query tiles). ``NAT_INT8`` (with
+    ``PER_CHANNEL`` e4m3 bytes in the token-major copy): the natural copy in INT8 with one scale per token of its own,
+    max / 127 in ``SCALE_T`` (the dp_int8 rule's dO beside do_sequence's)."""
     if ZERO_INTS > 0:   # (before any program returns: a first sequence may be empty)
         if pid_t == 0 and pid_bh == 0:
             tl.store(ZEROS + tl.arange(0, ZERO_INTS), tl.zeros([ZERO_INTS], tl.int32))
@@ -320,8 +323,14 @@ def _quantize_program(
         x8 = y.to(tl.float8e4nv).to(tl.int8, bitcast=True)
     else:
         x8 = round_to_int8(y)
+    x8_natural = x8
+    if NAT_INT8:   # the natural copy: INT8, one scale per token (quantize_per_token's bytes)
+        tl.static_assert(PER_CHANNEL and E4M3 and WRITE_NATURAL, "INT8 rows beside per-channel e4m3 bytes")
+        amax_n = nan_max(tl.abs(x), 1)
+        x8_natural = round_to_int8(x * tl.where(amax_n > TINY_SCALE, INT8_MAX / amax_n, 0.0)[:, None])
+        tl.store(SCALE_T + bx * s_sb + h * s_sh + t0 + rows, amax_n * (1.0 / INT8_MAX), mask=t_ok)
     if WRITE_NATURAL:
-        tl.store(X8 + bx * s_8b + h * s_8h + (t0 + rows)[:, None] * s_8t + offs_d[None, :], x8, mask=ok)
+        tl.store(X8 + bx * s_8b + h * s_8h + (t0 + rows)[:, None] * s_8t + offs_d[None, :], x8_natural, mask=ok)
     if WRITE_T:
         t0_t = t0
         if HAS_T_CU:   # the transposed copy's own sequence starts (16-aligned for TMA)
@@ -364,7 +373,7 @@ def _quantize_kernel(
     WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     OPERAND_ORDER: tl.constexpr = False, FROM_PARTS: tl.constexpr = False, ZERO_INTS: tl.constexpr = 0,
     ZERO_ROWS: tl.constexpr = False, E4M3: tl.constexpr = False, TILE_CHANNELS: tl.constexpr = False,
-    T_E4M3: tl.constexpr = False,
+    T_E4M3: tl.constexpr = False, NAT_INT8: tl.constexpr = False,
 ):
     """Quantizes one input (``quantize``): programs (token tile, sequence x head); ``_quantize_program``."""
     _quantize_program(
@@ -377,7 +386,7 @@ def _quantize_kernel(
         WITH_SCALED=WITH_SCALED, WRITE_NATURAL=WRITE_NATURAL, WRITE_T=WRITE_T, HAS_T_CU=HAS_T_CU, WITH_DOT=WITH_DOT,
         BLOCK_SCALE=BLOCK_SCALE, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, OPERAND_ORDER=OPERAND_ORDER,
         FROM_PARTS=FROM_PARTS, ZERO_INTS=ZERO_INTS, ZERO_ROWS=ZERO_ROWS, E4M3=E4M3, TILE_CHANNELS=TILE_CHANNELS,
-        T_E4M3=T_E4M3,
+        T_E4M3=T_E4M3, NAT_INT8=NAT_INT8,
     )
 
 
@@ -398,11 +407,13 @@ def _quantize_pair_kernel(
     WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     OPERAND_ORDER: tl.constexpr, FROM_PARTS: tl.constexpr, ZERO_INTS: tl.constexpr,
     ZERO_ROWS: tl.constexpr, E4M3: tl.constexpr, TILE_CHANNELS: tl.constexpr, T_E4M3: tl.constexpr,
+    NAT_INT8: tl.constexpr,
     IS_VARLEN_B: tl.constexpr, HAS_SUB_B: tl.constexpr, PER_CHANNEL_B: tl.constexpr, WITH_DELTA_B: tl.constexpr,
     WITH_SCALED_B: tl.constexpr, WRITE_NATURAL_B: tl.constexpr, WRITE_T_B: tl.constexpr, HAS_T_CU_B: tl.constexpr,
     WITH_DOT_B: tl.constexpr, BLOCK_SCALE_B: tl.constexpr, BLOCK_T_B: tl.constexpr, BLOCK_D_B: tl.constexpr,
     OPERAND_ORDER_B: tl.constexpr, FROM_PARTS_B: tl.constexpr, ZERO_INTS_B: tl.constexpr,
     ZERO_ROWS_B: tl.constexpr, E4M3_B: tl.constexpr, TILE_CHANNELS_B: tl.constexpr, T_E4M3_B: tl.constexpr,
+    NAT_INT8_B: tl.constexpr,
 ):
     """Two inputs quantized in one launch (``quantize_pair``): grid axis 2 picks the input, its arguments the
     plain ones or those ending in ``_b`` / ``_B``; each program runs ``_quantize_program`` as ``_quantize_kernel``
@@ -421,7 +432,7 @@ def _quantize_pair_kernel(
                 WITH_SCALED=WITH_SCALED, WRITE_NATURAL=WRITE_NATURAL, WRITE_T=WRITE_T, HAS_T_CU=HAS_T_CU,
                 WITH_DOT=WITH_DOT, BLOCK_SCALE=BLOCK_SCALE, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
                 OPERAND_ORDER=OPERAND_ORDER, FROM_PARTS=FROM_PARTS, ZERO_INTS=ZERO_INTS, ZERO_ROWS=ZERO_ROWS,
-                E4M3=E4M3, TILE_CHANNELS=TILE_CHANNELS, T_E4M3=T_E4M3,
+                E4M3=E4M3, TILE_CHANNELS=TILE_CHANNELS, T_E4M3=T_E4M3, NAT_INT8=NAT_INT8,
             )
     else:
         if pid_bh < programs_bh_b:
@@ -437,6 +448,7 @@ def _quantize_pair_kernel(
                 WITH_DOT=WITH_DOT_B, BLOCK_SCALE=BLOCK_SCALE_B, BLOCK_T=BLOCK_T_B, BLOCK_D=BLOCK_D_B,
                 OPERAND_ORDER=OPERAND_ORDER_B, FROM_PARTS=FROM_PARTS_B, ZERO_INTS=ZERO_INTS_B,
                 ZERO_ROWS=ZERO_ROWS_B, E4M3=E4M3_B, TILE_CHANNELS=TILE_CHANNELS_B, T_E4M3=T_E4M3_B,
+                NAT_INT8=NAT_INT8_B,
             )
 
 
@@ -617,7 +629,7 @@ def aligned_starts(layout: SeqLayout) -> torch.Tensor:
 def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
                      channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
                      scaled=None, block_scale=False, operand_order=False, parts=None, zero_ints=None,
-                     zero_rows=None, e4m3=False, channel_tile=None, transposed_e4m3=False):
+                     zero_rows=None, e4m3=False, channel_tile=None, transposed_e4m3=False, natural_int8=False):
     """``quantize``'s outputs and its launch, not made: (``Quantized``, grid, arguments, constexprs, warps)."""
     bsz, h, n, d = x4.shape
     dev = x4.device
@@ -637,8 +649,12 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
     delta = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if out_for_delta is not None else None
     row_dot = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if dot is not None else None
     scaled_out = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if scaled is not None else None
-    t_scale = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if transposed_e4m3 else None
+    # (the per-token scales of a copy with a rule of its own: an e4m3 x8t, or an INT8 x8 beside e4m3 channels)
+    t_scale = torch.empty(bsz, h, n, dtype=torch.float32, device=dev) if transposed_e4m3 or natural_int8 else None
     assert not transposed_e4m3 or (transposed and scale is not None and not (e4m3 or block_scale))
+    assert not natural_int8 or (natural and e4m3 and channel_scale is not None and channel_tile is None)
+    assert not (transposed_e4m3 and natural_int8)
+    assert t_scale is None or delta is not None or scale is not None   # (t_scale shares their strides)
     assert scaled is None or scale is not None
     assert dot is None or scale is not None    # row_dot shares scale's strides
     any_out = x8 if x8 is not None else x8t
@@ -680,17 +696,18 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
         HAS_T_CU=t_starts is not None, WITH_DOT=dot is not None, BLOCK_SCALE=block_scale, BLOCK_T=block_t,
         BLOCK_D=_block_d(d), OPERAND_ORDER=operand_order, FROM_PARTS=parts is not None,
         ZERO_INTS=0 if zero_ints is None else zero_ints.numel(), ZERO_ROWS=zero_rows is not None, E4M3=e4m3,
-        T_E4M3=transposed_e4m3,
+        T_E4M3=transposed_e4m3, NAT_INT8=natural_int8,
     )
     scale = channel_scale if channel_tile is not None else scale
-    return (Quantized(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot, scaled=scaled_out, t_scale=t_scale),
+    return (Quantized(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot, scaled=scaled_out,
+                      t_scale=t_scale if transposed_e4m3 else None, x8_scale=t_scale if natural_int8 else None),
             grid, args, constexprs, num_warps)
 
 
 def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
              channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
              scaled=None, block_scale=False, operand_order=False, parts=None, zero_ints=None, zero_rows=None,
-             e4m3=False, channel_tile=None, transposed_e4m3=False):
+             e4m3=False, channel_tile=None, transposed_e4m3=False, natural_int8=False):
     """One pass over ``x4`` ``[B, H, N, D]`` -> ``Quantized`` with ``x8`` (natural ``[B, H, N, D]``), ``x8t``
     (``[B, H, D, N_pad]``), ``scale`` (per token ``[B, H, N]``, unless ``channel_scale`` given) and
     ``delta`` (``rowsum(x * out_for_delta)``) as asked. ``t_starts`` (packed batches): each sequence's first
@@ -709,12 +726,15 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
     rounded once, as ``sagebwd_hf.naive``'s e4m3 divides); with ``channel_tile`` too, one per channel per
     ``channel_tile`` tokens of each sequence, ``scale`` ``[S, H, tiles, D]`` holding max / 448.
     ``transposed_e4m3`` (per-token INT8 otherwise): ``x8t`` in FP8 e4m3 with its own per-token scales max / 448 in
-    ``t_scale``, the bytes of a pass with ``e4m3`` alone, while ``x8`` stays INT8 (Q's pass under dk_e4m3)."""
+    ``t_scale``, the bytes of a pass with ``e4m3`` alone, while ``x8`` stays INT8 (Q's pass under dk_e4m3).
+    ``natural_int8`` (with ``e4m3`` and ``channel_scale``): ``x8`` in INT8 with one scale per token of its own, max /
+    127 in ``x8_scale`` (quantize_per_token's bytes), while ``x8t`` keeps the per-channel e4m3 rule (dO under
+    do_sequence with dp_int8)."""
     result, grid, args, constexprs, num_warps = _quantize_launch(
         x4, layout, sub=sub, sub_cu=sub_cu, sub_block=sub_block, channel_scale=channel_scale, natural=natural,
         transposed=transposed, out_for_delta=out_for_delta, t_starts=t_starts, dot=dot, scaled=scaled,
         block_scale=block_scale, operand_order=operand_order, parts=parts, zero_ints=zero_ints, zero_rows=zero_rows,
-        e4m3=e4m3, channel_tile=channel_tile, transposed_e4m3=transposed_e4m3)
+        e4m3=e4m3, channel_tile=channel_tile, transposed_e4m3=transposed_e4m3, natural_int8=natural_int8)
     launch(_quantize_kernel, grid, *args, **constexprs, num_warps=num_warps)
     return result
 
@@ -847,17 +867,19 @@ def _v_options(v4, layout, t_starts, v_scale, operand_order, v_parts, e4m3=False
 
 
 def quantize_do_sequence(do4: torch.Tensor, layout: SeqLayout, group: int, out_for_delta: torch.Tensor,
-                         t_starts=None, operand_order: bool = False) -> Quantized:
+                         t_starts=None, operand_order: bool = False, natural_int8: bool = False) -> Quantized:
     """dO for the do_sequence rule: token-major FP8 e4m3 bytes (``x8t``), each channel's max |dO| over its sequence
     and the ``group`` query heads of its KV group mapped to 448, with ``delta``; ``scale`` holds those maxima
-    ``[S, H, D]`` (every head of a group its group's; a view of ``[H, S, D]``)."""
+    ``[S, H, D]`` (every head of a group its group's; a view of ``[H, S, D]``). ``natural_int8`` (the dp_int8 rule):
+    also ``x8``, dO in INT8 with one scale per token (``x8_scale``), from the same pass."""
     stats = _stats(do4, layout, True)[0]                                       # [H, S, D]
     if group > 1:   # (amax keeps a NaN)
         h = stats.shape[0]
         stats = stats.view(h // group, group, *stats.shape[1:]).amax(1, keepdim=True)
         stats = stats.expand(-1, group, -1, -1).reshape(h, *stats.shape[2:]).contiguous()
-    result = quantize(do4, layout, channel_scale=stats, natural=False, transposed=True, out_for_delta=out_for_delta,
-                      t_starts=t_starts, operand_order=operand_order, e4m3=True)
+    result = quantize(do4, layout, channel_scale=stats, natural=natural_int8, transposed=True,
+                      out_for_delta=out_for_delta, t_starts=t_starts, operand_order=operand_order, e4m3=True,
+                      natural_int8=natural_int8)
     return result._replace(scale=stats.transpose(0, 1))
 
 
@@ -882,7 +904,7 @@ def prepare_backward(q4, k4, do4, o4, layout_q: SeqLayout, layout_k: SeqLayout, 
                      k_smoothing: bool, q_smoothing: bool, row_shift: bool = False, operand_order: bool = False,
                      t_starts_q=None, t_starts_k=None, k_transposed: bool = True, zero_ints=None, zero_rows=None,
                      do_e4m3: bool = False, do_channel_tile: Optional[int] = None, do_group: Optional[int] = None,
-                     qt_e4m3: bool = False):
+                     qt_e4m3: bool = False, do_int8_rows: bool = False):
     """The backward's preparation in the fewest launches: ``quantize_qk(..., transposed=True, fused=True)`` and dO's
     pass (``quantize(do4, natural=False, transposed=True, out_for_delta=o4)``: token-major INT8, scales, delta) in
     Q's launch (the same bytes as the separate passes). Returns (``QuantizedQK``, dO's ``Quantized``).
@@ -891,7 +913,9 @@ def prepare_backward(q4, k4, do4, o4, layout_q: SeqLayout, layout_k: SeqLayout, 
     query tile); a pass of its own unless its program tile is Q's. ``do_group`` (the do_sequence rule): dO by
     ``quantize_do_sequence`` with KV groups of that many query heads, after its own statistics pass. ``qt_e4m3`` (the
     dk_e4m3 rule's dK, without Q-smoothing): Q's token-major copy in FP8 e4m3 from Q's pass (``q8t``, ``qt_scale``)
-    instead of INT8."""
+    instead of INT8. ``do_int8_rows`` (with ``do_group``: the dp_int8 rule): dO's pass also writes dO in INT8 with
+    one scale per token (``x8``, ``x8_scale``)."""
+    assert not do_int8_rows or do_group is not None
     do_options = dict(natural=False, transposed=True, out_for_delta=o4, operand_order=operand_order,
                       t_starts=t_starts_q, e4m3=do_e4m3, channel_tile=do_channel_tile)
     alone = (do_channel_tile is not None and do_channel_tile != QUANTIZE_TILE[0]) or do_group is not None
@@ -900,5 +924,6 @@ def prepare_backward(q4, k4, do4, o4, layout_q: SeqLayout, layout_k: SeqLayout, 
                                partner=None if alone else lambda scale, parts: (do4, layout_q, do_options),
                                qt_e4m3=qt_e4m3)
     if do_group is not None:
-        return quant, quantize_do_sequence(do4, layout_q, do_group, o4, t_starts_q, operand_order)
+        return quant, quantize_do_sequence(do4, layout_q, do_group, o4, t_starts_q, operand_order,
+                                           natural_int8=do_int8_rows)
     return quant, quantize(do4, layout_q, **do_options) if alone else do_q

@@ -347,6 +347,10 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
         p8 = _tiles(round_e4m3(p * p_max) if numerics.pv_e4m3 else torch.round(p * p_max), 2, block_m_dkdv)
         return ((p8.transpose(-1, -2) @ do8) * do_t_scale).sum(2) * (1.0 / p_max)
 
+    if numerics.dp_int8:   # dP = dO V^T in INT8: V one scale per K-scale block of its sequence, dO one per token
+        v8_dp, v_scale_dp = quantize_per_block(v, k_scale_block(v.shape[-1]))
+        v8_dp, v_scale_dp = _repeat_kv(v8_dp, h), _repeat_kv(v_scale_dp.unsqueeze(-1), h).squeeze(-1)
+
     if numerics.ds_tile:
         if block_n_dq % DS_TILE or block_m_dkdv % DS_TILE:
             raise ValueError(f"ds_tile needs tiles that are multiples of {DS_TILE}, got {block_m_dkdv} and "
@@ -364,7 +368,12 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
         s, mask = _block_scores(q_rows, keys, rows, cols, n_q, n_k, softmax_scale, window_size, q_smoothing,
                                 softcap)
         p = torch.where(mask, torch.exp2(s - lse[:, :, rows, None]), torch.zeros_like(s))
-        dp = do_rows.float() @ vf[:, :, cols].transpose(-1, -2)        # stays in high precision
+        if numerics.dp_int8:   # both scales factor out of the sum over channels (exact integer sums)
+            do8_dp, do_scale_dp = quantize_per_token(do_rows)
+            dp = ((do8_dp @ v8_dp[:, :, cols].transpose(-1, -2)) * do_scale_dp[..., None]
+                  * v_scale_dp[:, :, None, cols])
+        else:
+            dp = do_rows.float() @ vf[:, :, cols].transpose(-1, -2)    # stays in high precision
         delta = (do_rows.float() * out[:, :, rows].float()).sum(-1)
         ds = p * (dp - delta[..., None])
         if softcap:   # through the cap: d(cap tanh(x / cap))/dx = 1 - tanh^2

@@ -23,9 +23,12 @@ Each rule is also selectable on its own by joining rule names with ``+`` (``prec
 * ``do_sequence`` (with ``p_static``): dO gets one e4m3 scale per channel over its whole sequence and the query
   heads of its KV group, instead of one per query tile: P's and dO's scales then hold along all of dV's sum, which
   the Hopper kernels accumulate in place and scale once at the end.
+* ``dp_int8``: dP = dO·Vᵀ in INT8 instead of 16-bit, dO one scale per token and V one per ``K_SCALE_BLOCK`` keys
+  of its sequence (K's blocks): both scales factor out of the sum over channels, so one INT8 product unit replaces
+  a 16-bit one. Only the Hopper one launch computes it, and only with the fastest preset's other rules.
 
-``ds_tile``, ``dk_e4m3`` and ``do_sequence`` change only the backward. QKᵀ stays INT8 with K-smoothing and
-dP = dO·Vᵀ stays in 16-bit in every preset. The PyTorch reference
+``ds_tile``, ``dk_e4m3``, ``do_sequence`` and ``dp_int8`` change only the backward. QKᵀ stays INT8 with K-smoothing
+and dP = dO·Vᵀ stays in 16-bit in every preset. The PyTorch reference
 (``sagebwd_hf.naive``) computes every rule; the Gluon kernels (Hopper) compute "accurate", ``pv_e4m3`` and
 ``pv_e4m3+p_static`` ("fast") forward and backward (and the forward of those rules with ``ds_tile``, a backward rule
 no kernel computes: its accuracy is measured, its speed is not), the portable kernels "accurate" only; a kernel call
@@ -48,11 +51,12 @@ class Numerics(NamedTuple):
     ds_tile: bool = False
     dk_e4m3: bool = False
     do_sequence: bool = False
+    dp_int8: bool = False
 
     @property
     def forward(self) -> "Numerics":
         """The rules of the forward (the backward-only ones off)."""
-        return self._replace(ds_tile=False, dk_e4m3=False, do_sequence=False)
+        return self._replace(ds_tile=False, dk_e4m3=False, do_sequence=False, dp_int8=False)
 
     @property
     def in_place(self) -> bool:

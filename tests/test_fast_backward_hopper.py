@@ -351,3 +351,40 @@ def test_q_pass_writes_the_e4m3_token_major_copy(device):
                           (fused.qt_scale, alone.scale)):
             assert torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0))
         assert torch.equal(fused.q8t, alone.x8t) and not torch.equal(fused.q8t, plain.q8t)
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+def test_do_pass_writes_int8_rows_for_dp_int8(device):
+    """dO's do_sequence pass with ``do_int8_rows`` (the dp_int8 rule): its token-major e4m3 copy, channel maxima and
+    delta are the plain pass's, bit for bit, and its natural copy quantize_per_token's INT8 scales and bytes (but at
+    rounding ties: the reference's dO in dP); padded and packed batches, an all-zero token and a NaN one included."""
+    from sagebwd_hf.kernels.layout import SeqLayout
+    from sagebwd_hf.kernels.quantize import aligned_starts, prepare_backward
+    from sagebwd_hf.naive import quantize_per_token
+
+    gen = torch.Generator().manual_seed(12)
+    do = torch.randn(2, 4, 150, 64, generator=gen) * torch.exp(torch.randn(1, 1, 150, 1, generator=gen) * 2) * 1e-3
+    do[0, 1, 7], do[0, 0, 30, 5] = 0.0, float("nan")
+    do = do.to(device, torch.bfloat16)
+    q, o = (torch.randn_like(do) for _ in range(2))
+    k = torch.randn(2, 2, 150, 64, device=device, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 40, 40, 150], dtype=torch.int32, device=device)
+    for lay, dx in ((SeqLayout(2, 150, None), do), (SeqLayout(3, 110, cu), do[:1])):
+        starts = aligned_starts(lay) if lay.is_varlen else None
+        qx, kx, ox = (t[:dx.shape[0]].contiguous() for t in (q, k, o))
+        prep = functools.partial(prepare_backward, qx, kx, dx, ox, lay, lay, 0.125, True, False, operand_order=True,
+                                 t_starts_q=starts, t_starts_k=starts, k_transposed=False, do_e4m3=True,
+                                 do_group=2)
+        rows, plain = prep(do_int8_rows=True)[1], prep()[1]
+        assert plain.x8 is None and plain.x8_scale is None
+        assert torch.equal(rows.x8t, plain.x8t)
+        for got, want in ((rows.scale, plain.scale), (rows.delta, plain.delta)):
+            assert torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0))
+        want8, want_scale = quantize_per_token(dx)
+        ok = ~torch.isnan(want_scale)   # (a NaN token's bytes are the cast's; its scale keeps the NaN)
+        got8 = rows.x8.float()
+        # scales equal; bytes equal but at ties, where 127 / max within an ulp of the reference's rounds either way
+        assert torch.equal(rows.x8_scale[ok], want_scale[ok])
+        off = (got8[ok] - want8[ok]).abs()
+        assert off.max() <= 1 and (off > 0).float().mean() < 1e-3
+        assert torch.isnan(rows.x8_scale[~ok]).all() and (~ok).sum() == 1

@@ -120,7 +120,11 @@ def backward(q4, k4, v4, o4, do4, lse, dq4, dk4, dv4, call: Call, plan: Backward
                                    zero_rows=dq_acc, do_e4m3=plan.pv_e4m3,
                                    do_channel_tile=rule.block_m_dkdv if plan.p_static else None,
                                    do_group=q4.shape[1] // k4.shape[1] if plan.do_sequence else None,
-                                   qt_e4m3=plan.dk_e4m3)
+                                   qt_e4m3=plan.dk_e4m3, do_int8_rows=plan.dp_int8)
+    dp_int8 = None
+    if plan.dp_int8:   # dP = dO V^T in INT8: dO's rows from its pass, V one scale a key block as K
+        v_q = quantize(v4, lay_k, natural=True, block_scale=True)
+        dp_int8 = (do_q.x8, do_q.x8_scale, v_q.x8, v_q.scale)
     q_e4m3 = (quant.q8t, quant.qt_scale) if plan.dk_e4m3 else None
     q_shift = quant.q_shift if call.need_shift else None
     if call.q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
@@ -142,7 +146,7 @@ def backward(q4, k4, v4, o4, do4, lse, dq4, dk4, dv4, call: Call, plan: Backward
                                         fused_dq=one_launch, counters=counters, dq_acc=dq_acc,
                                         pv_e4m3=plan.pv_e4m3, p_static=plan.p_static,
                                         fused_dkdv=plan.in_place and not one_launch, q_e4m3=q_e4m3,
-                                        in_place=plan.in_place, **term, **cap_args)
+                                        in_place=plan.in_place, dp_int8=dp_int8, **term, **cap_args)
         dispatch.count("bwd_gluon_one_launch" if one_launch else "bwd_gluon")
     else:
         launch_backward(quant, q8rt, q_scale_raw, quant.k8t, v4, do4, do_q.x8t, do_q.scale, lse, do_q.delta, dq4,

@@ -76,7 +76,9 @@ class QueryVectors:
     (``QS``), lse, dO's scale (``DOS``), delta, Q's raw scale (``QSR``), the row shift under a cap (``SHIFT``),
     their batch and head strides, and ``1 / cap`` (``inv_cap``). With ``P_STATIC`` ``DOS`` holds dO's scales per
     channel per query tile instead, ``[S, H, tiles, Dv]`` with sequence and head strides ``s_dtb``, ``s_dth``
-    (else None)."""
+    (else None). With ``DP_INT8``: dO's INT8 scales per token ``DPS`` (Q's strides) and V's INT8 scales ``VS``
+    [B, Hk, N] (K's strides, one a key block), which the loader folds into dP^T's per-query vectors.
+    """
     QS: gl.tensor
     LSE: gl.tensor
     DOS: gl.tensor
@@ -88,6 +90,8 @@ class QueryVectors:
     inv_cap: gl.tensor
     s_dtb: Scalar
     s_dth: Scalar
+    DPS: gl.tensor
+    VS: gl.tensor
 
 
 @aggregate
@@ -145,13 +149,14 @@ class KeyTileOptions:
     IN_PLACE: gl.constexpr
     NVEC: gl.constexpr
     ASYNC: gl.constexpr
+    DP_INT8: gl.constexpr
 
 
 @aggregate
 class KeyOperands:
     """Consumer ``C``'s 64 keys of a work item (``keys``): their int8 K as wgmma operands (``k8``, and ``k8b``
-    past the first channel block), V (``v16``), and their K scales with the add trick's offset (``k_scale``,
-    ``k_bias``)."""
+    past the first channel block), V (``v16``: the input dtype, INT8 with ``DP_INT8``), and their K scales with the
+    add trick's offset (``k_scale``, ``k_bias``)."""
     k8: gl.shared_memory_descriptor
     k8b: gl.shared_memory_descriptor
     v16: gl.shared_memory_descriptor
@@ -249,6 +254,9 @@ def _loader(descs, ring, own, mailbox, COUNTER, seqs, vectors, key_scales, calle
         if TILE_KS:   # the item's keys share one K scale (quantize.K_SCALE_BLOCK keys from the sequence's start)
             k_scale = gl.load(key_scales.KS + bt.to(gl.int64) * key_scales.s_ksb + hk * key_scales.s_ksh + k0
                               + start_n, mask=start_n < item.seqlen_k, other=0.0)
+        if opts.DP_INT8:   # and one V scale (V's INT8 blocks are K's), times the 1 / 448 dS^T's math takes
+            v_scale = gl.load(vectors.VS + bt.to(gl.int64) * key_scales.s_ksb + hk * key_scales.s_ksh + k0
+                              + start_n, mask=start_n < item.seqlen_k, other=0.0) * (1.0 / E4M3_MAX)
         mbarrier.wait(own.empty, free_phase(j, 1))   # a fresh barrier's previous phase counts as complete
         mailbox.post(t)
         mbarrier.expect(own.ready, 2 * kv_bytes)
@@ -314,6 +322,13 @@ def _loader(descs, ring, own, mailbox, COUNTER, seqs, vectors, key_scales, calle
                     delta = gl.load(vectors.DELTA + base, mask=ok, other=0.0)
                     if opts.ASYNC:   # P^T holds 448 p: dS^T = P^T (dP^T / 448 - delta / 448)
                         delta = delta * (1.0 / E4M3_MAX)
+                    if opts.DP_INT8:
+                        # dP^T / 448 - delta / 448 from the int32 sum read as 1.5 * 2^23 + sum (the add trick):
+                        # (x - 1.5 * 2^23) * c - delta / 448, c = dO's scale * V's / 448: one FMA with c and
+                        # -(1.5 * 2^23 c + delta / 448), which takes delta's row
+                        dp_scale = gl.load(vectors.DPS + base, mask=ok, other=0.0) * v_scale
+                        ring.vec.index(opts.NVEC * s + VDOS).store(dp_scale)
+                        delta = gl.fma(dp_scale, -FLOAT_ROUND_BIAS, -delta)
                     ring.vec.index(opts.NVEC * s + VDELTA).store(delta)
                     qr_scale = gl.load(vectors.QSR + base, mask=ok, other=0.0)
                     if FOLD:    # dK alone: Q's scale into the exponent instead (dS^T = P^T (dP^T - delta) * it)
@@ -398,7 +413,9 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, rin
     DK_E4M3: gl.constexpr = opts.DK_E4M3
     IN_PLACE: gl.constexpr = opts.IN_PLACE
     ASYNC: gl.constexpr = opts.ASYNC
+    DP_INT8: gl.constexpr = opts.DP_INT8
     gl.static_assert(PV_E4M3 or not P_STATIC, "a fixed P scale only with e4m3 P^T dO")
+    gl.static_assert(not DP_INT8 or (ASYNC and DO_DQ), "an INT8 dP^T in the one launch's async tile only")
     gl.static_assert(not IN_PLACE or ((not DO_DV or PV_E4M3) and (not DO_DK or DK_E4M3)),
                      "in place: e4m3 products")
     MASK_LEFT: gl.constexpr = seqs.MASK_LEFT
@@ -424,7 +441,11 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, rin
         st_tok = warpgroup_mma(key_ops.k8, ring.q.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if QK_SPLIT:    # the channels past the first block, into the same int32 scores
             st_tok = warpgroup_mma(key_ops.k8b, ring.q2.index(s).permute((1, 0)), st_tok, is_async=True)
-        if DO_DK:   # dP^T = V dO^T in the input dtype (quantizing it would feed error into dS), beside S^T
+        if DO_DK and DP_INT8:   # dP^T = V dO^T in INT8 (V one scale a key block, dO one a token), beside S^T
+            dpt_tok = warpgroup_mma(key_ops.v16, ring.do.index(s).permute((1, 0)), s_zero, use_acc=False,
+                                    is_async=True)
+            st_int = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
+        elif DO_DK:   # dP^T = V dO^T in the input dtype (quantizing it would feed error into dS), beside S^T
             dpt_tok = warpgroup_mma(key_ops.v16, ring.do.index(s).permute((1, 0)), dp_zero, use_acc=False,
                                     is_async=True)
             st_int = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))   # P^T's math under dP^T's product
@@ -476,7 +497,11 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, rin
         if DO_DK:
             dpt = warpgroup_mma_wait(num_outstanding=1 if ASYNC else 0, deps=(dpt_tok, ))
             delta = ring.vec.index(opts.NVEC * s + VDELTA).load(col_layout)
-            if ASYNC:   # (P^T holds 448 p, delta / 448 the loader's: one FMA for the subtraction and the 1 / 448)
+            if DP_INT8:   # (the loader's per-query pair: dP^T's scale and the offset with delta: see there)
+                dp_scale = ring.vec.index(opts.NVEC * s + VDOS).load(col_layout)
+                xk = pt * gl.fma((dpt + FLOAT_ROUND_BIAS_BITS).to(gl.float32, bitcast=True), dp_scale[None, :],
+                                 delta[None, :])
+            elif ASYNC:   # (P^T holds 448 p, delta / 448 the loader's: one FMA for the subtraction and the 1 / 448)
                 xk = pt * gl.fma(gl.convert_layout(dpt, s_layout), 1.0 / E4M3_MAX, -delta[None, :])
             else:
                 xk = pt * (gl.convert_layout(dpt, s_layout) - delta[None, :])
@@ -691,14 +716,14 @@ def _bwd_consumer(C: gl.constexpr, k8, k8b, v16, own, ring, mailbox, seqs, key_s
 def _attn_bwd_dkdv_hopper_kernel(
     q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, dq_desc, QS, LSE, DOS, DELTA, QSR,
     SHIFT, KS, DV, DK, COUNTER, CU_Q, CU_K, CU_QT, s_qsb, s_qsh, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt,
-    s_dtb, s_dth, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, n_q, n_k, num_heads, num_kv_heads, group, window_left,
+    s_dtb, s_dth, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, DPS, VS, n_q, n_k, num_heads, num_kv_heads, group, window_left,
     window_right, softmax_scale, softcap2, num_items, num_n, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr,
     MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr,
     BLOCK_Q: gl.constexpr, DYNAMIC: gl.constexpr, ORDER: gl.constexpr, TILE_KS: gl.constexpr,
     DO_DQ: gl.constexpr, DQ_BUFFERS: gl.constexpr, PV_E4M3: gl.constexpr = False, P_STATIC: gl.constexpr = False,
-    DK_E4M3: gl.constexpr = False, IN_PLACE: gl.constexpr = False,
+    DK_E4M3: gl.constexpr = False, IN_PLACE: gl.constexpr = False, DP_INT8: gl.constexpr = False,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
@@ -729,7 +754,7 @@ def _attn_bwd_dkdv_hopper_kernel(
     D1: gl.constexpr = q_desc.block_type.shape[1]
     D2: gl.constexpr = q2_desc.block_type.shape[1] if QK_SPLIT else D1    # (unused without the split)
     if DO_DQ:   # dQ's B operand (_k_operand): by 64 keys and half the channels; dS^T tiles, two per consumer
-        IO: gl.constexpr = do_desc.dtype
+        IO: gl.constexpr = DV.dtype.element_ty    # (the gradients' dtype: dO's descriptor is INT8 with DP_INT8)
         kb_smem = gl.allocate_shared_memory(IO, [4, HALF_N, HEAD_DIM // 2],
                                             gl.NVMMASharedLayout.get_default_for([HALF_N, HEAD_DIM // 2], IO))
         ds_smem = gl.allocate_shared_memory(IO, [4, HALF_N, BLOCK_Q],
@@ -742,7 +767,7 @@ def _attn_bwd_dkdv_hopper_kernel(
         ds_smem = v_smem
         dq_smem = v_smem
     # per-query vector rows a stage: VQS..VQSR always, dO's scales where staged per tile, the shift under a cap
-    NVEC: gl.constexpr = 6 if SOFTCAP else (5 if DO_DV and not (P_STATIC and IN_PLACE) else 4)
+    NVEC: gl.constexpr = 6 if SOFTCAP else (5 if (DO_DV and not (P_STATIC and IN_PLACE)) or DP_INT8 else 4)
     # dV and dK in place with P at its fixed scale: both products run async, each issued as soon as its operand is
     # ready (dV's before dS^T's math, dK's before the wait for the other consumer's dS^T), waited for at the tile's
     # end; P^T = 448 p straight from the exponent (its 1 / 448 joins dP^T - delta, one FMA)
@@ -772,7 +797,7 @@ def _attn_bwd_dkdv_hopper_kernel(
     grads = KeyGradients(DV, s_dvb, s_dvh, s_dvt, DK, s_dkb, s_dkh, s_dkt, softmax_scale, DOS, s_dtb, s_dth)
     dq_x = DqExchange(ds_smem, kb_smem, dq_smem, dq_desc)
     opts = KeyTileOptions(HEAD_DIM, HEAD_DIM_V, D1, D2, QK_SPLIT, DO_DK, DO_DV, DO_DQ, FOLD, SOFTCAP, BLOCK_Q, ORDER,
-                          TILE_KS, DYNAMIC, PV_E4M3, P_STATIC, DK_E4M3, IN_PLACE, NVEC, ASYNC)
+                          TILE_KS, DYNAMIC, PV_E4M3, P_STATIC, DK_E4M3, IN_PLACE, NVEC, ASYNC, DP_INT8)
     # (K and V by constant indices: a run-time index of a wgmma operand's shared memory read wrong rows,
     # forward_hopper)
     gl.warp_specialize([
@@ -781,7 +806,7 @@ def _attn_bwd_dkdv_hopper_kernel(
         (_bwd_consumer, (1, k_smem.index(1), k2_smem.index(1), v_smem.index(1), own, ring, mailbox, seqs, key_scales,
                          grads, softcap2, dq_x, opts)),
         (_loader, (descs, ring, own, mailbox, COUNTER, seqs,
-                   QueryVectors(QS, LSE, DOS, DELTA, QSR, SHIFT, s_qsb, s_qsh, 1.0 / softcap2, s_dtb, s_dth),
+                   QueryVectors(QS, LSE, DOS, DELTA, QSR, SHIFT, s_qsb, s_qsh, 1.0 / softcap2, s_dtb, s_dth, DPS, VS),
                    key_scales,
                    CallerRows(do_rb, do_rh, do_ch, v_rb, v_rh, v_ch), opts)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -253,7 +253,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
                      softmax_scale, consumer_regs=BACKWARD_CONSUMER_REGS, loader_regs=BACKWARD_LOADER_REGS, fold=None,
                      block_q=None, softcap=0.0, shift=None, programs=None, operand_order=False, packing=None,
                      tile_ks=None, dq_acc=None, dq_buffers=None, counter=None, pv_e4m3=False,
-                     p_static=False, q_e4m3=None, in_place=False):
+                     p_static=False, q_e4m3=None, in_place=False, dp_int8=None):
     """(grid, args, kwargs) of one key-tile launch, ``part`` "dv", "dk", "dkdv" (both: S^T and dP^T once) or "dkdvq"
     (the one launch): ``[B, H, N, D]``
     tensors as ``backward.launch_backward`` takes them (``quant`` from ``quantize_qk(..., transposed=True)``;
@@ -275,7 +275,10 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     dS^T Q in e4m3. ``in_place`` (e4m3 products: ``pv_e4m3``, ``q_e4m3``): dV and dK sum in their accumulators
     in place, each key row in units of its latest tile's scale (backward_hopper_common.running_scale); with
     ``p_static`` ``do_scale`` holds dO's channel maxima of each sequence and KV group instead, ``[S, H, Dv]``
-    (the do_sequence rule: quantize.quantize_do_sequence), and dV needs no rescaling."""
+    (the do_sequence rule: quantize.quantize_do_sequence), and dV needs no rescaling. ``dp_int8`` (the one launch
+    with that rule, in place with ``p_static``): ``(dO8, its per-token scales, V8, its scales)`` from
+    ``quantize_do_sequence(..., natural_int8=True)`` and ``quantize(v4, natural=True, block_scale=True)``: dP^T = V
+    dO^T in INT8 instead of the input dtype."""
     head_dim_v = v4.shape[3]
     assert part in ("dv", "dk", "dkdv", "dkdvq") and (head_dim, head_dim_v) in GLUON_HEAD_DIMS
     do_dv, do_dk, do_dq = part != "dk", part != "dv", part == "dkdvq"
@@ -291,6 +294,9 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
         fold = part in ("dv", "dk")
     assert not (fold and do_dv and do_dk), "FOLD scales P^T by one product's scale: the other needs it unscaled"
     assert not (do_dq and softcap), "a cap's K-smoothing row term needs dS's row sums, which the one launch lacks"
+    if dp_int8 is not None and not (do_dq and p_static and in_place and q_e4m3 is not None):
+        raise ValueError("dp_int8 is a rule of the one launch (part 'dkdvq') with dV and dK in place (p_static, "
+                         "in_place, q_e4m3)")
     block_q = block_q or (ONE_LAUNCH_QUERY_TILE if do_dv and do_dk else dkdv_query_tile(head_dim))
     can_tile_ks = head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == backward_hopper.BLOCK_N.value
     tile_ks = can_tile_ks if tile_ks is None else bool(tile_ks)
@@ -329,8 +335,15 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
                                                                    gl.float8e4nv)
         qt_desc = tma_desc_rows(qt, [d1, block_q], qt_type)
         qt2_desc = tma_desc_rows(qt, [d2, block_q], qt_type) if d2 else qt_desc
-        do_desc, do_coords = _caller_desc(do4, [block_q, head_dim_v], io_dtype)
-        v_desc, v_coords = _caller_desc(v4, [backward_hopper.HALF_N.value, head_dim_v], io_dtype)
+        if dp_int8 is not None:   # dO and V in INT8, dO's scales per token, V's per key block (K's strides)
+            do8, do8_scale, v8, v8_scale = dp_int8
+            assert do8.shape == do4.shape and v8.shape == v4.shape and do8.dtype == v8.dtype == torch.int8
+            assert do8_scale.stride() == q_scale.stride() and v8_scale.stride() == quant.k_scale.stride()
+            do_desc, do_coords = _caller_desc(do8, [block_q, head_dim_v], gl.int8)
+            v_desc, v_coords = _caller_desc(v8, [backward_hopper.HALF_N.value, head_dim_v], gl.int8)
+        else:
+            do_desc, do_coords = _caller_desc(do4, [block_q, head_dim_v], io_dtype)
+            v_desc, v_coords = _caller_desc(v4, [backward_hopper.HALF_N.value, head_dim_v], io_dtype)
     else:
         qt_desc, qt2_desc, do_desc, v_desc = q_desc, q_desc, q_desc, k_desc          # unused
         do_coords = v_coords = (0, 0, 0)
@@ -351,7 +364,9 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
         q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, dq_desc, q_scale, lse,
         do_scale, delta, q_scale_raw, shift, k_scale, dv4, dk4, counter, cu_q, cu_k, cu_qt, q_scale.stride(0),
         q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
-        *dv4.stride()[:3], *dk4.stride()[:3], *tile_strides, *do_coords, *v_coords, n_q, n_k, hq, hk, group, window[0],
+        *dv4.stride()[:3], *dk4.stride()[:3], *tile_strides, *do_coords, *v_coords,
+        lse if dp_int8 is None else dp_int8[1], lse if dp_int8 is None else dp_int8[3], n_q, n_k, hq, hk, group,
+        window[0],
         window[1],
         softmax_scale, float(softcap) * LOG2E if softcap else 1.0, num_items, num_n,
     ), dict(IS_VARLEN=varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0, HEAD_DIM=head_dim,
@@ -362,7 +377,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
             DO_DQ=do_dq,
             DQ_BUFFERS=dq_buffers or one_launch_dq_buffers(head_dim), PV_E4M3=bool(pv_e4m3), P_STATIC=bool(p_static),
             DK_E4M3=q_e4m3 is not None,
-            IN_PLACE=bool(in_place), num_warps=4,
+            IN_PLACE=bool(in_place), DP_INT8=dp_int8 is not None, num_warps=4,
             ptx_options=ptx_options())
 
 
@@ -451,7 +466,7 @@ def _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing):
 def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4, dv4, num_heads, num_kv_heads,
                            head_dim, window, softmax_scale, softcap=0.0, shift=None, row_ds=None,
                            k_mean=None, packing=None, fused_dq=False, counters=None, dq_acc=None, pv_e4m3=False,
-                           p_static=False, fused_dkdv=False, q_e4m3=None, in_place=False, **tuning):
+                           p_static=False, fused_dkdv=False, q_e4m3=None, in_place=False, dp_int8=None, **tuning):
     """backward.launch_backward's contract on the Gluon kernels, without Q-smoothing: dV, dK and dQ as three
     launches, each gradient written once (deterministic). ``softcap`` > 0: capped scores
     (``shift`` as the forward's); ``k_mean``, ``row_ds``: as there. ``packing``: None for a padded batch; for a
@@ -464,7 +479,9 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
     accumulator, zeroed (``[B, H, N, D]`` contiguous), instead of one zeroed here. ``pv_e4m3``, ``p_static``: dV's
     rule (dkdv_hopper_args'; ``do8t`` and ``do_scale`` as it takes them). ``fused_dkdv``: dV and dK in one launch
     (64-query tiles: S^T and dP^T once), then the dQ launch. ``q_e4m3``, ``in_place``: dK's rule and the
-    accumulation (dkdv_hopper_args')."""
+    accumulation (dkdv_hopper_args'); ``dp_int8``: the one launch's dP^T in INT8 (dkdv_hopper_args')."""
+    if dp_int8 is not None and not fused_dq:
+        raise ValueError("dp_int8: only the one launch (fused_dq) computes dP in INT8")
     group = num_heads // num_kv_heads
     common = (group, head_dim, window, softmax_scale)
     lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides
@@ -479,7 +496,8 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
             dq_acc = torch.zeros(quant.q8.shape, dtype=torch.float32, device=quant.q8.device)
         launch_dkdv_hopper("dkdvq", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common,
                            packing=key_tiles_packing, dq_acc=dq_acc, counter=counter_slot(counters, 0),
-                           pv_e4m3=pv_e4m3, p_static=p_static, q_e4m3=q_e4m3, in_place=in_place, **tuning)
+                           pv_e4m3=pv_e4m3, p_static=p_static, q_e4m3=q_e4m3, in_place=in_place, dp_int8=dp_int8,
+                           **tuning)
         if k_mean is not None:   # (its key-tile programs cannot sum dS's rows: the sinks' only, given)
             assert row_ds is not None, "the one launch takes the sinks' row term, not its own row sums"
             _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing)

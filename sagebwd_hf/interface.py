@@ -214,9 +214,15 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     plan = kernel_plan.backward_plan(q.device, q4.shape[3], v4.shape[3], q_smoothing=q_smoothing, varlen=varlen,
                                      softcap=softcap, deterministic=deterministic, key_shard=key_shard,
                                      pv_e4m3=rules.pv_e4m3, p_static=rules.p_static, dk_e4m3=rules.dk_e4m3,
-                                     do_sequence=rules.do_sequence, in_place=rules.in_place, empty=empty)
+                                     do_sequence=rules.do_sequence, in_place=rules.in_place, dp_int8=rules.dp_int8,
+                                     empty=empty)
     # before any launch (an empty side has no P to round: its zero gradients are every rule's)
     check_kernels_compute(precision, backward_on_gluon=plan.gluon or empty)
+    if rules.dp_int8 and not (plan.one_launch or empty):
+        raise NotImplementedError(
+            f"precision={precision!r}: dp_int8 is computed only by the Hopper one-launch backward (no cap, not "
+            "deterministic, no key shard, head dims 64/64 and 128/128); this call runs another, and the PyTorch "
+            "path (backend='naive') computes it")
     if plan.in_place and (q4.shape[3], v4.shape[3]) not in kernel_plan.IN_PLACE_HEAD_DIMS:
         raise NotImplementedError(
             f"precision={precision!r}: the Gluon backward sums dV and dK in place at (Q/K, V) head dims "
@@ -519,7 +525,8 @@ _N = numerics_rules.Numerics
 GLUON_FORWARD_RULES = (_N(pv_e4m3=True), _N(pv_e4m3=True, p_static=True))
 GLUON_BACKWARD_RULES = GLUON_FORWARD_RULES + (
     _N(pv_e4m3=True, dk_e4m3=True), _N(pv_e4m3=True, p_static=True, dk_e4m3=True),
-    _N(pv_e4m3=True, p_static=True, do_sequence=True, dk_e4m3=True))
+    _N(pv_e4m3=True, p_static=True, do_sequence=True, dk_e4m3=True),
+    _N(pv_e4m3=True, p_static=True, do_sequence=True, dk_e4m3=True, dp_int8=True))
 
 
 def _where_gluon_runs() -> str:

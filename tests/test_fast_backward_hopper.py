@@ -28,6 +28,8 @@ def on_hopper(test):
 # (the last two sum dV and dK in place: one key-tile launch for both over 64-query tiles)
 FP8_RULES = ["pv_e4m3", "pv_e4m3+p_static", "pv_e4m3+dk_e4m3", "pv_e4m3+p_static+dk_e4m3",
              "pv_e4m3+p_static+do_sequence+dk_e4m3"]
+# dP in INT8 too: the one launch's only (three launches refuse it)
+DP_INT8 = "pv_e4m3+p_static+do_sequence+dk_e4m3+dp_int8"
 
 # dV against the reference of the same rule: the share of the e4m3 roundings' effect the kernel may move, derived
 # as tests/test_fast_forward_hopper.py's _check_against_reference derives O's (see _check_against_reference here).
@@ -153,6 +155,43 @@ def test_sinks_and_cap(rule):
 
 
 @on_hopper
+@pytest.mark.parametrize("case", [(2, 4, 4, 1024, d, causal, None) for d in (64, 128) for causal in (False, True)]
+                         + [(2, 4, 2, 4096, 128, True, None)], ids=_case_id)
+def test_dp_int8_one_launch(case):
+    """dP = dO V^T in INT8 in the one launch (V's INT8 copy one scale a key block, dO's one a token, both folded
+    into the per-query vectors): against the reference of the rule and float64, and not the fastest preset's
+    numbers."""
+    b, h, hk, n, d, causal, deterministic = case
+    q, k, v, do = make_qkv(b, h, hk, n, n, d, torch.bfloat16, "cuda", k_outliers=10.0, seed=n + d + causal)
+    attn = functools.partial(sagebwd_attn_func, causal=causal, deterministic=deterministic)
+    dispatch.reset_kernel_counts()
+    got, accurate = _check_against_reference(attn, q, k, v, do, DP_INT8, f"dp_int8 {_case_id(case)}")
+    assert dispatch.kernel_counts().get("bwd_gluon_one_launch"), dispatch.kernel_counts()
+    _check_against_float64(got, accurate, q, k, v, do, causal, f"dp_int8 {_case_id(case)}")
+    fastest = run_with_grads(functools.partial(attn, precision="fastest"), q, k, v, do)
+    assert torch.equal(got["dV"], fastest["dV"]) and not torch.equal(got["dK"], fastest["dK"])
+
+
+@on_hopper
+def test_dp_int8_packed_and_refused_off_the_one_launch():
+    """dp_int8 on a packed batch of uneven sequences against its reference; a call whose backward is not the one
+    launch (deterministic=True) raises, naming dp_int8, before any launch."""
+    lengths = [300, 1, 0, 1100, 129]
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    total = int(cu[-1])
+    q, k, v, do = make_qkv(1, 4, 2, total, total, 64, torch.bfloat16, "cuda", k_outliers=10.0, seed=14)
+    flat = lambda x: x[0].transpose(0, 1).contiguous()  # noqa: E731
+
+    def attn(q, k, v, **kw):
+        return sagebwd_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True, **kw)
+    _check_against_reference(attn, flat(q), flat(k), flat(v), flat(do), DP_INT8, "dp_int8 packed")
+    q, k, v, do = make_qkv(1, 4, 4, 256, 256, 64, torch.bfloat16, "cuda", seed=15)
+    out = sagebwd_attn_func(q.requires_grad_(), k, v, precision=DP_INT8, deterministic=True)
+    with pytest.raises(NotImplementedError, match="dp_int8 is computed only by the Hopper one-launch backward"):
+        out.backward(do)
+
+
+@on_hopper
 def test_mla_refuses_a_fixed_p_scale_and_computes_pv_e4m3():
     """MLA's head dims (192/128): the dV kernel's 64-query tile holds fewer of dO's per-channel scales than V's 128
     channels: p_static is refused before any launch; pv_e4m3 (per-token dO scales) runs."""
@@ -272,11 +311,11 @@ def test_do_sequence_pass_scales():
 def test_which_backward_computes_which_precision():
     """check_kernels_compute for a backward: the Gluon kernels compute accurate, pv_e4m3 and pv_e4m3+p_static; with
     ds_tile the refusal names ds_tile; the portable kernels accurate only; no kernel p_static or ds_tile alone."""
-    assert GLUON_BACKWARD_RULES == tuple(parse_precision(r) for r in FP8_RULES)
-    for precision in ["accurate", "fast"] + FP8_RULES:
+    assert GLUON_BACKWARD_RULES == tuple(parse_precision(r) for r in FP8_RULES + [DP_INT8])
+    for precision in ["accurate", "fast"] + FP8_RULES + [DP_INT8]:
         check_kernels_compute(precision, backward_on_gluon=True)
     check_kernels_compute("accurate")
-    for precision in FP8_RULES:
+    for precision in FP8_RULES + [DP_INT8]:
         with pytest.raises(NotImplementedError, match=rf"precision='{re.escape(precision)}' is computed only by the "
                                                       r"PyTorch path .*backward runs the portable Triton kernels"):
             check_kernels_compute(precision)

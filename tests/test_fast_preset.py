@@ -126,10 +126,12 @@ def test_backward_rules_match_float64():
         assert (dq.double() - want_dq).norm() / want_dq.norm() < 4e-3
 
 
-def test_in_place_rules_match_float64():
+@pytest.mark.parametrize("dp_int8", [False, True])
+def test_in_place_rules_match_float64(dp_int8):
     """dV under do_sequence (dO one e4m3 scale per channel over the sequence and both query heads of the KV group)
     and dK under dk_e4m3 (Q one e4m3 scale per token folded into dS, dS one per key over the query tile), from their
-    definitions in float64, on one tile of 64 queries and 64 keys, two query heads sharing one KV head."""
+    definitions in float64, on one tile of 64 queries and 64 keys, two query heads sharing one KV head; with
+    ``dp_int8`` dS from dP = dO V^T in INT8 (dO one scale per token, V one for its block of keys)."""
     q, k, v, do = make_qkv(1, 2, 1, 64, 64, 64, torch.bfloat16, "cpu", k_outliers=10.0, seed=9)
     do[:, 1] *= 16    # the group's second head sets most of dO's channel maxima
     scale = 64 ** -0.5
@@ -138,8 +140,14 @@ def test_in_place_rules_match_float64():
     s = naive._block_scores(q, keys, slice(0, 64), slice(0, 64), 64, 64, scale, (-1, -1), False)[0]
     p = torch.exp2(s - lse[..., None])
     dp = do.float() @ v.float().transpose(-1, -2)                      # (one KV head: broadcast over both heads)
+    if dp_int8:   # x * (127 / max) rounded in fp32, as the rule's bytes; products exact in float64; the 64 keys
+        # are one block of V's
+        do_max, v_max = do.float().abs().amax(-1, keepdim=True), v.float().abs().amax((-1, -2), keepdim=True)
+        do8, v8 = ((x.float() * (127 / m)).round().double() for x, m in ((do, do_max), (v, v_max)))
+        dp = (do8 @ v8.transpose(-1, -2)) * (do_max.double() / 127) * (v_max.double() / 127)
     ds = (p * (dp - (do.float() * out.float()).sum(-1, keepdim=True))).double()
-    rules = parse_precision("fastest")
+    rules = parse_precision("fastest+dp_int8".replace("fastest", "pv_e4m3+p_static+do_sequence+dk_e4m3")
+                            if dp_int8 else "fastest")
     dq, dk, dv = naive.sagebwd_backward_naive(q, k, v, out, lse, do, scale, block_m_dkdv=64, block_n_dq=64,
                                               numerics=rules)
     do_max = do.float().abs().amax((1, 2), keepdim=True)               # over the tokens and the group's heads
@@ -157,7 +165,7 @@ def test_in_place_rules_match_float64():
                * scale).sum(1, keepdim=True).to(dk.dtype).double()
     assert (dk.double() - want_dk).norm() / want_dk.norm() < 5e-4
     fast = naive.sagebwd_backward_naive(q, k, v, out, lse, do, scale, block_m_dkdv=64, block_n_dq=64, numerics=FAST)
-    assert torch.equal(dq, fast[0])                                    # dQ's rule is fast's
+    assert torch.equal(dq, fast[0]) != dp_int8                         # dQ's rule is fast's, but for dP
     assert not torch.equal(dk, fast[1]) and not torch.equal(dv, fast[2])
 
 
@@ -207,7 +215,7 @@ def test_bad_precision_names_the_argument_and_the_allowed_values(bad):
     q, k, v, _ = make_qkv(1, 2, 2, 16, 16, 64, torch.bfloat16, "cpu", seed=7)
     with pytest.raises(ValueError, match=r"precision must be 'accurate', 'fast', 'fastest' or rule names joined by "
                                          r"'\+' "
-                                         r"\(pv_e4m3, p_static, ds_tile, dk_e4m3, do_sequence\), got"):
+                                         r"\(pv_e4m3, p_static, ds_tile, dk_e4m3, do_sequence, dp_int8\), got"):
         sagebwd_attn_func(q, k, v, precision=bad, backend="naive")
     cu = torch.tensor([0, 16], dtype=torch.int32)
     with pytest.raises(ValueError, match="precision must be"):

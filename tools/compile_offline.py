@@ -143,6 +143,9 @@ def make_inputs(mod, a):
         kw.update(q_e4m3=(torch.empty_like(quant.q8t), vec()))
     if rules.in_place:
         kw.update(in_place=True)
+    if rules.dp_int8:   # dP^T in INT8: dO's and V's INT8 copies, dO's per-token scales, V's (K's layout)
+        kw.update(dp_int8=(torch.empty(b, h, n, dv, dtype=torch.int8), vec(),
+                           torch.empty(b, hk, n, dv, dtype=torch.int8), torch.empty_like(quant.k_scale)))
     return mod.dkdv_hopper_args(a.kernel, quant, lse, do4, do8t, do_scale, vec(), v4, grads[0], grads[1], h // hk, d,
                                 window, d ** -0.5, **kw)
 
@@ -225,7 +228,7 @@ def main():
                    help="dq: a shard of each row's keys (K-smoothing's row term from the kernel's own dS sums)")
     p.add_argument("--precision", default="accurate",
                    help="fwd, dv, dk, dkdv, dkdvq: the numerics rule the kernel computes (sagebwd_hf.numerics: "
-                        "accurate, pv_e4m3, pv_e4m3+p_static, ... +dk_e4m3, +do_sequence)")
+                        "accurate, pv_e4m3, pv_e4m3+p_static, ... +dk_e4m3, +do_sequence, +dp_int8)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 

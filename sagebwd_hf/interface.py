@@ -551,13 +551,18 @@ def check_kernels_compute(precision: str, forward_on_gluon: Optional[bool] = Non
     if forward_on_gluon is None:
         if rules in GLUON_BACKWARD_RULES and backward_on_gluon:
             return
-        if rules._replace(ds_tile=False) in GLUON_BACKWARD_RULES:   # what is missing: ds_tile, or the Gluon kernels
-            missing = ("ds_tile (one dS scale per 64x64 tile for dK and dQ) is computed by no backward kernel"
-                       if rules.ds_tile else "this call's backward runs the portable Triton kernels, which compute "
-                       "precision='accurate'")
+        # what is missing: a backward rule no kernel computes (ds_tile, ds_bound), or the Gluon kernels
+        if rules._replace(ds_tile=False, ds_bound=False) in GLUON_BACKWARD_RULES:
+            unbuilt = "ds_tile" if rules.ds_tile else "ds_bound" if rules.ds_bound else None
+            missing = {"ds_tile": "ds_tile (one dS scale per 64x64 tile for dK and dQ) is computed by no backward "
+                                  "kernel",
+                       "ds_bound": "ds_bound (dK's dS at one fixed scale per query row, from a bound) is computed by "
+                                   "no backward kernel yet",
+                       None: "this call's backward runs the portable Triton kernels, which compute "
+                             "precision='accurate'"}[unbuilt]
             raise NotImplementedError(
-                f"{prefix} and by the Gluon kernels ({_where_gluon_runs()}), which compute its forward and, without "
-                f"ds_tile, its backward; {missing}")
+                f"{prefix} and by the Gluon kernels ({_where_gluon_runs()}), which compute its forward and"
+                f"{f', without {unbuilt},' if unbuilt else ''} its backward; {missing}")
         raise NotImplementedError(f"{prefix}; the Triton and Gluon backward kernels compute precision='accurate', and "
                                   "the Gluon (Hopper) backward also 'pv_e4m3' and 'pv_e4m3+p_static', each with or "
                                   "without dk_e4m3, and 'pv_e4m3+p_static+do_sequence+dk_e4m3'")

@@ -298,6 +298,27 @@ def _tiles(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return x.reshape(shape)
 
 
+def ds_row_bound(q, keys: "_Keys", v, out, lse, dout, softmax_scale, window_size, q_smoothing, softcap,
+                 block_n, block_rows) -> torch.Tensor:
+    """The ds_bound rule's bound of each query row's largest |dS| ``[B, H, Nq]``: ``max_k P · (|dO| · |V|max +
+    |δ|)``. max_k P = exp2(m − lse) with m the row's largest score (what the forward's online softmax ends with),
+    |dP| ≤ |dO| |V_k| ≤ |dO| · |V|max with |V|max the norm of V's channel maxima over the sequence, δ = rowsum(dO · O);
+    a cap's derivative is at most 1. Rows that see no key get 0."""
+    b, h, n_q = q.shape[:3]
+    n_k = v.shape[2]
+    m = torch.full((b, h, n_q), float("-inf"), device=q.device)
+    for rows in _row_blocks(n_q, block_rows):
+        cols = _visible_keys(rows, n_q, n_k, window_size, block_n)
+        if cols.stop > cols.start:
+            s = _block_scores(q[:, :, rows], keys, rows, cols, n_q, n_k, softmax_scale, window_size, q_smoothing,
+                              softcap)[0]
+            m[:, :, rows] = s.amax(-1)
+    p_max = torch.exp2(m - lse)                                   # +inf lse or -inf m: 0
+    v_norm = _repeat_kv(v.float().abs().amax(2).norm(dim=-1, keepdim=True), h)    # [B, H, 1]
+    delta = (dout.float() * out.float()).sum(-1)
+    return p_max * (dout.float().norm(dim=-1) * v_norm + delta.abs())
+
+
 def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(-1, -1),
                            k_smoothing=True, q_smoothing=False, block_m_dkdv=64, block_n_dq=64, softcap=0.0,
                            dq_int8=True, query_block=None, key_shard=False, numerics: Numerics = ACCURATE):
@@ -346,6 +367,15 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
         do8, do_t_scale = _e4m3_per_slice(do_t, 3) if numerics.pv_e4m3 else _row_quantize(do_t, 3, True)
         p8 = _tiles(round_e4m3(p * p_max) if numerics.pv_e4m3 else torch.round(p * p_max), 2, block_m_dkdv)
         return ((p8.transpose(-1, -2) @ do8) * do_t_scale).sum(2) * (1.0 / p_max)
+
+    if numerics.ds_bound:   # dK's dS over a per-row bound at a fixed scale; Q times the bound, one scale a channel
+        row_bound = ds_row_bound(q, keys, v, out, lse, dout, softmax_scale, window_size, q_smoothing, softcap,
+                                 block_n_dq, query_block_rows(b * h, n_k, block_m_dkdv, query_block))
+        hkv = k.shape[1]
+        qr_max = (q.float() * row_bound[..., None]).abs().amax(2).view(b, hkv, h // hkv, -1).amax(2, keepdim=True)
+        qr_max = qr_max.expand(-1, -1, h // hkv, -1).reshape(b, h, 1, -1)       # [B, H, 1, D]
+        qr_inv = torch.where(qr_max > TINY_SCALE, torch.full_like(qr_max, E4M3_MAX) / qr_max,
+                             torch.zeros_like(qr_max))
 
     if numerics.dp_int8:   # dP = dO V^T in INT8: V one scale per K-scale block of its sequence, dO one per token
         v8_dp, v_scale_dp = quantize_per_block(v, k_scale_block(v.shape[-1]))
@@ -396,6 +426,12 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
             dk_tiles = torch.einsum("bhqikj,bhqid->bhqkjd", ds8, q8t)    # exact: integer sums below 2^24
             dk_tiles = (dk_tiles * (ds_scale * q_scale_t[..., None])[..., None, None]).sum(2)   # [B, H, Tk, t, D]
             dk[:, :, cols] += dk_tiles.flatten(2, 3)[:, :, :cols.stop - cols.start]
+        elif numerics.ds_bound:   # no scale changes along the sum over queries: it is applied after it
+            bound = row_bound[:, :, rows]
+            ds_inv = torch.where(bound > 0, torch.full_like(bound, E4M3_MAX) / bound, torch.zeros_like(bound))
+            ds_e4m3 = round_e4m3(ds * ds_inv[..., None])
+            qr8 = round_e4m3((q_rows.float() * bound[..., None]) * qr_inv)
+            dk[:, :, cols] += (ds_e4m3.transpose(-1, -2) @ qr8) * (qr_max * (1.0 / E4M3_MAX ** 2))
         elif numerics.dk_e4m3:   # Q one e4m3 scale per token (folded into dS), dS one per key per query tile
             q8e, q_scale_e = _e4m3_per_slice(q_rows.float(), -1)
             dk[:, :, cols] += over_queries(ds, q8e, q_scale_e.squeeze(-1), True, e4m3=True)

@@ -26,9 +26,15 @@ Each rule is also selectable on its own by joining rule names with ``+`` (``prec
 * ``dp_int8``: dP = dO·Vᵀ in INT8 instead of 16-bit, dO one scale per token and V one per ``K_SCALE_BLOCK`` keys
   of its sequence (K's blocks): both scales factor out of the sum over channels, so one INT8 product unit replaces
   a 16-bit one. Only the Hopper one launch computes it, and only with the fastest preset's other rules.
+* ``ds_bound`` (with ``dk_e4m3``): dK's dS gets one fixed scale per query row instead of one per key per query
+  tile: each row is divided by a bound of its largest |dS|, ``max_k P · (|dO| · |V|max + |δ|)`` (max_k P =
+  exp2(m − lse), the forward's row maximum of P; |V|max the norm of V's channel maxima over the sequence), and
+  mapped onto 448. The bound multiplies Q's rows instead, in e4m3 with one scale per channel over the sequence and
+  the KV group, applied to dK's columns after the sum. No scale then changes along dK's sum: no per-key maximum
+  and no rescale of the accumulator. No kernel computes it yet.
 
-``ds_tile``, ``dk_e4m3``, ``do_sequence`` and ``dp_int8`` change only the backward. QKᵀ stays INT8 with K-smoothing
-and dP = dO·Vᵀ stays in 16-bit in every preset. The PyTorch reference
+``ds_tile``, ``dk_e4m3``, ``do_sequence``, ``dp_int8`` and ``ds_bound`` change only the backward. QKᵀ stays INT8
+with K-smoothing and dP = dO·Vᵀ stays in 16-bit in every preset. The PyTorch reference
 (``sagebwd_hf.naive``) computes every rule; the Gluon kernels (Hopper) compute "accurate", ``pv_e4m3`` and
 ``pv_e4m3+p_static`` ("fast") forward and backward (and the forward of those rules with ``ds_tile``, a backward rule
 no kernel computes: its accuracy is measured, its speed is not), the portable kernels "accurate" only; a kernel call
@@ -52,11 +58,12 @@ class Numerics(NamedTuple):
     dk_e4m3: bool = False
     do_sequence: bool = False
     dp_int8: bool = False
+    ds_bound: bool = False
 
     @property
     def forward(self) -> "Numerics":
         """The rules of the forward (the backward-only ones off)."""
-        return self._replace(ds_tile=False, dk_e4m3=False, do_sequence=False, dp_int8=False)
+        return self._replace(ds_tile=False, dk_e4m3=False, do_sequence=False, dp_int8=False, ds_bound=False)
 
     @property
     def in_place(self) -> bool:
@@ -89,6 +96,9 @@ def parse_precision(precision: str, argument: str = "precision") -> Numerics:
             if rules.do_sequence and not rules.p_static:
                 raise ValueError(f"{argument}: do_sequence is a rule of p_static's dO scales (add p_static and "
                                  f"pv_e4m3), got {precision!r}")
+            if rules.ds_bound and not rules.dk_e4m3:
+                raise ValueError(f"{argument}: ds_bound is a rule of dk_e4m3's dK product (add dk_e4m3), got "
+                                 f"{precision!r}")
             return rules
     raise ValueError(f"{argument} must be 'accurate', 'fast', 'fastest' or rule names joined by '+' "
                      f"({', '.join(RULES)}), got {precision!r}")

@@ -2,6 +2,7 @@
 its single rules are computed by the PyTorch reference, checked here against float64 computations of the same
 roundings and against exact attention; the kernels refuse them until they compute them."""
 import math
+import re
 
 import pytest
 import torch
@@ -15,9 +16,9 @@ from sagebwd_hf.testing import compare, exact_reference, make_qkv, run_with_grad
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 BAR = {"O": 0.999, "dV": 0.999, "dQ": 0.99, "dK": 0.99}
-# (do_sequence is a rule of p_static's dO scales: it comes with them)
-EVERY_RULE = (["accurate", "fast", "fastest"] + [r for r in RULES if r != "do_sequence"]
-              + ["pv_e4m3+p_static+do_sequence"])
+# (do_sequence is a rule of p_static's dO scales, ds_bound of dk_e4m3's product: they come with them)
+EVERY_RULE = (["accurate", "fast", "fastest"] + [r for r in RULES if r not in ("do_sequence", "ds_bound")]
+              + ["pv_e4m3+p_static+do_sequence", "pv_e4m3+p_static+do_sequence+dk_e4m3+ds_bound"])
 
 
 def e4m3_float64(x: torch.Tensor) -> torch.Tensor:
@@ -169,6 +170,48 @@ def test_in_place_rules_match_float64(dp_int8):
     assert not torch.equal(dk, fast[1]) and not torch.equal(dv, fast[2])
 
 
+def test_ds_bound_matches_float64():
+    """dK under ds_bound from its definition in float64, on one tile of 64 queries and 64 keys, two query heads
+    sharing one KV head: each query row's dS over the bound max_k P (|dO| |V|max + |delta|) at e4m3's 448, Q's rows
+    times the bound in e4m3 with one scale per channel over the tokens and both heads, that scale after the sum."""
+    q, k, v, do = make_qkv(1, 2, 1, 64, 64, 64, torch.bfloat16, "cpu", k_outliers=10.0, seed=9)
+    do[:, 1] *= 16
+    q[:, 1, :20] *= 0.01          # rows whose bound sits far below the others'
+    scale = 64 ** -0.5
+    out, lse = naive.sagebwd_forward_naive(q, k, v, scale)
+    keys = naive._quantize_keys(k, 2, True)
+    s = naive._block_scores(q, keys, slice(0, 64), slice(0, 64), 64, 64, scale, (-1, -1), False)[0].double()
+    lse = lse.double()
+    p = torch.exp2(s - lse[..., None])
+    dod, outd, qd, vd = do.double(), out.double(), q.double(), v.double()
+    delta = (dod * outd).sum(-1, keepdim=True)
+    ds = p * (dod @ vd.transpose(-1, -2) - delta)
+    v_norm = vd.abs().amax(2, keepdim=True).norm(dim=-1, keepdim=True)           # [1, 1, 1, 1]
+    bound = torch.exp2(s.amax(-1, keepdim=True) - lse[..., None]) * (dod.norm(dim=-1, keepdim=True) * v_norm
+                                                                     + delta.abs())
+    looseness = bound / ds.abs().amax(-1, keepdim=True)
+    assert looseness.min() >= 1 - 1e-9 and looseness.max() < 128    # a bound of each row's |dS|, 6-93x here
+    qr = qd * bound
+    qr_max = qr.abs().amax((1, 2), keepdim=True)                                  # per channel over both heads
+    want_dk = ((e4m3_float64(ds * (E4M3_MAX / bound)).transpose(-1, -2) @ e4m3_float64(qr * (E4M3_MAX / qr_max)))
+               * qr_max / E4M3_MAX ** 2 * scale).sum(1, keepdim=True)
+    rules = parse_precision("pv_e4m3+p_static+do_sequence+dk_e4m3+ds_bound")
+    got = naive.sagebwd_backward_naive(q, k, v, out, lse.float(), do, scale, block_m_dkdv=64, block_n_dq=64,
+                                       numerics=rules)
+    want_dk = want_dk.to(got[1].dtype).double()
+    assert (got[1].double() - want_dk).norm() / want_dk.norm() < 5e-4
+    fastest = naive.sagebwd_backward_naive(q, k, v, out, lse.float(), do, scale, block_m_dkdv=64, block_n_dq=64,
+                                           numerics=parse_precision("fastest"))
+    assert torch.equal(got[0], fastest[0]) and torch.equal(got[2], fastest[2])   # dQ's and dV's rules are fastest's
+    assert (got[1].double() - fastest[1].double()).norm() / want_dk.norm() > 2e-3
+
+
+def test_ds_bound_needs_dk_e4m3():
+    for bad in ("ds_bound", "pv_e4m3+ds_bound", "pv_e4m3+p_static+do_sequence+ds_bound"):
+        with pytest.raises(ValueError, match="ds_bound is a rule of dk_e4m3's dK product"):
+            parse_precision(bad)
+
+
 def test_accurate_is_todays_rule_bit_for_bit():
     q, k, v, do = make_qkv(1, 2, 1, 200, 200, 64, torch.bfloat16, "cpu", k_outliers=10.0, seed=4)
     base = run_with_grads(lambda a, b, c: sagebwd_attn_func(a, b, c, causal=True, backend="naive"), q, k, v, do)
@@ -186,7 +229,7 @@ def test_accurate_is_todays_rule_bit_for_bit():
     assert not any(torch.equal(base[n], fast[n]) for n in base)     # the argument reaches the computation
 
 
-@pytest.mark.parametrize("precision", ["fast", "fastest"])
+@pytest.mark.parametrize("precision", ["fast", "fastest", "pv_e4m3+p_static+do_sequence+dk_e4m3+ds_bound"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fast_meets_the_accuracy_bar(head_dim, causal, precision):
@@ -214,8 +257,8 @@ def test_varlen_computes_each_sequence_with_the_preset():
 def test_bad_precision_names_the_argument_and_the_allowed_values(bad):
     q, k, v, _ = make_qkv(1, 2, 2, 16, 16, 64, torch.bfloat16, "cpu", seed=7)
     with pytest.raises(ValueError, match=r"precision must be 'accurate', 'fast', 'fastest' or rule names joined by "
-                                         r"'\+' "
-                                         r"\(pv_e4m3, p_static, ds_tile, dk_e4m3, do_sequence, dp_int8\), got"):
+                                         r"'\+' \(pv_e4m3, p_static, ds_tile, dk_e4m3, do_sequence, dp_int8, "
+                                         r"ds_bound\), got"):
         sagebwd_attn_func(q, k, v, precision=bad, backend="naive")
     cu = torch.tensor([0, 16], dtype=torch.int32)
     with pytest.raises(ValueError, match="precision must be"):
@@ -240,12 +283,13 @@ def test_precision_strings_round_trip():
     assert precision_name(parse_precision("pv_e4m3+p_static+ds_tile")) == "pv_e4m3+p_static+ds_tile"
 
 
-@pytest.mark.parametrize("precision", ["fast", "ds_tile"])
+@pytest.mark.parametrize("precision", ["fast", "ds_tile", "pv_e4m3+p_static+dk_e4m3+do_sequence+ds_bound"])
 def test_kernels_refuse_other_precisions(precision):
     q, k, v, _ = make_qkv(1, 2, 2, 16, 16, 64, torch.bfloat16, "cpu", seed=8)
     if not (q.is_cuda or __import__("os").environ.get("TRITON_INTERPRET") == "1"):
         pytest.skip("the kernels need CUDA or TRITON_INTERPRET=1")
-    with pytest.raises(NotImplementedError, match=f"precision='{precision}' is computed only by the PyTorch path"):
+    with pytest.raises(NotImplementedError, match=f"precision='{re.escape(precision)}' is computed only by the "
+                                                  "PyTorch path"):
         sagebwd_attn_func(q, k, v, precision=precision, backend="triton")
 
 

@@ -126,22 +126,28 @@ def test_gluon_backward_computes_the_rule(case, rule):
     _check_against_float64(got, accurate, q, k, v, do, causal, f"{rule} {_case_id(case)}")
 
 
+def _packed_batch(seed, deterministic=None):
+    """A causal packed batch of uneven sequences (one shorter than a tile, one empty), 4 query heads sharing 2 KV
+    heads of 64: (the varlen call, (q, k, v, dO) packed ``[T, H, D]``)."""
+    lengths = [300, 1, 0, 1100, 129]
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    total = int(cu[-1])
+    q, k, v, do = make_qkv(1, 4, 2, total, total, 64, torch.bfloat16, "cuda", k_outliers=10.0, seed=seed)
+
+    def attn(q, k, v, **kw):
+        return sagebwd_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
+                                        deterministic=deterministic, **kw)
+    return attn, tuple(x[0].transpose(0, 1).contiguous() for x in (q, k, v, do))
+
+
 @on_hopper
 @pytest.mark.parametrize("deterministic", [None, True])
 @pytest.mark.parametrize("rule", FP8_RULES)
 def test_packed_batch(rule, deterministic):
     """A packed batch of uneven sequences (one shorter than a tile, one empty): dO's scales per sequence's query
     tiles (p_static) and the token-major copy's aligned starts."""
-    lengths = [300, 1, 0, 1100, 129]
-    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
-    total = int(cu[-1])
-    q, k, v, do = make_qkv(1, 4, 2, total, total, 64, torch.bfloat16, "cuda", k_outliers=10.0, seed=12)
-    flat = lambda x: x[0].transpose(0, 1).contiguous()  # noqa: E731
-
-    def attn(q, k, v, **kw):
-        return sagebwd_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
-                                        deterministic=deterministic, **kw)
-    _check_against_reference(attn, flat(q), flat(k), flat(v), flat(do), rule, f"{rule} packed")
+    attn, tensors = _packed_batch(seed=12, deterministic=deterministic)
+    _check_against_reference(attn, *tensors, rule, f"{rule} packed")
 
 
 @on_hopper
@@ -176,15 +182,8 @@ def test_dp_int8_one_launch(case):
 def test_dp_int8_packed_and_refused_off_the_one_launch():
     """dp_int8 on a packed batch of uneven sequences against its reference; a call whose backward is not the one
     launch (deterministic=True) raises, naming dp_int8, before any launch."""
-    lengths = [300, 1, 0, 1100, 129]
-    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
-    total = int(cu[-1])
-    q, k, v, do = make_qkv(1, 4, 2, total, total, 64, torch.bfloat16, "cuda", k_outliers=10.0, seed=14)
-    flat = lambda x: x[0].transpose(0, 1).contiguous()  # noqa: E731
-
-    def attn(q, k, v, **kw):
-        return sagebwd_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True, **kw)
-    _check_against_reference(attn, flat(q), flat(k), flat(v), flat(do), DP_INT8, "dp_int8 packed")
+    attn, tensors = _packed_batch(seed=14)
+    _check_against_reference(attn, *tensors, DP_INT8, "dp_int8 packed")
     q, k, v, do = make_qkv(1, 4, 4, 256, 256, 64, torch.bfloat16, "cuda", seed=15)
     out = sagebwd_attn_func(q.requires_grad_(), k, v, precision=DP_INT8, deterministic=True)
     with pytest.raises(NotImplementedError, match="dp_int8 is computed only by the Hopper one-launch backward"):

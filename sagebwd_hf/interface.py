@@ -522,6 +522,9 @@ def _check_precision(precision, backend) -> str:
 # backward-only ones (Numerics.forward): the Gluon forward of "pv_e4m3+ds_tile" is that of "pv_e4m3"; no backward
 # kernel computes ds_tile. "fast" is "pv_e4m3+p_static".
 _N = numerics_rules.Numerics
+# Backward rules of the reference that no kernel computes yet, and what each is (check_kernels_compute's errors)
+NO_BACKWARD_KERNEL = {"ds_tile": "one dS scale per 64x64 tile for dK and dQ",
+                      "ds_bound": "dK's dS at one fixed scale per query row, from a bound"}
 GLUON_FORWARD_RULES = (_N(pv_e4m3=True), _N(pv_e4m3=True, p_static=True))
 GLUON_BACKWARD_RULES = GLUON_FORWARD_RULES + (
     _N(pv_e4m3=True, dk_e4m3=True), _N(pv_e4m3=True, p_static=True, dk_e4m3=True),
@@ -551,15 +554,12 @@ def check_kernels_compute(precision: str, forward_on_gluon: Optional[bool] = Non
     if forward_on_gluon is None:
         if rules in GLUON_BACKWARD_RULES and backward_on_gluon:
             return
-        # what is missing: a backward rule no kernel computes (ds_tile, ds_bound), or the Gluon kernels
-        if rules._replace(ds_tile=False, ds_bound=False) in GLUON_BACKWARD_RULES:
-            unbuilt = "ds_tile" if rules.ds_tile else "ds_bound" if rules.ds_bound else None
-            missing = {"ds_tile": "ds_tile (one dS scale per 64x64 tile for dK and dQ) is computed by no backward "
-                                  "kernel",
-                       "ds_bound": "ds_bound (dK's dS at one fixed scale per query row, from a bound) is computed by "
-                                   "no backward kernel yet",
-                       None: "this call's backward runs the portable Triton kernels, which compute "
-                             "precision='accurate'"}[unbuilt]
+        # what is missing: a backward rule no kernel computes, or the Gluon kernels
+        if rules._replace(**dict.fromkeys(NO_BACKWARD_KERNEL, False)) in GLUON_BACKWARD_RULES:
+            unbuilt = next((name for name in NO_BACKWARD_KERNEL if getattr(rules, name)), None)
+            missing = (f"{unbuilt} ({NO_BACKWARD_KERNEL[unbuilt]}) is computed by no backward kernel" if unbuilt
+                       else "this call's backward runs the portable Triton kernels, which compute "
+                            "precision='accurate'")
             raise NotImplementedError(
                 f"{prefix} and by the Gluon kernels ({_where_gluon_runs()}), which compute its forward and"
                 f"{f', without {unbuilt},' if unbuilt else ''} its backward; {missing}")

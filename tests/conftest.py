@@ -1,7 +1,14 @@
 import os
 
-import pytest
-import torch
+# On a machine of several GPUs the device script spreads pytest-xdist's workers over them
+# (SAGEBWD_TEST_GPUS="0 1 2 3"): each worker sees one GPU. This must happen before CUDA starts.
+_gpus = os.environ.get("SAGEBWD_TEST_GPUS", "").split()
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _gpus and _worker.startswith("gw"):
+    os.environ["CUDA_VISIBLE_DEVICES"] = _gpus[int(_worker[2:]) % len(_gpus)]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 # Without a GPU the Triton kernels run under Triton's interpreter. Both variables must be set before

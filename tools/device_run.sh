@@ -52,9 +52,13 @@ run() {  # run STAGE CMD...: output to run.log and $TMP/STAGE.log; a failure mar
 }
 for stage in $stages; do
   case $stage in
-    tests)    # test_large.py needs ~25 GB at once: alone, after the rest
-              run tests bash -c "python3 -m pytest tests -m gpu -q -rf -p no:cacheprovider -n 8 \
-                 --ignore=tests/test_large.py && python3 -m pytest tests/test_large.py -q -rf -p no:cacheprovider" ;;
+    tests)    # test_large.py needs ~25 GB at once: alone, after the rest. With several GPUs the workers are
+              # spread over them (tests/conftest.py), 4 a GPU; -v names each failure as it happens, so a
+              # stage cut off by its time limit still says which tests failed.
+              ngpu=$(nvidia-smi -L | wc -l); workers=$(( ngpu > 1 ? 4 * ngpu : 8 ))
+              [ "$ngpu" -gt 1 ] && export SAGEBWD_TEST_GPUS="$(seq -s ' ' 0 $((ngpu - 1)))"
+              run tests bash -c "python3 -m pytest tests -m gpu -v -rf -p no:cacheprovider -n $workers \
+                 --ignore=tests/test_large.py && python3 -m pytest tests/test_large.py -v -rf -p no:cacheprovider" ;;
     accuracy) run accuracy python3 benchmarks/accuracy.py --check --csv "$OUT/accuracy.csv" ${ACCURACY_ARGS:-} ;;
     speed)    run speed python3 benchmarks/speed.py --quick --csv "$OUT/speed.csv" ${SPEED_ARGS:-} ;;
     sweep)    run sweep python3 benchmarks/speed.py --csv "$OUT/sweep.csv" ${SWEEP_ARGS:-} ;;
@@ -89,7 +93,7 @@ for stage in $stages; do
   [ -f "$TMP/$stage.log" ] || continue
   echo "---- $stage (${took[$stage]:-})"
   case $stage in
-    tests)    tail -4 "$TMP/$stage.log" ;;
+    tests)    grep -E "(FAILED|ERROR) tests/" "$TMP/$stage.log" | sort -u | head -40; tail -2 "$TMP/$stage.log" ;;
     breakdown) grep -E "^(# |fwd|bwd|SASS)" "$TMP/$stage.log" | cut -c1-400 ;;
     kernels)  grep -E "^(# |d[0-9]|varlen| )" "$TMP/$stage.log" | cut -c1-200 ;;
     accuracy) sed -n '/^# backward kernels/,$p' "$TMP/$stage.log" ;;

@@ -18,7 +18,8 @@ from .constants import LOG2E
 from .forward import launch_forward
 from .layout import SeqLayout
 from .plan import BackwardPlan, ForwardPlan
-from .quantize import aligned_starts, prepare_backward, prepare_forward, quantize
+from .quantize import (aligned_starts, ds_row_bounds, prepare_backward, prepare_forward, quantize,
+                       quantize_ds_bound)
 
 # Tests set SAGEBWD_POISON=1: kernel outputs start as NaN, so an element a kernel forgot shows up.
 POISON = os.environ.get("SAGEBWD_POISON") == "1"
@@ -54,10 +55,14 @@ def _softcap_shift(q_shift, lse):
     return q_shift * LOG2E
 
 
-def forward(q4, k4, v4, out4, call: Call, plan: ForwardPlan, sinks: Optional[torch.Tensor] = None):
+def forward(q4, k4, v4, out4, call: Call, plan: ForwardPlan, sinks: Optional[torch.Tensor] = None,
+            row_max: Optional[torch.Tensor] = None):
     """Write ``out4`` ``[B, Hq, N, Dv]`` (any strides); return (base-2 lse ``[B, Hq, N]``, K-smoothing's row shift
     ``scale * q . mean(k)`` ``[B, Hq, N]`` or None where ``call.need_shift`` is off). ``sinks`` ``[Hq]`` join each
-    row's softmax denominator in the kernels' epilogue."""
+    row's softmax denominator in the kernels' epilogue. ``row_max`` (fp32 ``[B, Hq, N]`` contiguous, the Gluon
+    kernel only): also each row's largest score in lse's frame, which the ds_bound rule's backward reads."""
+    if row_max is not None and not plan.gluon:
+        raise NotImplementedError("row_max: only the Gluon forward writes each row's largest score")
     lay_q, lay_k, softcap = call.layout_q, call.layout_k, call.softcap
     counters = None
     if plan.gluon:
@@ -81,8 +86,10 @@ def forward(q4, k4, v4, out4, call: Call, plan: ForwardPlan, sinks: Optional[tor
                                               sink_shift=None if softcap else q_shift)
     cap_args = dict(softcap=softcap, shift=_softcap_shift(q_shift, lse) if softcap else None)
     if plan.gluon:
+        if row_max is not None:
+            poisoned(row_max)
         launch_forward_hopper(*args, v_starts=v_starts, v_operand_order=True, counter=counter_slot(counters, 0),
-                              **plan.hopper_schedule(), **cap_args, **sink_args)
+                              row_max=row_max, **plan.hopper_schedule(), **cap_args, **sink_args)
         dispatch.count("fwd_gluon")
     else:
         launch_forward(*args, plan.tiles["fwd"], **cap_args, **sink_args)
@@ -91,12 +98,13 @@ def forward(q4, k4, v4, out4, call: Call, plan: ForwardPlan, sinks: Optional[tor
 
 
 def backward(q4, k4, v4, o4, do4, lse, dq4, dk4, dv4, call: Call, plan: BackwardPlan, *, key_shard: bool = False,
-             sink_grads: Optional[Callable] = None):
+             sink_grads: Optional[Callable] = None, row_max: Optional[torch.Tensor] = None):
     """Write ``dk4`` and ``dv4`` and, unless the plan is the one launch (``dq4`` None then), ``dq4``; return (the one
     launch's fp32 dQ or None, the sinks' gradient or None). ``lse``: the forward's (base 2; merged over every shard
     of keys with ``key_shard``: ``k4`` and ``v4`` one shard of each row's keys). ``sink_grads(delta, q_shift)`` ->
     (dsinks, row_ds): the sinks' gradient and their share of each row's rowsum(dS), from delta = rowsum(dO * O)
-    that dO's pass gives (``sagebwd_hf.sinks``)."""
+    that dO's pass gives (``sagebwd_hf.sinks``). ``row_max``: the forward's row maxima (``forward``'s), which the
+    ds_bound rule's bound reads."""
     lay_q, lay_k, softcap, rule = call.layout_q, call.layout_k, call.softcap, plan.rule
     gluon, one_launch, varlen = plan.gluon, plan.one_launch, lay_q.is_varlen
     # the forward's bytes again (same inputs, same deterministic quantization), plus token-major copies (for the
@@ -120,12 +128,20 @@ def backward(q4, k4, v4, o4, do4, lse, dq4, dk4, dv4, call: Call, plan: Backward
                                    zero_rows=dq_acc, do_e4m3=plan.pv_e4m3,
                                    do_channel_tile=rule.block_m_dkdv if plan.p_static else None,
                                    do_group=q4.shape[1] // k4.shape[1] if plan.do_sequence else None,
-                                   qt_e4m3=plan.dk_e4m3, do_int8_rows=plan.dp_int8)
+                                   qt_e4m3=plan.dk_e4m3 and not plan.ds_bound, do_int8_rows=plan.dp_int8,
+                                   q_transposed=not plan.ds_bound)
     dp_int8 = None
     if plan.dp_int8:   # dP = dO V^T in INT8: dO's rows from its pass, V one scale a key block as K
         v_q = quantize(v4, lay_k, natural=True, block_scale=True)
         dp_int8 = (do_q.x8, do_q.x8_scale, v_q.x8, v_q.scale)
     q_e4m3 = (quant.q8t, quant.qt_scale) if plan.dk_e4m3 else None
+    ds_bound = None
+    if plan.ds_bound:   # dK's dS at each query's fixed scale: Q's copy times the rows' bounds, after dO's delta
+        assert plan.one_launch and row_max is not None and row_max.shape == lse.shape
+        group = q4.shape[1] // k4.shape[1]
+        bound = ds_row_bounds(v4, do4, lse, row_max, do_q.delta, lay_q, lay_k, group)
+        q8t_bound, ds_inv, ds_bound = quantize_ds_bound(q4, bound, lay_q, group, starts_q, operand_order=True)
+        q_e4m3 = (q8t_bound, ds_inv)
     q_shift = quant.q_shift if call.need_shift else None
     if call.q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
         raw = quantize(q4, lay_q, natural=False, transposed=True)
@@ -146,7 +162,8 @@ def backward(q4, k4, v4, o4, do4, lse, dq4, dk4, dv4, call: Call, plan: Backward
                                         fused_dq=one_launch, counters=counters, dq_acc=dq_acc,
                                         pv_e4m3=plan.pv_e4m3, p_static=plan.p_static,
                                         fused_dkdv=plan.in_place and not one_launch, q_e4m3=q_e4m3,
-                                        in_place=plan.in_place, dp_int8=dp_int8, **term, **cap_args)
+                                        in_place=plan.in_place, dp_int8=dp_int8, ds_bound=ds_bound, **term,
+                                        **cap_args)
         dispatch.count("bwd_gluon_one_launch" if one_launch else "bwd_gluon")
     else:
         launch_backward(quant, q8rt, q_scale_raw, quant.k8t, v4, do4, do_q.x8t, do_q.scale, lse, do_q.delta, dq4,

@@ -99,7 +99,8 @@ class KeyGradients:
     """What the key-tile launches write: dV and dK [B, Hk, N, D] with their batch, head and token strides, and the
     softmax scale dK is multiplied by; with ``P_STATIC`` and ``IN_PLACE`` dO's channel maxima of each sequence and KV
     group ``DOS`` [S, H, Dv] (read at the group's first head) with sequence and head strides, which dV's columns take
-    at the end."""
+    at the end; with ``DS_BOUND`` the channel maxima of Q times its rows' bounds ``QRS`` (DOS's layout), which dK's
+    columns take at the end."""
     DV: gl.tensor
     s_dvb: Scalar
     s_dvh: Scalar
@@ -112,6 +113,7 @@ class KeyGradients:
     DOS: gl.tensor
     s_dtb: Scalar
     s_dth: Scalar
+    QRS: gl.tensor
 
 
 @aggregate
@@ -150,6 +152,7 @@ class KeyTileOptions:
     NVEC: gl.constexpr
     ASYNC: gl.constexpr
     DP_INT8: gl.constexpr
+    DS_BOUND: gl.constexpr
 
 
 @aggregate
@@ -414,6 +417,7 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, rin
     IN_PLACE: gl.constexpr = opts.IN_PLACE
     ASYNC: gl.constexpr = opts.ASYNC
     DP_INT8: gl.constexpr = opts.DP_INT8
+    DS_BOUND: gl.constexpr = opts.DS_BOUND
     gl.static_assert(PV_E4M3 or not P_STATIC, "a fixed P scale only with e4m3 P^T dO")
     gl.static_assert(not DP_INT8 or (ASYNC and DO_DQ), "an INT8 dP^T in the one launch's async tile only")
     gl.static_assert(not IN_PLACE or ((not DO_DV or PV_E4M3) and (not DO_DK or DK_E4M3)),
@@ -516,7 +520,12 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, rin
                     xk = xk * ring.vec.index(opts.NVEC * s + VQSR).load(col_layout)[None, :]
                 if SOFTCAP:   # dS^T with respect to the uncapped score: times 1 - tanh^2
                     xk = xk * (1.0 - tht * tht)
-            if DK_E4M3:
+            if DS_BOUND:   # (VQSR holds 448 / each query's bound: dS^T straight to e4m3, no max, no rescale)
+                ds8 = as_operand(xk.to(gl.float8e4nv), ORDER, p_layout)
+                ds_scale = dk_scale
+                if ASYNC:
+                    dk_tok = product_in_place(dk_acc, ds8, ring.qt.index(s), True)
+            elif DK_E4M3:
                 ds8, ds_scale = _e4m3_rows(xk, nan_max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
             else:
                 ds8, ds_scale = quantize_rows(xk, nan_max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
@@ -548,7 +557,11 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, rin
                 dq_tok = _dq_issue(dq_x.ds.index(2), dq_x.ds.index(3), dq_x.kb.index(C), dq_x.kb.index(2 + C),
                                    dq_zero)
         if DO_DK and not ASYNC:
-            if IN_PLACE:
+            if DS_BOUND:
+                dk_acc = product_in_place(dk_acc, ds8, ring.qt.index(s), False)
+                if QK_SPLIT:
+                    dk2_acc = product_in_place(dk2_acc, ds8, ring.qt2.index(s), False)
+            elif IN_PLACE:
                 dk_scale, factor = running_scale(dk_scale, ds_scale)
                 dk_acc = accumulate_in_place(dk_acc, factor, ds8, ring.qt.index(s), False)
                 if QK_SPLIT:
@@ -694,7 +707,12 @@ def _bwd_consumer(C: gl.constexpr, k8, k8b, v16, own, ring, mailbox, seqs, key_s
                 dv_acc = dv_acc * (dos * (1.0 / (E4M3_MAX * E4M3_MAX)))[None, :]
             else:
                 dv_acc = dv_acc * dv_scale[:, None]
-            dk_acc = dk_acc * dk_scale[:, None]
+            if opts.DS_BOUND:   # dS^T at 448 / each query's bound, Q times it at 448 / its channel's max: both after
+                offs_dk = gl.arange(0, D1, layout=gl.SliceLayout(0, dk_layout))
+                qrs = gl.load(grads.QRS + item.b * grads.s_dtb + hk * seqs.group * grads.s_dth + offs_dk)
+                dk_acc = dk_acc * (qrs * (1.0 / (E4M3_MAX * E4M3_MAX)))[None, :]
+            else:
+                dk_acc = dk_acc * dk_scale[:, None]
             if QK_SPLIT:
                 dk2_scale = gl.convert_layout(dk_scale, gl.SliceLayout(1, dk2_layout), assert_trivial=True)
                 dk2_acc = dk2_acc * dk2_scale[:, None]
@@ -716,14 +734,15 @@ def _bwd_consumer(C: gl.constexpr, k8, k8b, v16, own, ring, mailbox, seqs, key_s
 def _attn_bwd_dkdv_hopper_kernel(
     q_desc, qt_desc, do_desc, dot_desc, k_desc, v_desc, q2_desc, qt2_desc, k2_desc, dq_desc, QS, LSE, DOS, DELTA, QSR,
     SHIFT, KS, DV, DK, COUNTER, CU_Q, CU_K, CU_QT, s_qsb, s_qsh, s_ksb, s_ksh, s_dvb, s_dvh, s_dvt, s_dkb, s_dkh, s_dkt,
-    s_dtb, s_dth, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, DPS, VS, n_q, n_k, num_heads, num_kv_heads, group, window_left,
-    window_right, softmax_scale, softcap2, num_items, num_n, IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr,
-    MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
+    s_dtb, s_dth, do_rb, do_rh, do_ch, v_rb, v_rh, v_ch, DPS, VS, QRS, n_q, n_k, num_heads, num_kv_heads, group,
+    window_left, window_right, softmax_scale, softcap2, num_items, num_n, IS_VARLEN: gl.constexpr,
+    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, DO_DK: gl.constexpr, DO_DV: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr,
     BLOCK_Q: gl.constexpr, DYNAMIC: gl.constexpr, ORDER: gl.constexpr, TILE_KS: gl.constexpr,
     DO_DQ: gl.constexpr, DQ_BUFFERS: gl.constexpr, PV_E4M3: gl.constexpr = False, P_STATIC: gl.constexpr = False,
     DK_E4M3: gl.constexpr = False, IN_PLACE: gl.constexpr = False, DP_INT8: gl.constexpr = False,
+    DS_BOUND: gl.constexpr = False,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
@@ -794,10 +813,11 @@ def _attn_bwd_dkdv_hopper_kernel(
     seqs = Sequences(CU_Q, CU_K, CU_QT, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right,
                      num_items, num_n, IS_VARLEN, MASK_LEFT, MASK_RIGHT)
     key_scales = KeyScales(KS, s_ksb, s_ksh)
-    grads = KeyGradients(DV, s_dvb, s_dvh, s_dvt, DK, s_dkb, s_dkh, s_dkt, softmax_scale, DOS, s_dtb, s_dth)
+    grads = KeyGradients(DV, s_dvb, s_dvh, s_dvt, DK, s_dkb, s_dkh, s_dkt, softmax_scale, DOS, s_dtb, s_dth, QRS)
     dq_x = DqExchange(ds_smem, kb_smem, dq_smem, dq_desc)
     opts = KeyTileOptions(HEAD_DIM, HEAD_DIM_V, D1, D2, QK_SPLIT, DO_DK, DO_DV, DO_DQ, FOLD, SOFTCAP, BLOCK_Q, ORDER,
-                          TILE_KS, DYNAMIC, PV_E4M3, P_STATIC, DK_E4M3, IN_PLACE, NVEC, ASYNC, DP_INT8)
+                          TILE_KS, DYNAMIC, PV_E4M3, P_STATIC, DK_E4M3, IN_PLACE, NVEC, ASYNC, DP_INT8,
+                          DS_BOUND)
     # (K and V by constant indices: a run-time index of a wgmma operand's shared memory read wrong rows,
     # forward_hopper)
     gl.warp_specialize([

@@ -95,6 +95,7 @@ class ForwardOptions:
     DYNAMIC: gl.constexpr
     PV_E4M3: gl.constexpr
     P_STATIC: gl.constexpr
+    WRITE_ROW_MAX: gl.constexpr
 
 
 @gluon.jit
@@ -149,9 +150,11 @@ class ForwardScales:
 @aggregate
 class ForwardOutputs:
     """What the kernel writes: the output ``O`` [B, H, N, Dv] and the rows' base-2 log-sum-exps ``LSE`` [B, H, N],
-    with their strides (batch, head, and token for O)."""
+    with their strides (batch, head, and token for O); with ``WRITE_ROW_MAX`` also each row's largest score
+    ``ROW_MAX`` (LSE's frame and layout: the ds_bound rule's max P = exp2(m - lse))."""
     O: gl.tensor
     LSE: gl.tensor
+    ROW_MAX: gl.tensor
     s_ob: Scalar
     s_oh: Scalar
     s_ot: Scalar
@@ -465,6 +468,8 @@ def _consumer(C: gl.constexpr, turns, q_bufs, ring, mailbox, seqs, scales, outpu
             inv_l = gl.where(has_keys, gl.exp2(lse - new_lse) / l_i, 0.0)
             lse = gl.where(has_keys, new_lse, lse)
         gl.store(outputs.LSE + lse_off + rows, lse, mask=m_ok)
+        if opts.WRITE_ROW_MAX:
+            gl.store(outputs.ROW_MAX + lse_off + rows, m_i, mask=m_ok)
         inv_l = gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
         v_scale = gl.load(scales.VS + vs_off + offs_d)
@@ -482,14 +487,14 @@ def _consumer(C: gl.constexpr, turns, q_bufs, ring, mailbox, seqs, scales, outpu
 @gluon.jit
 def _attn_fwd_hopper_kernel(
     q_desc, k_desc, vt_desc, q2_desc, k2_desc, QS, KS, VS, O, LSE, CU_Q, CU_K, CU_VT, SINKS, SINK_SHIFT, SHIFT,
-    COUNTER,
+    COUNTER, ROW_MAX,
     s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh, s_ob, s_oh, s_ot, s_lb, s_lh,
     n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right, softcap2, num_items, num_m,
     IS_VARLEN: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     QK_SPLIT: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     PINGPONG: gl.constexpr, SINK_MODE: gl.constexpr, V_ORDER: gl.constexpr,
     SOFTCAP: gl.constexpr, NAMED_BARRIERS: gl.constexpr, DYNAMIC: gl.constexpr,
-    PV_E4M3: gl.constexpr = False, P_STATIC: gl.constexpr = False,
+    PV_E4M3: gl.constexpr = False, P_STATIC: gl.constexpr = False, WRITE_ROW_MAX: gl.constexpr = False,
 ):
     # each consumer's Q rows, the K / V^T ring
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -524,10 +529,10 @@ def _attn_fwd_hopper_kernel(
     seqs = Sequences(CU_Q, CU_K, CU_VT, n_q, n_k, num_heads, num_kv_heads, group, window_left, window_right,
                      num_items, num_m, IS_VARLEN, MASK_LEFT, MASK_RIGHT)
     scales = ForwardScales(QS, KS, VS, s_qsb, s_qsh, s_ksb, s_ksh, s_vsb, s_vsh)
-    outputs = ForwardOutputs(O, LSE, s_ob, s_oh, s_ot, s_lb, s_lh)
+    outputs = ForwardOutputs(O, LSE, ROW_MAX, s_ob, s_oh, s_ot, s_lb, s_lh)
     terms = ScoreTerms(softcap2, SHIFT, SINKS, SINK_SHIFT)
     opts = ForwardOptions(HEAD_DIM_V, QK_SPLIT, CONSUMERS, PINGPONG, NAMED_BARRIERS, V_ORDER, SOFTCAP, SINK_MODE,
-                          DYNAMIC, PV_E4M3, P_STATIC)
+                          DYNAMIC, PV_E4M3, P_STATIC, WRITE_ROW_MAX)
     # (the partition list must be written in the call: one built beforehand and extended for a third consumer
     # does not compile on Triton 3.6, "cannot convert JITFunction to tensor", hence one call per consumer count;
     # constexprs such as the consumer index go into each tuple literally)

@@ -142,7 +142,8 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
                         window, v_starts=None, consumers=2, consumer_regs=None, loader_regs=FORWARD_LOADER_REGS,
                         pingpong=None,
                         sinks=None, sink_shift=None, softcap=0.0, shift=None, named_barriers=None,
-                        programs=None, v_operand_order=False, counter=None, pv_e4m3=False, p_static=False):
+                        programs=None, v_operand_order=False, counter=None, pv_e4m3=False, p_static=False,
+                        row_max=None):
     """(grid, args, kwargs) of the kernel for forward.launch_forward's contract (``sinks``, ``sink_shift``,
     ``softcap``, ``shift`` as there). ``pingpong`` defaults to on at V's head dim 128 and off at 64; the op
     passes ``plan.gluon_forward_pingpong``'s choice (off is faster for short unmasked calls and MLA's head
@@ -160,7 +161,9 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
     ``counter``: the work counter, zeroed (``persistent_grid``'s).
     ``pv_e4m3`` (sagebwd_hf.numerics' rule): ``P V`` in FP8 e4m3, ``v8t`` holding e4m3 bytes and ``v_scale`` each
     channel's max |v| (``quantize_v(..., e4m3=True)``); ``p_static`` (with ``pv_e4m3``): P's scale fixed, the
-    running row max mapped to 448."""
+    running row max mapped to 448. ``row_max`` (``lse``'s layout, fp32): also each row's largest score in lse's frame
+    (the ds_bound rule's backward reads max P = exp2(row_max - lse))."""
+    assert row_max is None or (row_max.shape == lse.shape and row_max.stride() == lse.stride())
     if p_static and not pv_e4m3:
         raise ValueError("the forward kernel takes p_static only with pv_e4m3 (a fixed INT8 P scale is not built)")
     assert sink_shift is None or (sinks is not None and sink_shift.stride() == lse.stride())
@@ -201,7 +204,8 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
         q_desc, k_desc, vt_desc, q2_desc, k2_desc, q_scale, k_scale, v_scale, out4, lse, cu_q, cu_k,
         v_starts if v_starts is not None else cu_k, sinks if sinks is not None else lse,
         sink_shift if sink_shift is not None else lse, shift if softcap else lse, counter,
-        q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
+        row_max if row_max is not None else lse, q_scale.stride(0), q_scale.stride(1), k_scale.stride(0),
+        k_scale.stride(1),
         v_scale.stride(0), v_scale.stride(1), *out4.stride()[:3], lse.stride(0), lse.stride(1),
         n_q, n_k, num_heads, hk, group, window[0], window[1], float(softcap) * LOG2E, num_items, num_m,
     ), dict(IS_VARLEN=layout_q.is_varlen, MASK_LEFT=window[0] >= 0, MASK_RIGHT=window[1] >= 0,
@@ -210,7 +214,8 @@ def forward_hopper_args(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_
             SINK_MODE=0 if sinks is None else 2 if sink_shift is not None else 1,
             V_ORDER=v_operand_order,
             SOFTCAP=bool(softcap), NAMED_BARRIERS=bool(named_barriers), DYNAMIC=dynamic,
-            PV_E4M3=bool(pv_e4m3), P_STATIC=bool(p_static), num_warps=4, ptx_options=ptx_options())
+            PV_E4M3=bool(pv_e4m3), P_STATIC=bool(p_static), WRITE_ROW_MAX=row_max is not None, num_warps=4,
+            ptx_options=ptx_options())
 
 
 def launch_forward_hopper(quant, v8t, v_scale, out4, lse, layout_q, layout_k, num_heads, group, head_dim, window,
@@ -253,7 +258,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
                      softmax_scale, consumer_regs=BACKWARD_CONSUMER_REGS, loader_regs=BACKWARD_LOADER_REGS, fold=None,
                      block_q=None, softcap=0.0, shift=None, programs=None, operand_order=False, packing=None,
                      tile_ks=None, dq_acc=None, dq_buffers=None, counter=None, pv_e4m3=False,
-                     p_static=False, q_e4m3=None, in_place=False, dp_int8=None):
+                     p_static=False, q_e4m3=None, in_place=False, dp_int8=None, ds_bound=None):
     """(grid, args, kwargs) of one key-tile launch, ``part`` "dv", "dk", "dkdv" (both: S^T and dP^T once) or "dkdvq"
     (the one launch): ``[B, H, N, D]``
     tensors as ``backward.launch_backward`` takes them (``quant`` from ``quantize_qk(..., transposed=True)``;
@@ -278,7 +283,10 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     (the do_sequence rule: quantize.quantize_do_sequence), and dV needs no rescaling. ``dp_int8`` (the one launch
     with that rule, in place with ``p_static``): ``(dO8, its per-token scales, V8, its scales)`` from
     ``quantize_do_sequence(..., natural_int8=True)`` and ``quantize(v4, natural=True, block_scale=True)``: dP^T = V
-    dO^T in INT8 instead of the input dtype."""
+    dO^T in INT8 instead of the input dtype. ``ds_bound`` (the one launch with that rule, in place with
+    ``p_static``): the channel maxima of Q times its rows' bounds ``[S, H, D]`` (``do_scale``'s layout), with
+    ``q_e4m3`` = (that product's e4m3 bytes, 448 / each row's bound) from ``quantize.quantize_ds_bound``: dS^T
+    goes to e4m3 at each query's fixed scale, and dK's columns take the maxima at the end."""
     head_dim_v = v4.shape[3]
     assert part in ("dv", "dk", "dkdv", "dkdvq") and (head_dim, head_dim_v) in GLUON_HEAD_DIMS
     do_dv, do_dk, do_dq = part != "dk", part != "dv", part == "dkdvq"
@@ -294,6 +302,11 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
         fold = part in ("dv", "dk")
     assert not (fold and do_dv and do_dk), "FOLD scales P^T by one product's scale: the other needs it unscaled"
     assert not (do_dq and softcap), "a cap's K-smoothing row term needs dS's row sums, which the one launch lacks"
+    if ds_bound is not None and not (do_dq and p_static and in_place and q_e4m3 is not None):
+        raise ValueError("ds_bound is a rule of the one launch (part 'dkdvq') with dV and dK in place (p_static, "
+                         "in_place, q_e4m3)")
+    if ds_bound is not None:   # read with dO's channel maxima's strides
+        assert ds_bound.shape == do_scale.shape and ds_bound.stride() == do_scale.stride()
     if dp_int8 is not None and not (do_dq and p_static and in_place and q_e4m3 is not None):
         raise ValueError("dp_int8 is a rule of the one launch (part 'dkdvq') with dV and dK in place (p_static, "
                          "in_place, q_e4m3)")
@@ -365,7 +378,8 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
         do_scale, delta, q_scale_raw, shift, k_scale, dv4, dk4, counter, cu_q, cu_k, cu_qt, q_scale.stride(0),
         q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
         *dv4.stride()[:3], *dk4.stride()[:3], *tile_strides, *do_coords, *v_coords,
-        lse if dp_int8 is None else dp_int8[1], lse if dp_int8 is None else dp_int8[3], n_q, n_k, hq, hk, group,
+        lse if dp_int8 is None else dp_int8[1], lse if dp_int8 is None else dp_int8[3],
+        lse if ds_bound is None else ds_bound, n_q, n_k, hq, hk, group,
         window[0],
         window[1],
         softmax_scale, float(softcap) * LOG2E if softcap else 1.0, num_items, num_n,
@@ -377,7 +391,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
             DO_DQ=do_dq,
             DQ_BUFFERS=dq_buffers or one_launch_dq_buffers(head_dim), PV_E4M3=bool(pv_e4m3), P_STATIC=bool(p_static),
             DK_E4M3=q_e4m3 is not None,
-            IN_PLACE=bool(in_place), DP_INT8=dp_int8 is not None, num_warps=4,
+            IN_PLACE=bool(in_place), DP_INT8=dp_int8 is not None, DS_BOUND=ds_bound is not None, num_warps=4,
             ptx_options=ptx_options())
 
 
@@ -466,7 +480,8 @@ def _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing):
 def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4, dv4, num_heads, num_kv_heads,
                            head_dim, window, softmax_scale, softcap=0.0, shift=None, row_ds=None,
                            k_mean=None, packing=None, fused_dq=False, counters=None, dq_acc=None, pv_e4m3=False,
-                           p_static=False, fused_dkdv=False, q_e4m3=None, in_place=False, dp_int8=None, **tuning):
+                           p_static=False, fused_dkdv=False, q_e4m3=None, in_place=False, dp_int8=None,
+                           ds_bound=None, **tuning):
     """backward.launch_backward's contract on the Gluon kernels, without Q-smoothing: dV, dK and dQ as three
     launches, each gradient written once (deterministic). ``softcap`` > 0: capped scores
     (``shift`` as the forward's); ``k_mean``, ``row_ds``: as there. ``packing``: None for a padded batch; for a
@@ -479,9 +494,10 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
     accumulator, zeroed (``[B, H, N, D]`` contiguous), instead of one zeroed here. ``pv_e4m3``, ``p_static``: dV's
     rule (dkdv_hopper_args'; ``do8t`` and ``do_scale`` as it takes them). ``fused_dkdv``: dV and dK in one launch
     (64-query tiles: S^T and dP^T once), then the dQ launch. ``q_e4m3``, ``in_place``: dK's rule and the
-    accumulation (dkdv_hopper_args'); ``dp_int8``: the one launch's dP^T in INT8 (dkdv_hopper_args')."""
-    if dp_int8 is not None and not fused_dq:
-        raise ValueError("dp_int8: only the one launch (fused_dq) computes dP in INT8")
+    accumulation (dkdv_hopper_args'); ``dp_int8``: the one launch's dP^T in INT8, ``ds_bound``: its dS^T at each
+    query's fixed scale (both dkdv_hopper_args')."""
+    if (dp_int8 is not None or ds_bound is not None) and not fused_dq:
+        raise ValueError("dp_int8 and ds_bound: only the one launch (fused_dq) computes them")
     group = num_heads // num_kv_heads
     common = (group, head_dim, window, softmax_scale)
     lse = lse.contiguous()      # the per-query vectors are read with q_scale's strides
@@ -497,7 +513,7 @@ def launch_backward_hopper(quant, v4, do4, do8t, do_scale, lse, delta, dq4, dk4,
         launch_dkdv_hopper("dkdvq", quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4, *common,
                            packing=key_tiles_packing, dq_acc=dq_acc, counter=counter_slot(counters, 0),
                            pv_e4m3=pv_e4m3, p_static=p_static, q_e4m3=q_e4m3, in_place=in_place, dp_int8=dp_int8,
-                           **tuning)
+                           ds_bound=ds_bound, **tuning)
         if k_mean is not None:   # (its key-tile programs cannot sum dS's rows: the sinks' only, given)
             assert row_ds is not None, "the one launch takes the sinks' row term, not its own row sums"
             _add_sinks_row_term(dq_acc, row_ds, k_mean, group, softmax_scale, packing)

@@ -248,9 +248,9 @@ class ForwardPlan:
 class BackwardPlan:
     """How a backward call runs: ``family`` and ``tiles`` as ForwardPlan's; ``rule`` (``backward_rule``); on the
     Gluon kernels ``one_launch`` (dV, dK and dQ in one launch, dQ by reduce-adds) or three launches, dV's numerics
-    rule (``pv_e4m3``, ``p_static``, ``do_sequence``), dK's (``dk_e4m3``), dP's (``dp_int8``: the one launch's
-    only), whether dV and dK accumulate in place (``in_place``: one key-tile launch for both, or the one launch),
-    the register split and persistent ``programs``."""
+    rule (``pv_e4m3``, ``p_static``, ``do_sequence``), dK's (``dk_e4m3``; ``ds_bound``: the one launch's only), dP's
+    (``dp_int8``: the one launch's only), whether dV and dK accumulate in place (``in_place``: one key-tile launch
+    for both, or the one launch), the register split and persistent ``programs``."""
     family: str
     tiles: Mapping
     rule: BackwardRule
@@ -260,6 +260,7 @@ class BackwardPlan:
     do_sequence: bool = False
     in_place: bool = False
     dp_int8: bool = False
+    ds_bound: bool = False
     consumer_regs: int = BACKWARD_CONSUMER_REGS
     loader_regs: int = BACKWARD_LOADER_REGS
     dq_buffers: int = ONE_LAUNCH_DQ_BUFFERS
@@ -293,10 +294,11 @@ def forward_plan(device: torch.device, head_dim: int, head_dim_v: int, *, q_smoo
 def backward_plan(device: torch.device, head_dim: int, head_dim_v: int, *, q_smoothing: bool, varlen: bool,
                   softcap: float, deterministic: Optional[bool], key_shard: bool = False, pv_e4m3: bool = False,
                   p_static: bool = False, dk_e4m3: bool = False, do_sequence: bool = False,
-                  in_place: bool = False, dp_int8: bool = False, empty: bool = False) -> BackwardPlan:
+                  in_place: bool = False, dp_int8: bool = False, ds_bound: bool = False,
+                  empty: bool = False) -> BackwardPlan:
     """The plan of a backward call (arguments as ``forward_plan``'s and ``backward_rule``'s; ``pv_e4m3``,
-    ``p_static``, ``dk_e4m3``, ``do_sequence``, ``dp_int8``: the precision's rules, ``in_place`` whether they let
-    dV and dK sum in place: numerics.Numerics.in_place)."""
+    ``p_static``, ``dk_e4m3``, ``do_sequence``, ``dp_int8``, ``ds_bound``: the precision's rules, ``in_place``
+    whether they let dV and dK sum in place: numerics.Numerics.in_place)."""
     tiles = tile_configs(head_dim, device, head_dim_v)
     rule = backward_rule(device, head_dim, head_dim_v, softcap=softcap, q_smoothing=q_smoothing, varlen=varlen,
                          deterministic=deterministic, key_shard=key_shard, in_place=in_place, p_static=p_static)
@@ -304,5 +306,5 @@ def backward_plan(device: torch.device, head_dim: int, head_dim_v: int, *, q_smo
                                        head_dim_v=head_dim_v):
         return BackwardPlan("triton", tiles, rule)
     return BackwardPlan("gluon", tiles, rule, pv_e4m3=pv_e4m3, p_static=p_static, dk_e4m3=dk_e4m3,
-                        do_sequence=do_sequence, in_place=in_place, dp_int8=dp_int8,
+                        do_sequence=do_sequence, in_place=in_place, dp_int8=dp_int8, ds_bound=ds_bound,
                         programs=gluon_programs(device))

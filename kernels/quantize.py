@@ -163,16 +163,19 @@ def _seq_bounds(CU, b, n_dense, IS_VARLEN: tl.constexpr):
 
 @triton.jit
 def _run_stats(base, s_xt, t0, start, end, d_ok, ABS_MAX: tl.constexpr, BLOCK_T: tl.constexpr,
-               BLOCK_D: tl.constexpr):
+               BLOCK_D: tl.constexpr, row_mul=None, HAS_ROW_MUL: tl.constexpr = False):
     """Mean (or max |x|) of rows ``[start, end)`` of one sequence's head, in a fixed order. Each thread keeps
     its own elements' running sum (or max) and the rows meet once at the end: a reduction across the
-    program's rows per loaded tile (shared memory and a barrier each time) left the loads latency-bound."""
+    program's rows per loaded tile (shared memory and a barrier each time) left the loads latency-bound.
+    ``HAS_ROW_MUL``: each row times its factor at ``row_mul + t0 + row`` first."""
     offs_t = tl.arange(0, BLOCK_T)
     acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     for t in range(start, end, BLOCK_T):
         rows = t + offs_t
         x = tl.load(base + (t0 + rows)[:, None] * s_xt, mask=(rows < end)[:, None] & d_ok[None, :],
                     other=0.0).to(tl.float32)
+        if HAS_ROW_MUL:
+            x = x * tl.load(row_mul + t0 + rows, mask=rows < end, other=0.0)[:, None]
         if ABS_MAX:
             acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)   # (nan_max)
         else:
@@ -184,15 +187,16 @@ def _run_stats(base, s_xt, t0, start, end, d_ok, ABS_MAX: tl.constexpr, BLOCK_T:
 
 @triton.jit
 def _token_stats_kernel(
-    X, X2, CU, BLK_CU, OUT, OUT2,
-    s_xb, s_xh, s_xt, s_xd, s_x2b, s_x2h, s_x2t, s_x2d, s_oh, s_ob, s_o2h, s_o2b,
+    X, X2, CU, BLK_CU, OUT, OUT2, ROW_MUL,
+    s_xb, s_xh, s_xt, s_xd, s_x2b, s_x2h, s_x2t, s_x2d, s_oh, s_ob, s_o2h, s_o2b, s_rb, s_rh,
     n_dense, num_heads, head_dim, head_dim2, block_tokens, factor, factor2,
     IS_VARLEN: tl.constexpr, ABS_MAX: tl.constexpr, ABS_MAX2: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_ROW_MUL: tl.constexpr = False,
 ):
     """Mean (or max |x|) over each run of ``block_tokens`` tokens of every sequence, times ``factor`` ->
     ``OUT[h, blk, :]``; grid axis 2 = 1 takes the second input (``X2``, same tokens and heads: K and V), so
-    one launch gives both statistics."""
+    one launch gives both statistics. ``HAS_ROW_MUL``: the first input's rows times ``ROW_MUL`` ``[B, H, N]``
+    (strides ``s_rb``, ``s_rh``; tokens contiguous) first."""
     pid_blk = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)   # every head/batch offset in 64 bits (see _seq_bounds)
     b = pid_bh // num_heads
@@ -207,7 +211,7 @@ def _token_stats_kernel(
     if tl.program_id(2) == 0:
         d_ok = offs_d < head_dim
         acc = _run_stats(X + bx * s_xb + h * s_xh + offs_d[None, :] * s_xd, s_xt, t0, start, end, d_ok, ABS_MAX,
-                         BLOCK_T, BLOCK_D)
+                         BLOCK_T, BLOCK_D, ROW_MUL + bx * s_rb + h * s_rh, HAS_ROW_MUL)
         tl.store(OUT + h * s_oh + (blk0 + pid_blk) * s_ob + offs_d, acc * factor, mask=d_ok)
     else:
         d_ok = offs_d < head_dim2
@@ -228,7 +232,7 @@ def _quantize_program(
     WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     OPERAND_ORDER: tl.constexpr = False, FROM_PARTS: tl.constexpr = False, ZERO_INTS: tl.constexpr = 0,
     ZERO_ROWS: tl.constexpr = False, E4M3: tl.constexpr = False, TILE_CHANNELS: tl.constexpr = False,
-    T_E4M3: tl.constexpr = False, NAT_INT8: tl.constexpr = False,
+    T_E4M3: tl.constexpr = False, NAT_INT8: tl.constexpr = False, ROW_MUL: tl.constexpr = False,
 ):
     """One program of ``_quantize_kernel`` (``pid_bh`` int64: every head/batch offset in 64 bits, see
     _seq_bounds).
@@ -244,7 +248,9 @@ def _quantize_program(
     channel of the program's ``BLOCK_T`` tokens goes to ``CSCALE`` ``[S, H, tiles, D]`` (sequence and head strides
     ``s_csb``, ``s_csh``; pv_e4m3+p_static's dO, whose tiles are the dK/dV kernel's query tiles). ``NAT_INT8`` (with
     ``PER_CHANNEL`` e4m3 bytes in the token-major copy): the natural copy in INT8 with one scale per token of its own,
-    max / 127 in ``SCALE_T`` (the dp_int8 rule's dO beside do_sequence's)."""
+    max / 127 in ``SCALE_T`` (the dp_int8 rule's dO beside do_sequence's). ``ROW_MUL`` (with ``PER_CHANNEL``, which
+    writes no per-token scale: ``SCALE`` is an input then): each token's row times its factor in ``SCALE`` first (the
+    ds_bound rule's Q times each row's bound)."""
     if ZERO_INTS > 0:   # (before any program returns: a first sequence may be empty)
         if pid_t == 0 and pid_bh == 0:
             tl.store(ZEROS + tl.arange(0, ZERO_INTS), tl.zeros([ZERO_INTS], tl.int32))
@@ -273,6 +279,10 @@ def _quantize_program(
                  tl.zeros([BLOCK_T, BLOCK_D], tl.float32), mask=ok)
     x = tl.load(X + bx * s_xb + h * s_xh + (t0 + rows)[:, None] * s_xt + offs_d[None, :] * s_xd,
                 mask=ok, other=0.0).to(tl.float32)
+    if ROW_MUL:
+        tl.static_assert(PER_CHANNEL and not (WITH_DOT or HAS_SUB or WITH_DELTA or NAT_INT8),
+                         "a row factor on a per-channel pass of its own")
+        x = x * tl.load(SCALE + bx * s_sb + h * s_sh + t0 + rows, mask=t_ok, other=0.0)[:, None]
     if WITH_DOT:   # each row . one vector per (sequence, head group): Q's rows . mean(k), K-smoothing's shift
         vec = tl.load(DOTV + (h // dot_group) * s_dvh + b * s_dvb + offs_d, mask=d_ok, other=0.0)
         tl.store(ROW_DOT + bx * s_sb + h * s_sh + t0 + rows, tl.sum(x * vec[None, :], 1) * dot_scale, mask=t_ok)
@@ -373,7 +383,7 @@ def _quantize_kernel(
     WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     OPERAND_ORDER: tl.constexpr = False, FROM_PARTS: tl.constexpr = False, ZERO_INTS: tl.constexpr = 0,
     ZERO_ROWS: tl.constexpr = False, E4M3: tl.constexpr = False, TILE_CHANNELS: tl.constexpr = False,
-    T_E4M3: tl.constexpr = False, NAT_INT8: tl.constexpr = False,
+    T_E4M3: tl.constexpr = False, NAT_INT8: tl.constexpr = False, ROW_MUL: tl.constexpr = False,
 ):
     """Quantizes one input (``quantize``): programs (token tile, sequence x head); ``_quantize_program``."""
     _quantize_program(
@@ -386,7 +396,7 @@ def _quantize_kernel(
         WITH_SCALED=WITH_SCALED, WRITE_NATURAL=WRITE_NATURAL, WRITE_T=WRITE_T, HAS_T_CU=HAS_T_CU, WITH_DOT=WITH_DOT,
         BLOCK_SCALE=BLOCK_SCALE, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, OPERAND_ORDER=OPERAND_ORDER,
         FROM_PARTS=FROM_PARTS, ZERO_INTS=ZERO_INTS, ZERO_ROWS=ZERO_ROWS, E4M3=E4M3, TILE_CHANNELS=TILE_CHANNELS,
-        T_E4M3=T_E4M3, NAT_INT8=NAT_INT8,
+        T_E4M3=T_E4M3, NAT_INT8=NAT_INT8, ROW_MUL=ROW_MUL,
     )
 
 
@@ -407,13 +417,13 @@ def _quantize_pair_kernel(
     WITH_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     OPERAND_ORDER: tl.constexpr, FROM_PARTS: tl.constexpr, ZERO_INTS: tl.constexpr,
     ZERO_ROWS: tl.constexpr, E4M3: tl.constexpr, TILE_CHANNELS: tl.constexpr, T_E4M3: tl.constexpr,
-    NAT_INT8: tl.constexpr,
+    NAT_INT8: tl.constexpr, ROW_MUL: tl.constexpr,
     IS_VARLEN_B: tl.constexpr, HAS_SUB_B: tl.constexpr, PER_CHANNEL_B: tl.constexpr, WITH_DELTA_B: tl.constexpr,
     WITH_SCALED_B: tl.constexpr, WRITE_NATURAL_B: tl.constexpr, WRITE_T_B: tl.constexpr, HAS_T_CU_B: tl.constexpr,
     WITH_DOT_B: tl.constexpr, BLOCK_SCALE_B: tl.constexpr, BLOCK_T_B: tl.constexpr, BLOCK_D_B: tl.constexpr,
     OPERAND_ORDER_B: tl.constexpr, FROM_PARTS_B: tl.constexpr, ZERO_INTS_B: tl.constexpr,
     ZERO_ROWS_B: tl.constexpr, E4M3_B: tl.constexpr, TILE_CHANNELS_B: tl.constexpr, T_E4M3_B: tl.constexpr,
-    NAT_INT8_B: tl.constexpr,
+    NAT_INT8_B: tl.constexpr, ROW_MUL_B: tl.constexpr,
 ):
     """Two inputs quantized in one launch (``quantize_pair``): grid axis 2 picks the input, its arguments the
     plain ones or those ending in ``_b`` / ``_B``; each program runs ``_quantize_program`` as ``_quantize_kernel``
@@ -432,7 +442,7 @@ def _quantize_pair_kernel(
                 WITH_SCALED=WITH_SCALED, WRITE_NATURAL=WRITE_NATURAL, WRITE_T=WRITE_T, HAS_T_CU=HAS_T_CU,
                 WITH_DOT=WITH_DOT, BLOCK_SCALE=BLOCK_SCALE, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
                 OPERAND_ORDER=OPERAND_ORDER, FROM_PARTS=FROM_PARTS, ZERO_INTS=ZERO_INTS, ZERO_ROWS=ZERO_ROWS,
-                E4M3=E4M3, TILE_CHANNELS=TILE_CHANNELS, T_E4M3=T_E4M3, NAT_INT8=NAT_INT8,
+                E4M3=E4M3, TILE_CHANNELS=TILE_CHANNELS, T_E4M3=T_E4M3, NAT_INT8=NAT_INT8, ROW_MUL=ROW_MUL,
             )
     else:
         if pid_bh < programs_bh_b:
@@ -448,7 +458,7 @@ def _quantize_pair_kernel(
                 WITH_DOT=WITH_DOT_B, BLOCK_SCALE=BLOCK_SCALE_B, BLOCK_T=BLOCK_T_B, BLOCK_D=BLOCK_D_B,
                 OPERAND_ORDER=OPERAND_ORDER_B, FROM_PARTS=FROM_PARTS_B, ZERO_INTS=ZERO_INTS_B,
                 ZERO_ROWS=ZERO_ROWS_B, E4M3=E4M3_B, TILE_CHANNELS=TILE_CHANNELS_B, T_E4M3=T_E4M3_B,
-                NAT_INT8=NAT_INT8_B,
+                NAT_INT8=NAT_INT8_B, ROW_MUL=ROW_MUL_B,
             )
 
 
@@ -557,10 +567,12 @@ def token_stats(x4: torch.Tensor, layout: SeqLayout, abs_max: bool, block_tokens
     return _stats(x4, layout, abs_max, block_tokens)[:2]
 
 
-def _stats(x4, layout, abs_max, block_tokens=None, factor=1.0, second=None):
+def _stats(x4, layout, abs_max, block_tokens=None, factor=1.0, second=None, row_mul=None):
     """token_stats times ``factor``, and with ``second = (x4b, abs_max_b, factor_b)`` the same for a second
     input of the same heads and tokens (its own head dim) in the same launches, returned third (else None): the
-    forward takes K's mean and V's channel scales in one pass."""
+    forward takes K's mean and V's channel scales in one pass. ``row_mul`` (fp32 ``[B, H, N]``, tokens
+    contiguous): ``x4``'s rows times it first (the ds_bound rule's Q times each row's bound)."""
+    assert row_mul is None or (row_mul.shape == x4.shape[:3] and row_mul.stride(2) == 1 and second is None)
     h, d = x4.shape[1], x4.shape[3]
     x2, abs_max2, factor2 = second if second is not None else (x4, abs_max, factor)
     assert x2.shape[:3] == x4.shape[:3]
@@ -572,7 +584,7 @@ def _stats(x4, layout, abs_max, block_tokens=None, factor=1.0, second=None):
         # on an H100; a packed batch of 8 x 4K: 0.14 ms against 0.08 chunked): statistics per chunk in
         # parallel, then a fixed-order reduction (no atomics, so every call gives the same bytes).
         part, part_cu, part2 = _stats(x4, layout, abs_max, block_tokens=STATS_CHUNK,
-                                      second=(x2, abs_max2, 1.0) if second is not None else None)
+                                      second=(x2, abs_max2, 1.0) if second is not None else None, row_mul=row_mul)
         part2 = part if part2 is None else part2
         stats = torch.empty(h, layout.num_seqs, d, device=x4.device, dtype=torch.float32)
         stats2 = torch.empty(h, layout.num_seqs, d2, device=x4.device, dtype=torch.float32) if second else stats
@@ -598,10 +610,11 @@ def _stats(x4, layout, abs_max, block_tokens=None, factor=1.0, second=None):
     launch(
         _token_stats_kernel, grid,
         x4, x2, layout.cu_seqlens if layout.is_varlen else cu_blocks, cu_blocks, out, out2,
-        *strides4(x4), *strides4(x2), out.stride(0), out.stride(1), out2.stride(0), out2.stride(1),
+        row_mul if row_mul is not None else out, *strides4(x4), *strides4(x2), out.stride(0), out.stride(1),
+        out2.stride(0), out2.stride(1), *strides3(row_mul)[:2],
         x4.shape[2], h, d, d2, block_tokens, float(factor), float(factor2),
         IS_VARLEN=layout.is_varlen, ABS_MAX=abs_max, ABS_MAX2=abs_max2, BLOCK_T=STATS_ROWS,
-        BLOCK_D=_block_d(max(d, d2)),
+        BLOCK_D=_block_d(max(d, d2)), HAS_ROW_MUL=row_mul is not None,
     )
     return out, cu_blocks, out2 if second is not None else None
 
@@ -629,7 +642,8 @@ def aligned_starts(layout: SeqLayout) -> torch.Tensor:
 def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
                      channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
                      scaled=None, block_scale=False, operand_order=False, parts=None, zero_ints=None,
-                     zero_rows=None, e4m3=False, channel_tile=None, transposed_e4m3=False, natural_int8=False):
+                     zero_rows=None, e4m3=False, channel_tile=None, transposed_e4m3=False, natural_int8=False,
+                     row_mul=None):
     """``quantize``'s outputs and its launch, not made: (``Quantized``, grid, arguments, constexprs, warps)."""
     bsz, h, n, d = x4.shape
     dev = x4.device
@@ -654,6 +668,10 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
     assert not transposed_e4m3 or (transposed and scale is not None and not (e4m3 or block_scale))
     assert not natural_int8 or (natural and e4m3 and channel_scale is not None and channel_tile is None)
     assert not (transposed_e4m3 and natural_int8)
+    assert row_mul is None or (channel_scale is not None and channel_tile is None and parts is None and dot is None
+                               and sub is None and out_for_delta is None and not natural_int8
+                               and row_mul.shape == x4.shape[:3] and row_mul.stride(2) == 1)
+    scale = row_mul if row_mul is not None else scale   # (read there: a per-channel pass writes no token scale)
     assert t_scale is None or delta is not None or scale is not None   # (t_scale shares their strides)
     assert scaled is None or scale is not None
     assert dot is None or scale is not None    # row_dot shares scale's strides
@@ -696,9 +714,9 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
         HAS_T_CU=t_starts is not None, WITH_DOT=dot is not None, BLOCK_SCALE=block_scale, BLOCK_T=block_t,
         BLOCK_D=_block_d(d), OPERAND_ORDER=operand_order, FROM_PARTS=parts is not None,
         ZERO_INTS=0 if zero_ints is None else zero_ints.numel(), ZERO_ROWS=zero_rows is not None, E4M3=e4m3,
-        T_E4M3=transposed_e4m3, NAT_INT8=natural_int8,
+        T_E4M3=transposed_e4m3, NAT_INT8=natural_int8, ROW_MUL=row_mul is not None,
     )
-    scale = channel_scale if channel_tile is not None else scale
+    scale = channel_scale if channel_tile is not None or row_mul is not None else scale
     return (Quantized(x8=x8, x8t=x8t, scale=scale, delta=delta, row_dot=row_dot, scaled=scaled_out,
                       t_scale=t_scale if transposed_e4m3 else None, x8_scale=t_scale if natural_int8 else None),
             grid, args, constexprs, num_warps)
@@ -707,7 +725,7 @@ def _quantize_launch(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=No
 def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_block=None,
              channel_scale=None, natural=True, transposed=False, out_for_delta=None, t_starts=None, dot=None,
              scaled=None, block_scale=False, operand_order=False, parts=None, zero_ints=None, zero_rows=None,
-             e4m3=False, channel_tile=None, transposed_e4m3=False, natural_int8=False):
+             e4m3=False, channel_tile=None, transposed_e4m3=False, natural_int8=False, row_mul=None):
     """One pass over ``x4`` ``[B, H, N, D]`` -> ``Quantized`` with ``x8`` (natural ``[B, H, N, D]``), ``x8t``
     (``[B, H, D, N_pad]``), ``scale`` (per token ``[B, H, N]``, unless ``channel_scale`` given) and
     ``delta`` (``rowsum(x * out_for_delta)``) as asked. ``t_starts`` (packed batches): each sequence's first
@@ -729,12 +747,14 @@ def quantize(x4: torch.Tensor, layout: SeqLayout, *, sub=None, sub_cu=None, sub_
     ``t_scale``, the bytes of a pass with ``e4m3`` alone, while ``x8`` stays INT8 (Q's pass under dk_e4m3).
     ``natural_int8`` (with ``e4m3`` and ``channel_scale``): ``x8`` in INT8 with one scale per token of its own, max /
     127 in ``x8_scale`` (quantize_per_token's bytes), while ``x8t`` keeps the per-channel e4m3 rule (dO under
-    do_sequence with dp_int8)."""
+    do_sequence with dp_int8). ``row_mul`` (fp32 ``[B, H, N]``, tokens contiguous; with ``channel_scale`` alone):
+    each token's row times its factor before the channel scales (the ds_bound rule's Q times its rows' bounds)."""
     result, grid, args, constexprs, num_warps = _quantize_launch(
         x4, layout, sub=sub, sub_cu=sub_cu, sub_block=sub_block, channel_scale=channel_scale, natural=natural,
         transposed=transposed, out_for_delta=out_for_delta, t_starts=t_starts, dot=dot, scaled=scaled,
         block_scale=block_scale, operand_order=operand_order, parts=parts, zero_ints=zero_ints, zero_rows=zero_rows,
-        e4m3=e4m3, channel_tile=channel_tile, transposed_e4m3=transposed_e4m3, natural_int8=natural_int8)
+        e4m3=e4m3, channel_tile=channel_tile, transposed_e4m3=transposed_e4m3, natural_int8=natural_int8,
+        row_mul=row_mul)
     launch(_quantize_kernel, grid, *args, **constexprs, num_warps=num_warps)
     return result
 
@@ -872,15 +892,48 @@ def quantize_do_sequence(do4: torch.Tensor, layout: SeqLayout, group: int, out_f
     and the ``group`` query heads of its KV group mapped to 448, with ``delta``; ``scale`` holds those maxima
     ``[S, H, D]`` (every head of a group its group's; a view of ``[H, S, D]``). ``natural_int8`` (the dp_int8 rule):
     also ``x8``, dO in INT8 with one scale per token (``x8_scale``), from the same pass."""
-    stats = _stats(do4, layout, True)[0]                                       # [H, S, D]
-    if group > 1:   # (amax keeps a NaN)
-        h = stats.shape[0]
-        stats = stats.view(h // group, group, *stats.shape[1:]).amax(1, keepdim=True)
-        stats = stats.expand(-1, group, -1, -1).reshape(h, *stats.shape[2:]).contiguous()
+    stats = _group_max(_stats(do4, layout, True)[0], group)                    # [H, S, D]
     result = quantize(do4, layout, channel_scale=stats, natural=natural_int8, transposed=True,
                       out_for_delta=out_for_delta, t_starts=t_starts, operand_order=operand_order, e4m3=True,
                       natural_int8=natural_int8)
     return result._replace(scale=stats.transpose(0, 1))
+
+
+def _group_max(stats: torch.Tensor, group: int) -> torch.Tensor:
+    """``[H, S, D]`` statistics -> each KV group's maximum, at every head of the group (amax keeps a NaN)."""
+    if group == 1:
+        return stats
+    h = stats.shape[0]
+    stats = stats.view(h // group, group, *stats.shape[1:]).amax(1, keepdim=True)
+    return stats.expand(-1, group, -1, -1).reshape(h, *stats.shape[2:]).contiguous()
+
+
+def ds_row_bounds(v4: torch.Tensor, do4: torch.Tensor, lse: torch.Tensor, row_max: torch.Tensor,
+                  delta: torch.Tensor, layout_q: SeqLayout, layout_k: SeqLayout, group: int) -> torch.Tensor:
+    """The ds_bound rule's bound of each query row's largest |dS| (``sagebwd_hf.naive.ds_row_bound``), fp32
+    ``[B, H, N]`` contiguous: max P · (|dO| · |V|max + |delta|), with max P = exp2(row_max - lse) (the forward's) and
+    |V|max the norm of V's channel maxima over its sequence; 0 for a row that sees no key."""
+    v_norm = _stats(v4, layout_k, True)[0].norm(dim=-1).repeat_interleave(group, 0)     # [H, S]
+    if layout_q.is_varlen:   # each token's sequence, found on the device (no sync)
+        tokens = torch.arange(do4.shape[2], device=do4.device, dtype=layout_q.cu_seqlens.dtype)
+        v_rows = v_norm[:, torch.searchsorted(layout_q.cu_seqlens[1:], tokens, right=True)][None]    # [1, H, T]
+    else:
+        v_rows = v_norm.transpose(0, 1)[:, :, None]                                         # [B, H, 1]
+    do_norm = torch.linalg.vector_norm(do4, dim=-1, dtype=torch.float32)
+    return (torch.exp2(row_max - lse) * (do_norm * v_rows + delta.abs())).contiguous()
+
+
+def quantize_ds_bound(q4: torch.Tensor, bound: torch.Tensor, layout_q: SeqLayout, group: int, t_starts=None,
+                      operand_order: bool = False):
+    """dK's operands under the ds_bound rule from the rows' bounds (``ds_row_bounds``): Q times its rows' bounds in
+    FP8 e4m3, token-major as Q's copy (``t_starts``, ``operand_order`` as ``quantize``'s), one scale per channel over
+    the sequence and the KV group's query heads, its max mapped to 448. Returns (those e4m3 bytes, 448 / each row's
+    bound (0 where it is 0) ``[B, H, N]``, the channel maxima ``[S, H, D]``)."""
+    ds_inv = torch.where(bound > 0, torch.full_like(bound, constants.E4M3_MAX) / bound, torch.zeros_like(bound))
+    q_max = _group_max(_stats(q4, layout_q, True, row_mul=bound)[0], group)              # [H, S, D]
+    q_t = quantize(q4, layout_q, channel_scale=q_max, natural=False, transposed=True, t_starts=t_starts,
+                   operand_order=operand_order, e4m3=True, row_mul=bound)
+    return q_t.x8t, ds_inv, q_max.transpose(0, 1)
 
 
 def prepare_forward(q4, k4, v4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float, k_smoothing: bool,
@@ -904,7 +957,7 @@ def prepare_backward(q4, k4, do4, o4, layout_q: SeqLayout, layout_k: SeqLayout, 
                      k_smoothing: bool, q_smoothing: bool, row_shift: bool = False, operand_order: bool = False,
                      t_starts_q=None, t_starts_k=None, k_transposed: bool = True, zero_ints=None, zero_rows=None,
                      do_e4m3: bool = False, do_channel_tile: Optional[int] = None, do_group: Optional[int] = None,
-                     qt_e4m3: bool = False, do_int8_rows: bool = False):
+                     qt_e4m3: bool = False, do_int8_rows: bool = False, q_transposed: bool = True):
     """The backward's preparation in the fewest launches: ``quantize_qk(..., transposed=True, fused=True)`` and dO's
     pass (``quantize(do4, natural=False, transposed=True, out_for_delta=o4)``: token-major INT8, scales, delta) in
     Q's launch (the same bytes as the separate passes). Returns (``QuantizedQK``, dO's ``Quantized``).
@@ -914,13 +967,14 @@ def prepare_backward(q4, k4, do4, o4, layout_q: SeqLayout, layout_k: SeqLayout, 
     ``quantize_do_sequence`` with KV groups of that many query heads, after its own statistics pass. ``qt_e4m3`` (the
     dk_e4m3 rule's dK, without Q-smoothing): Q's token-major copy in FP8 e4m3 from Q's pass (``q8t``, ``qt_scale``)
     instead of INT8. ``do_int8_rows`` (with ``do_group``: the dp_int8 rule): dO's pass also writes dO in INT8 with
-    one scale per token (``x8``, ``x8_scale``)."""
+    one scale per token (``x8``, ``x8_scale``). ``q_transposed`` False: no token-major copy of Q (the ds_bound rule
+    writes its own: ``quantize_ds_bound``)."""
     assert not do_int8_rows or do_group is not None
     do_options = dict(natural=False, transposed=True, out_for_delta=o4, operand_order=operand_order,
                       t_starts=t_starts_q, e4m3=do_e4m3, channel_tile=do_channel_tile)
     alone = (do_channel_tile is not None and do_channel_tile != QUANTIZE_TILE[0]) or do_group is not None
-    quant, do_q = _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoothing, True, row_shift,
-                               None, operand_order, t_starts_q, t_starts_k, k_transposed, True, zero_ints, zero_rows,
+    quant, do_q = _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoothing, q_transposed,
+                               row_shift, None, operand_order, t_starts_q, t_starts_k, k_transposed, True, zero_ints, zero_rows,
                                partner=None if alone else lambda scale, parts: (do4, layout_q, do_options),
                                qt_e4m3=qt_e4m3)
     if do_group is not None:

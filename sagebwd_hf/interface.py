@@ -95,15 +95,24 @@ def _kernel_call(q, k, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_s
 
 
 def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, backend,
-             softcap=0.0, sinks=None, precision="accurate"):
-    """q/k/v padded ``[B, H, N, D]`` or packed ``[T, H, D]`` (then cu_* given). Returns (out, lse2).
-    ``precision``: a checked preset or rule string (sagebwd_hf.numerics)."""
+             softcap=0.0, sinks=None, precision="accurate", *, with_row_max=False):
+    """q/k/v padded ``[B, H, N, D]`` or packed ``[T, H, D]`` (then cu_* given). Returns (out, lse2), and with
+    ``with_row_max`` a third tensor: each row's largest score (lse2's layout) where the kernels' backward of the
+    precision's rule needs it (ds_bound on the Gluon kernels), else an empty one. ``precision``: a checked preset
+    or rule string (sagebwd_hf.numerics)."""
     need_shift = k_smoothing and (bool(softcap) or sinks is not None)
-    out, lse, shift = _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing,
-                                       backend, softcap, need_shift, sinks, precision)
+    out, lse, shift, row_max = _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
+                                                q_smoothing, backend, softcap, need_shift, sinks, precision,
+                                                with_row_max)
     if sinks is not None and backend == "naive":   # the Triton and Gluon kernels add them in their epilogue
         _, lse = sink_math.add_sinks(as_bhnd(out, cu_q is not None), lse, sinks, _sink_shift(shift, softcap))
+    if with_row_max:
+        return out, lse, row_max if row_max is not None else _no_row_max(q)
     return out, lse
+
+
+def _no_row_max(q):
+    return q.new_empty(0, dtype=torch.float32)     # a custom op cannot return None
 
 
 def _sink_shift(shift: Optional[Shift], softcap):
@@ -113,9 +122,10 @@ def _sink_shift(shift: Optional[Shift], softcap):
 
 
 def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, backend,
-                     softcap, need_shift, sinks=None, precision="accurate"):
-    """(out, lse2, Shift or None). The Triton and Gluon kernels fold ``sinks`` into out and lse2; the PyTorch
-    path leaves them to the caller."""
+                     softcap, need_shift, sinks=None, precision="accurate", with_row_max=False):
+    """(out, lse2, Shift or None, row maxima or None). The Triton and Gluon kernels fold ``sinks`` into out and
+    lse2; the PyTorch path leaves them to the caller. The row maxima: with ``with_row_max``, where the Gluon
+    forward runs a ds_bound rule (its backward's max P = exp2(row_max - lse2))."""
     varlen = cu_q is not None
     cfg = tile_configs(q.shape[-1], q.device, v.shape[-1])
     out = _new_like(q, varlen, v.shape[-1])
@@ -129,7 +139,7 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
             if qs.shape[2] and ks.shape[2] else   # an empty sequence: zeros, lse +inf (no key seen)
             (qs.new_zeros(*qs.shape[:3], vs.shape[3]), torch.full(qs.shape[:3], float("inf"), device=qs.device)),
             q, k, v, cu_q, cu_k)
-        return out.copy_(out_naive), lse, _torch_shift(q, k, cu_q, cu_k, scale) if need_shift else None
+        return out.copy_(out_naive), lse, _torch_shift(q, k, cu_q, cu_k, scale) if need_shift else None, None
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
     call = _kernel_call(q, k, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, softcap, need_shift)
     empty = q4.numel() == 0 or k4.numel() == 0
@@ -139,17 +149,24 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
                                     empty=empty)
     # before any launch (an empty side has no P to round: its zeros and +inf lse are every rule's)
     check_kernels_compute(precision, forward_on_gluon=plan.gluon or empty)
-    lse, q_shift = kernel_entry.forward(q4, k4, v4, as_bhnd(out, varlen), call, plan, sinks=sinks)
+    row_max = None
+    if with_row_max and rules.ds_bound:   # (past the check, so on the Gluon forward; an empty side: no scores)
+        row_max = torch.empty(q4.shape[:3], device=q4.device, dtype=torch.float32)
+        if empty:
+            row_max.fill_(float("-inf"))
+    lse, q_shift = kernel_entry.forward(q4, k4, v4, as_bhnd(out, varlen), call, plan, sinks=sinks,
+                                        row_max=None if empty else row_max)
     shift = Shift(q_shift, None) if need_shift else None
-    return out, lse, shift
+    return out, lse, shift, row_max
 
 
 def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
               q_smoothing, backend, softcap=0.0, sinks=None, deterministic=None, *, key_shard=False,
-              precision="accurate"):
+              precision="accurate", row_max=None):
     """Returns (dq, dk, dv, dsinks or None). ``deterministic``: the caller's choice (None: SAGEBWD_BACKWARD's;
     kernels/dispatch.py). ``key_shard``: ``k`` and ``v`` are one shard of each row's keys and ``out``, ``lse`` were
     merged over all shards (ring attention's backward of one shard). ``precision``: as ``_forward``'s.
+    ``row_max``: ``_forward(..., with_row_max=True)``'s third output (the kernels' ds_bound rule reads it).
 
     With a cap, sinks or ``key_shard``, dQ owes K-smoothing's ``rowsum(dS) * mean(k)`` (the rows' dS no longer sum
     to zero over these keys): the dQ kernels add it in their epilogue (with a cap or a key shard from their own dS
@@ -160,7 +177,7 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, 
     if backend != "naive":   # (the kernels check the precision before any launch)
         return _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
                                  q_smoothing, softcap, need_shift, sinks, deterministic, key_shard=key_shard,
-                                 precision=precision)
+                                 precision=precision, row_max=row_max)
     dq, dk, dv = _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, max_k, scale, window, k_smoothing,
                                  q_smoothing, softcap, deterministic, key_shard=key_shard, precision=precision)
     dsinks = None
@@ -202,7 +219,7 @@ def _backward_naive(dout, q, k, v, out, lse, cu_q, cu_k, max_k, scale, window, k
 
 def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing,
                       q_smoothing, softcap, need_shift, sinks, deterministic=None, *, key_shard=False,
-                      precision="accurate"):
+                      precision="accurate", row_max=None):
     """The Triton or Gluon kernels' (dq, dk, dv, dsinks or None). ``precision``: "accurate", or on the Gluon kernels
     a rule of GLUON_BACKWARD_RULES (dV's product; check_kernels_compute refuses the others before any launch)."""
     varlen = cu_q is not None
@@ -215,7 +232,7 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
                                      softcap=softcap, deterministic=deterministic, key_shard=key_shard,
                                      pv_e4m3=rules.pv_e4m3, p_static=rules.p_static, dk_e4m3=rules.dk_e4m3,
                                      do_sequence=rules.do_sequence, in_place=rules.in_place, dp_int8=rules.dp_int8,
-                                     empty=empty)
+                                     ds_bound=rules.ds_bound, empty=empty)
     # before any launch (an empty side has no P to round: its zero gradients are every rule's)
     check_kernels_compute(precision, backward_on_gluon=plan.gluon or empty)
     if rules.dp_int8 and not (plan.one_launch or empty):
@@ -223,6 +240,16 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
             f"precision={precision!r}: dp_int8 is computed only by the Hopper one-launch backward (no cap, not "
             "deterministic, no key shard, head dims 64/64 and 128/128); this call runs another, and the PyTorch "
             "path (backend='naive') computes it")
+    if rules.ds_bound and not empty and not (plan.one_launch and plan.pv_e4m3 and plan.p_static and plan.do_sequence):
+        raise NotImplementedError(
+            f"precision={precision!r}: ds_bound is computed only by the Hopper one-launch backward with dV at a fixed "
+            "P scale summed over the sequence (pv_e4m3+p_static+do_sequence; no cap, not deterministic, no key shard, "
+            "head dims 64/64 and 128/128); this call runs another, and the PyTorch path (backend='naive') computes it")
+    if rules.ds_bound and not empty and (row_max is None or row_max.numel() == 0):
+        raise NotImplementedError(
+            f"precision={precision!r}: ds_bound's backward reads each row's largest score, which only "
+            "sagebwd_attn_func and sagebwd_attn_varlen_func keep from their Gluon forward; this call has none (use "
+            "one of those, or backend='naive')")
     if plan.in_place and (q4.shape[3], v4.shape[3]) not in kernel_plan.IN_PLACE_HEAD_DIMS:
         raise NotImplementedError(
             f"precision={precision!r}: the Gluon backward sums dV and dK in place at (Q/K, V) head dims "
@@ -241,7 +268,7 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
     dq_acc, dsinks = kernel_entry.backward(q4, k4, v4, as_bhnd(out, varlen), as_bhnd(dout, varlen), lse,
                                            None if dq is None else as_bhnd(dq, varlen), as_bhnd(dk, varlen),
                                            as_bhnd(dv, varlen), call, plan, key_shard=key_shard,
-                                           sink_grads=sink_grads)
+                                           sink_grads=sink_grads, row_max=row_max)
     if dq is None:
         dq = _new_like(q, varlen)
         as_bhnd(dq, varlen).copy_(dq_acc)
@@ -283,28 +310,29 @@ def _attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[
               cu_k: Optional[torch.Tensor], max_q: int, max_k: int, scale: float, window_left: int,
               window_right: int, k_smoothing: bool, q_smoothing: bool, backend: str, softcap: float,
               deterministic: Optional[bool], precision: str,
-              sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+              sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, (window_left, window_right), k_smoothing,
-                    q_smoothing, backend, softcap, sinks, precision)
+                    q_smoothing, backend, softcap, sinks, precision, with_row_max=True)
 
 
 def _attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor], max_q: int,
+              lse: torch.Tensor, row_max: torch.Tensor, cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor], max_q: int,
               max_k: int, scale: float, window_left: int, window_right: int, k_smoothing: bool,
               q_smoothing: bool, backend: str, softcap: float, deterministic: Optional[bool], precision: str,
               sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv, dsinks = _attn_grads(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window_left,
+    dq, dk, dv, dsinks = _attn_grads(dout, q, k, v, out, lse, row_max, cu_q, cu_k, max_q, max_k, scale, window_left,
                                      window_right, k_smoothing, q_smoothing, backend, softcap, deterministic,
                                      precision, sinks)
     return dq, dk, dv, _no_sinks_grad(q) if dsinks is None else dsinks
 
 
-def _attn_grads(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing,
-                q_smoothing, backend, softcap, deterministic, precision, sinks):
+def _attn_grads(dout, q, k, v, out, lse, row_max, cu_q, cu_k, max_q, max_k, scale, window_left, window_right,
+                k_smoothing, q_smoothing, backend, softcap, deterministic, precision, sinks):
     """_attn_bwd's gradients, the sinks' None without sinks: the eager backward's (_backward_with returns None for
     them then), which spares it the custom op's stand-in, an allocation a backward."""
     return _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, (window_left, window_right),
-                     k_smoothing, q_smoothing, backend, softcap, sinks, deterministic, precision=precision)
+                     k_smoothing, q_smoothing, backend, softcap, sinks, deterministic, precision=precision,
+                     row_max=row_max)
 
 
 _attn_fwd_op = torch.library.custom_op("sagebwd::attn_fwd", _attn_fwd, mutates_args=(), tags=OP_TAGS)
@@ -320,11 +348,14 @@ def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smo
       softcap, deterministic, precision, sinks):
     varlen = cu_q is not None
     lse_shape = (1, q.shape[1], q.shape[0]) if varlen else q.shape[:3]
-    return _new_like(q, varlen, v.shape[-1]), q.new_empty(lse_shape, dtype=torch.float32)
+    # (the row maxima: kept only by the Gluon forward under a ds_bound rule, which depends on the device)
+    row_max_shape = lse_shape if numerics_rules.parse_precision(precision).ds_bound and backend != "naive" else (0,)
+    return (_new_like(q, varlen, v.shape[-1]), q.new_empty(lse_shape, dtype=torch.float32),
+            q.new_empty(row_max_shape, dtype=torch.float32))
 
 
 @_attn_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing,
+def _(dout, q, k, v, out, lse, row_max, cu_q, cu_k, max_q, max_k, scale, window_left, window_right, k_smoothing,
       q_smoothing, backend, softcap, deterministic, precision, sinks):
     varlen = cu_q is not None
     dsinks = _no_sinks_grad(q) if sinks is None else sinks.new_empty(sinks.shape)
@@ -333,18 +364,19 @@ def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window_left, win
 
 def _setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, *args, sinks = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k, sinks)
+    ctx.save_for_backward(q, k, v, output[0], output[1], output[2], cu_q, cu_k, sinks)
     ctx.args = args
-    ctx.mark_non_differentiable(output[1])
+    ctx.mark_non_differentiable(output[1], output[2])
     # lse has no gradient: without this autograd would allocate and zero-fill one (a launch) every backward
     ctx.set_materialize_grads(False)
 
 
 def _backward_with(bwd, num_inputs):
     """An op's backward over ``bwd`` (its registered backward op, or that op's function in eager calls): the
-    saved q, k, v, out, lse, two more tensors and the sinks, the non-tensor inputs in ``ctx.args``; gradients
-    for q, k, v and the sinks (last of the op's ``num_inputs``)."""
-    def backward(ctx, dout, _dlse):
+    saved q, k, v, out, lse, the op's other saved tensors and the sinks, the non-tensor inputs in ``ctx.args``;
+    gradients for q, k, v and the sinks (last of the op's ``num_inputs``). Only the first output is
+    differentiable."""
+    def backward(ctx, dout, *_non_differentiable):
         if dout is None:    # the output took no part in what is differentiated (grads are not materialized)
             return (None,) * num_inputs
         *saved, sinks = ctx.saved_tensors
@@ -523,13 +555,14 @@ def _check_precision(precision, backend) -> str:
 # kernel computes ds_tile. "fast" is "pv_e4m3+p_static".
 _N = numerics_rules.Numerics
 # Backward rules of the reference that no kernel computes yet, and what each is (check_kernels_compute's errors)
-NO_BACKWARD_KERNEL = {"ds_tile": "one dS scale per 64x64 tile for dK and dQ",
-                      "ds_bound": "dK's dS at one fixed scale per query row, from a bound"}
+NO_BACKWARD_KERNEL = {"ds_tile": "one dS scale per 64x64 tile for dK and dQ"}
 GLUON_FORWARD_RULES = (_N(pv_e4m3=True), _N(pv_e4m3=True, p_static=True))
 GLUON_BACKWARD_RULES = GLUON_FORWARD_RULES + (
     _N(pv_e4m3=True, dk_e4m3=True), _N(pv_e4m3=True, p_static=True, dk_e4m3=True),
     _N(pv_e4m3=True, p_static=True, do_sequence=True, dk_e4m3=True),
-    _N(pv_e4m3=True, p_static=True, do_sequence=True, dk_e4m3=True, dp_int8=True))
+    _N(pv_e4m3=True, p_static=True, do_sequence=True, dk_e4m3=True, dp_int8=True),
+    _N(pv_e4m3=True, p_static=True, do_sequence=True, dk_e4m3=True, ds_bound=True),
+    _N(pv_e4m3=True, p_static=True, do_sequence=True, dk_e4m3=True, dp_int8=True, ds_bound=True))
 
 
 def _where_gluon_runs() -> str:
@@ -565,7 +598,8 @@ def check_kernels_compute(precision: str, forward_on_gluon: Optional[bool] = Non
                 f"{f', without {unbuilt},' if unbuilt else ''} its backward; {missing}")
         raise NotImplementedError(f"{prefix}; the Triton and Gluon backward kernels compute precision='accurate', and "
                                   "the Gluon (Hopper) backward also 'pv_e4m3' and 'pv_e4m3+p_static', each with or "
-                                  "without dk_e4m3, and 'pv_e4m3+p_static+do_sequence+dk_e4m3'")
+                                  "without dk_e4m3, and 'pv_e4m3+p_static+do_sequence+dk_e4m3' (with or without "
+                                  "dp_int8 and ds_bound)")
     if not gluon_forward:
         raise NotImplementedError(
             f"{prefix}; the Triton and Gluon kernels compute precision='accurate', and the Gluon (Hopper) forward also "
@@ -640,7 +674,7 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     backend = _backend(q, backend)
     precision = _check_precision(precision, backend)
     q, k, v, restore = _compute_dtype(q, k, v)
-    out, lse = _attn(q, k, v, None, None, q.shape[2], k.shape[2], scale, *window,
+    out, lse, _ = _attn(q, k, v, None, None, q.shape[2], k.shape[2], scale, *window,
                      bool(k_smoothing), bool(q_smoothing), backend, softcap, _check_deterministic(deterministic),
                      precision, sinks)
     if restore is not None:
@@ -676,7 +710,7 @@ def sagebwd_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     backend = _backend(q, backend)
     precision = _check_precision(precision, backend)
     q, k, v, restore = _compute_dtype(q, k, v)
-    out, lse = _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *window,
+    out, lse, _ = _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *window,
                      bool(k_smoothing), bool(q_smoothing), backend, softcap, _check_deterministic(deterministic),
                      precision, sinks)
     if restore is not None:

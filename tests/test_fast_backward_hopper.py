@@ -28,8 +28,11 @@ def on_hopper(test):
 # (the last two sum dV and dK in place: one key-tile launch for both over 64-query tiles)
 FP8_RULES = ["pv_e4m3", "pv_e4m3+p_static", "pv_e4m3+dk_e4m3", "pv_e4m3+p_static+dk_e4m3",
              "pv_e4m3+p_static+do_sequence+dk_e4m3"]
-# dP in INT8 too: the one launch's only (three launches refuse it)
+# dP in INT8 too, and dK's dS at each query's fixed scale: the one launch's only (three launches refuse them;
+# ds_bound: tests/test_ds_bound.py)
 DP_INT8 = "pv_e4m3+p_static+do_sequence+dk_e4m3+dp_int8"
+ONE_LAUNCH_RULES = [DP_INT8, "pv_e4m3+p_static+do_sequence+dk_e4m3+ds_bound",
+                    "pv_e4m3+p_static+do_sequence+dk_e4m3+dp_int8+ds_bound"]
 
 # dV against the reference of the same rule: the share of the e4m3 roundings' effect the kernel may move, derived
 # as tests/test_fast_forward_hopper.py's _check_against_reference derives O's (see _check_against_reference here).
@@ -310,11 +313,11 @@ def test_do_sequence_pass_scales():
 def test_which_backward_computes_which_precision():
     """check_kernels_compute for a backward: the Gluon kernels compute accurate, pv_e4m3 and pv_e4m3+p_static; with
     ds_tile the refusal names ds_tile; the portable kernels accurate only; no kernel p_static or ds_tile alone."""
-    assert GLUON_BACKWARD_RULES == tuple(parse_precision(r) for r in FP8_RULES + [DP_INT8])
-    for precision in ["accurate", "fast"] + FP8_RULES + [DP_INT8]:
+    assert GLUON_BACKWARD_RULES == tuple(parse_precision(r) for r in FP8_RULES + ONE_LAUNCH_RULES)
+    for precision in ["accurate", "fast"] + FP8_RULES + ONE_LAUNCH_RULES:
         check_kernels_compute(precision, backward_on_gluon=True)
     check_kernels_compute("accurate")
-    for precision in FP8_RULES + [DP_INT8]:
+    for precision in FP8_RULES + ONE_LAUNCH_RULES:
         with pytest.raises(NotImplementedError, match=rf"precision='{re.escape(precision)}' is computed only by the "
                                                       r"PyTorch path .*backward runs the portable Triton kernels"):
             check_kernels_compute(precision)

@@ -212,9 +212,9 @@ def test_which_pass_computes_which_precision():
                                                       r"forward and its backward; this call's backward runs the "
                                                       r"portable"):
             check_kernels_compute(precision)
-    with pytest.raises(NotImplementedError, match=r"which compute its forward and, without ds_bound, its backward; "
-                                                  r"ds_bound \(dK's dS at one fixed scale per query row"):
-        check_kernels_compute("pv_e4m3+p_static+do_sequence+dk_e4m3+ds_bound", backward_on_gluon=True)
+    with pytest.raises(NotImplementedError, match=r"which compute its forward and, without ds_tile, its backward; "
+                                                  r"ds_tile \(one dS scale per 64x64 tile"):
+        check_kernels_compute("pv_e4m3+p_static+do_sequence+dk_e4m3+ds_tile", backward_on_gluon=True)
     check_kernels_compute("pv_e4m3+p_static+do_sequence+dk_e4m3+ds_bound", forward_on_gluon=True)
     for precision in ("p_static", "ds_tile", "p_static+ds_tile"):
         for forward_on_gluon in (True, False, None):

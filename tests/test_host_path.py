@@ -170,10 +170,10 @@ def test_eager_backward_makes_no_stand_in_for_absent_sinks(path, monkeypatch):
         run(sinks).backward(do)
         assert sinks.grad is not None and sinks.grad.shape == (2,) and not stand_ins
         if path == "dense":
-            out, lse = interface._attn_fwd(q.detach(), k.detach(), v.detach(), None, None, 64, 64, 0.125, -1, 0,
-                                           True, False, "triton", 0.0, None, "accurate", None)
-            grads = interface._attn_bwd(do, q.detach(), k.detach(), v.detach(), out, lse, None, None, 64, 64, 0.125,
-                                        -1, 0, True, False, "triton", 0.0, None, "accurate", None)
+            out, lse, row_max = interface._attn_fwd(q.detach(), k.detach(), v.detach(), None, None, 64, 64, 0.125,
+                                                    -1, 0, True, False, "triton", 0.0, None, "accurate", None)
+            grads = interface._attn_bwd(do, q.detach(), k.detach(), v.detach(), out, lse, row_max, None, None, 64,
+                                        64, 0.125, -1, 0, True, False, "triton", 0.0, None, "accurate", None)
         else:
             x = [t.detach() for t in (q, k, v)]
             args = (cut.get("mask"), cut.get("ids"), True, 0.125, -1, 0, True, False, "triton", 0.0, "accurate", None)

@@ -115,6 +115,8 @@ def make_inputs(mod, a):
         if a.packed:
             kw["v_starts"] = starts
             layout = lay_packed
+        if rules.ds_bound:   # the row maxima the ds_bound rule's backward reads (lse's layout)
+            kw.update(row_max=torch.empty_like(lse))
         return mod.forward_hopper_args(quant, v8t, v_scale, out4, lse, layout, layout, h, h // hk, d, window, **kw)
     if a.packed:
         kw["packing"] = (lay_packed, lay_packed, starts)
@@ -146,6 +148,8 @@ def make_inputs(mod, a):
     if rules.dp_int8:   # dP^T in INT8: dO's and V's INT8 copies, dO's per-token scales, V's (K's layout)
         kw.update(dp_int8=(torch.empty(b, h, n, dv, dtype=torch.int8), vec(),
                            torch.empty(b, hk, n, dv, dtype=torch.int8), torch.empty_like(quant.k_scale)))
+    if rules.ds_bound:   # dK's dS at each query's fixed scale: Q times the bounds' channel maxima (do_scale's layout)
+        kw.update(ds_bound=torch.empty_like(do_scale))
     return mod.dkdv_hopper_args(a.kernel, quant, lse, do4, do8t, do_scale, vec(), v4, grads[0], grads[1], h // hk, d,
                                 window, d ** -0.5, **kw)
 
@@ -228,7 +232,7 @@ def main():
                    help="dq: a shard of each row's keys (K-smoothing's row term from the kernel's own dS sums)")
     p.add_argument("--precision", default="accurate",
                    help="fwd, dv, dk, dkdv, dkdvq: the numerics rule the kernel computes (sagebwd_hf.numerics: "
-                        "accurate, pv_e4m3, pv_e4m3+p_static, ... +dk_e4m3, +do_sequence, +dp_int8)")
+                        "accurate, pv_e4m3, pv_e4m3+p_static, ... +dk_e4m3, +do_sequence, +dp_int8, +ds_bound)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 

@@ -55,8 +55,11 @@ for stage in $stages; do
     tests)    # test_large.py needs ~25 GB at once: alone, after the rest. With several GPUs the workers are
               # spread over them (tests/conftest.py), 4 a GPU; -v names each failure as it happens, so a
               # stage cut off by its time limit still says which tests failed.
-              ngpu=$(nvidia-smi -L | wc -l); workers=$(( ngpu > 1 ? 4 * ngpu : 8 ))
-              [ "$ngpu" -gt 1 ] && export SAGEBWD_TEST_GPUS="$(seq -s ' ' 0 $((ngpu - 1)))"
+              # (SAGEBWD_TEST_GPUS set by the caller: those GPUs only, the others left free for another job)
+              ngpu=$(nvidia-smi -L | wc -l)
+              [ "$ngpu" -gt 1 ] && [ -z "${SAGEBWD_TEST_GPUS:-}" ] && export SAGEBWD_TEST_GPUS="$(seq -s ' ' 0 $((ngpu - 1)))"
+              [ -n "${SAGEBWD_TEST_GPUS:-}" ] && ngpu=$(wc -w <<< "$SAGEBWD_TEST_GPUS")
+              workers=$(( ngpu > 1 ? 4 * ngpu : 8 ))
               run tests bash -c "python3 -m pytest tests -m gpu -v -rf -p no:cacheprovider -n $workers \
                  --ignore=tests/test_large.py && python3 -m pytest tests/test_large.py -v -rf -p no:cacheprovider" ;;
     accuracy) run accuracy python3 benchmarks/accuracy.py --check --csv "$OUT/accuracy.csv" ${ACCURACY_ARGS:-} ;;

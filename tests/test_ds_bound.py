@@ -1,0 +1,136 @@
+"""The ds_bound rule on the kernels (sagebwd_hf.numerics): dK's dS at one fixed e4m3 scale per query row, 448 over a
+bound of the row's largest |dS|, and Q times the bound at one e4m3 scale per channel, both applied after dK's sum.
+
+Everywhere: the preparation (the rows' bounds, Q's e4m3 copy and its channel maxima) against the reference's
+expressions. On an sm_90 GPU: forward and backward through the op against the reference of the rule and float64,
+padded and packed, and the calls whose backward is not the one launch refused before any launch."""
+import functools
+import math
+
+import pytest
+import torch
+
+from sagebwd_hf import sagebwd_attn_func
+from sagebwd_hf.kernels import dispatch
+from sagebwd_hf.numerics import round_e4m3
+from sagebwd_hf.testing import make_qkv, run_with_grads
+
+from conftest import kernel_devices
+from test_fast_backward_hopper import (_case_id, _check_against_float64, _check_against_reference, _packed_batch,
+                                       on_hopper)
+
+DS_BOUND = "pv_e4m3+p_static+do_sequence+dk_e4m3+ds_bound"
+DS_BOUND_DP_INT8 = DS_BOUND + "+dp_int8"
+
+
+def _inputs(device, group):
+    """q, v, dO ``[2, 4, 150, 64]`` (V with 4 // group heads), row maxima, lse and delta ``[2, 4, 150]``, with a row
+    that sees no key (lse +inf, row max -inf) and an all-zero dO row."""
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randn(2, 4, 150, 64, generator=gen) * torch.exp(torch.randn(1, 1, 150, 1, generator=gen))
+    v = torch.randn(2, 4 // group, 150, 64, generator=gen) + torch.randn(2, 4 // group, 1, 64, generator=gen) * 3
+    do = torch.randn(2, 4, 150, 64, generator=gen) * torch.exp(torch.randn(1, 1, 150, 1, generator=gen) * 2) * 1e-2
+    do[1, 2, 40] = 0.0
+    row_max = torch.randn(2, 4, 150, generator=gen) * 4
+    lse = row_max + torch.rand(2, 4, 150, generator=gen) * 6
+    row_max[0, 1, 3], lse[0, 1, 3] = float("-inf"), float("inf")
+    delta = torch.randn(2, 4, 150, generator=gen) * 1e-2
+    return [x.to(device) for x in (q.bfloat16(), v.bfloat16(), do.bfloat16(), row_max, lse, delta)]
+
+
+def _want_bound(v, do, row_max, lse, delta, group):
+    """The bound in float64, as sagebwd_hf.naive.ds_row_bound writes it (V's channel maxima over each sequence)."""
+    v_norm = v.double().abs().amax(2).norm(dim=-1).repeat_interleave(group, 1)[..., None]   # [B, H, 1]
+    return torch.exp2(row_max.double() - lse.double()) * (do.double().norm(dim=-1) * v_norm + delta.double().abs())
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize("group", [1, 2])
+def test_preparation_is_the_reference(device, group):
+    """The rows' bounds within fp32 rounding of the float64 expression (0 where a row sees no key), and from those
+    bounds Q's channel maxima and 448 / bound exactly the reference's; Q's e4m3 bytes the reference's on the GPU
+    (the interpreter's fp8 cast does not round to nearest: within one e4m3 step there). Padded and packed batches
+    (aligned starts, operand order: the bytes read back in token order)."""
+    from sagebwd_hf.kernels.layout import SeqLayout
+    from sagebwd_hf.kernels.quantize import aligned_starts, ds_row_bounds, operand_order_columns, quantize_ds_bound
+
+    q, v, do, row_max, lse, delta = _inputs(device, group)
+    lay = SeqLayout(2, 150, None)
+    bound = ds_row_bounds(v, do, lse, row_max, delta, lay, lay, group)
+    want = _want_bound(v, do, row_max, lse, delta, group)
+    assert bound[0, 1, 3] == 0 and bound[1, 2, 40] > 0 and bound.is_contiguous()
+    torch.testing.assert_close(bound.double(), want, rtol=2e-6, atol=0)
+    cu = torch.tensor([0, 40, 40, 150], dtype=torch.int32, device=device)
+    packed = SeqLayout(3, 110, cu)
+    seqs = [(0, 40), (40, 150)]
+    bound_packed = ds_row_bounds(v[:1], do[:1], lse[:1], row_max[:1], delta[:1], packed, packed, group)
+    for a, b in seqs:
+        want_seq = _want_bound(v[:1, :, a:b], do[:1, :, a:b], row_max[:1, :, a:b], lse[:1, :, a:b],
+                               delta[:1, :, a:b], group)
+        torch.testing.assert_close(bound_packed[:, :, a:b].double(), want_seq, rtol=2e-6, atol=0)
+
+    # (batch row, sequence, first token, end): the packed batch's second sequence is empty
+    for lay_x, x, rows, spans in ((lay, q, bound, [(b, b, 0, 150) for b in range(2)]),
+                                  (packed, q[:1], bound_packed, [(0, 0, 0, 40), (0, 2, 40, 150)])):
+        starts = aligned_starts(lay_x) if lay_x.is_varlen else None
+        q8t, ds_inv, q_max = quantize_ds_bound(x, rows, lay_x, group, starts, operand_order=True)
+        assert torch.equal(ds_inv, torch.where(rows > 0, torch.full_like(rows, 448.0) / rows, torch.zeros_like(rows)))
+        for b, s, a, e in spans:
+            qr = x[b, :, a:e].float() * rows[b, :, a:e, None]                         # [H, n, D]
+            want_max = qr.abs().amax(1).view(4 // group, group, -1).amax(1).repeat_interleave(group, 0)
+            assert torch.equal(q_max[s], want_max)
+            want8 = round_e4m3(qr * (torch.full_like(want_max, 448.0) / want_max)[:, None, :])
+            col0 = int(starts[s]) if starts is not None else 0
+            n16 = -(-(e - a) // 16) * 16
+            cols = col0 + operand_order_columns(n16).to(device)[:e - a]
+            got8 = q8t[b][:, :, cols].view(torch.float8_e4m3fn).float().transpose(-1, -2)
+            if device == "cuda":
+                assert torch.equal(got8, want8)
+            else:   # the interpreter's fp8 cast rounds toward zero, down to half the value: the scales hold
+                assert ((got8.abs() <= want8.abs()) & (got8.abs() >= want8.abs() / 2 - 2.0 ** -9)).all()
+                assert (got8 * want8 >= 0).all()
+
+
+@on_hopper
+@pytest.mark.parametrize("rule", [DS_BOUND, DS_BOUND_DP_INT8])
+@pytest.mark.parametrize("case", [(2, 4, 4, 1024, d, causal, None) for d in (64, 128) for causal in (False, True)]
+                         + [(2, 4, 2, 4096, 128, True, None)], ids=_case_id)
+def test_one_launch(case, rule):
+    """The one launch with ds_bound against the reference of the rule and float64: dV is fastest's (the same rule),
+    dK is not."""
+    if rule == DS_BOUND_DP_INT8 and case[3] == 4096:
+        pytest.skip("one long case a rule")
+    b, h, hk, n, d, causal, deterministic = case
+    q, k, v, do = make_qkv(b, h, hk, n, n, d, torch.bfloat16, "cuda", k_outliers=10.0, seed=n + d + causal)
+    attn = functools.partial(sagebwd_attn_func, causal=causal, deterministic=deterministic)
+    dispatch.reset_kernel_counts()
+    got, accurate = _check_against_reference(attn, q, k, v, do, rule, f"{rule} {_case_id(case)}")
+    assert dispatch.kernel_counts().get("bwd_gluon_one_launch"), dispatch.kernel_counts()
+    _check_against_float64(got, accurate, q, k, v, do, causal, f"{rule} {_case_id(case)}")
+    base = run_with_grads(functools.partial(attn, precision=rule.replace("+ds_bound", "")), q, k, v, do)
+    assert torch.equal(got["dV"], base["dV"]) and not torch.equal(got["dK"], base["dK"])
+
+
+@on_hopper
+def test_packed_batch_and_the_row_maxima():
+    """A packed batch of uneven sequences (one shorter than a tile, one empty) against the reference; the forward's
+    row maxima are the largest scores: max P = exp2(row_max - lse) lies in (0, 1] on rows that see keys."""
+    from sagebwd_hf.interface import _attn
+
+    attn, tensors = _packed_batch(seed=22)
+    _check_against_reference(attn, *tensors, DS_BOUND, "ds_bound packed")
+    q, k, v, _ = make_qkv(1, 4, 2, 700, 700, 128, torch.bfloat16, "cuda", k_outliers=10.0, seed=23)
+    out, lse, row_max = _attn(q, k, v, None, None, 700, 700, 1 / math.sqrt(128), -1, 0, True, False,
+                              "triton", 0.0, None, DS_BOUND, None)
+    p_max = torch.exp2(row_max - lse)
+    assert row_max.shape == lse.shape and (p_max > 0).all() and (p_max <= 1 + 1e-6).all()
+    assert (p_max[..., 0] > 1 - 1e-6).all()      # a causal first row sees one key: P = 1
+
+
+@on_hopper
+def test_refused_where_the_one_launch_does_not_run():
+    """deterministic=True (three launches) raises naming ds_bound before any launch."""
+    q, k, v, do = make_qkv(1, 4, 4, 256, 256, 64, torch.bfloat16, "cuda", seed=24)
+    out = sagebwd_attn_func(q.requires_grad_(), k, v, precision=DS_BOUND, deterministic=True)
+    with pytest.raises(NotImplementedError, match="ds_bound is computed only by the Hopper one-launch backward"):
+        out.backward(do)

@@ -129,8 +129,9 @@ def test_row_maxima():
                               "triton", 0.0, None, DS_BOUND, None)
     p_max = torch.exp2(row_max - lse)
     assert row_max.shape == lse.shape and torch.isfinite(row_max).all(), row_max
-    assert (p_max > 0).all() and (p_max <= 1 + 1e-6).all(), (p_max.min(), p_max.max())
-    assert (p_max[..., 0] > 1 - 1e-6).all(), p_max[..., 0]      # a causal first row sees one key: P = 1
+    # (within fp32's rounding of scores and lse near 2^5: an ulp there is 4e-6)
+    assert (p_max > 0).all() and (p_max <= 1 + 1e-4).all(), (p_max.min(), p_max.max())
+    assert (p_max[..., 0] > 1 - 1e-4).all(), p_max[..., 0]      # a causal first row sees one key: P = 1
 
 
 @on_hopper

@@ -419,8 +419,9 @@ def test_do_pass_writes_int8_rows_for_dp_int8(device):
         rows, plain = prep(do_int8_rows=True)[1], prep()[1]
         assert plain.x8 is None and plain.x8_scale is None
         assert torch.equal(rows.x8t, plain.x8t)
-        for got, want in ((rows.scale, plain.scale), (rows.delta, plain.delta)):
-            assert torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0))
+        assert torch.equal(rows.scale.nan_to_num(-1.0), plain.scale.nan_to_num(-1.0))
+        # (delta's row sums: the two compiled passes may contract them into FMAs differently on the GPU)
+        torch.testing.assert_close(rows.delta, plain.delta, rtol=1e-5, atol=1e-9, equal_nan=True)
         want8, want_scale = quantize_per_token(dx)
         ok = ~torch.isnan(want_scale)   # (a NaN token's bytes are the cast's; its scale keeps the NaN)
         got8 = rows.x8.float()

@@ -316,13 +316,13 @@ def _attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[
 
 
 def _attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, row_max: torch.Tensor, cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor], max_q: int,
-              max_k: int, scale: float, window_left: int, window_right: int, k_smoothing: bool,
+              lse: torch.Tensor, row_max: torch.Tensor, cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor],
+              max_q: int, max_k: int, scale: float, window_left: int, window_right: int, k_smoothing: bool,
               q_smoothing: bool, backend: str, softcap: float, deterministic: Optional[bool], precision: str,
               sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv, dsinks = _attn_grads(dout, q, k, v, out, lse, row_max, cu_q, cu_k, max_q, max_k, scale, window_left,
-                                     window_right, k_smoothing, q_smoothing, backend, softcap, deterministic,
-                                     precision, sinks)
+    dq, dk, dv, dsinks = _attn_grads(dout, q, k, v, out, lse, row_max, cu_q, cu_k, max_q, max_k, scale,
+                                     window_left, window_right, k_smoothing, q_smoothing, backend, softcap,
+                                     deterministic, precision, sinks)
     return dq, dk, dv, _no_sinks_grad(q) if dsinks is None else dsinks
 
 

@@ -9,6 +9,7 @@
 #   bench     = sweep e2e plot
 #   breakdown per-kernel times, registers/spills and SASS opcode counts at N=4096, D=128 and D=64
 #   kernels   forward and dK/dV kernels alone, portable against Gluon (forward_kernels.py, backward_kernels.py)
+#   profile   each kernel's time and the wall time of one fwd+bwd step (tools/profile_op.py PROFILE_ARGS)
 #   study     the tokens-per-step study (examples/scale_study.py): builds the code corpus, then runs the
 #             study's next cells for STUDY_S seconds (default 540) -> $OUT/study.tgz (docs/fidelity/study,
 #             to unpack into the repository: the next call resumes from it)
@@ -70,6 +71,7 @@ for stage in $stages; do
                  && python3 tools/breakdown.py --head-dim 64 --sass $TMP/sass" ;;
     kernels)  run kernels bash -c "python3 tools/forward_kernels.py --varlen first --seqlens 4096 16384 \
                  && python3 tools/backward_kernels.py" ;;
+    profile)  run profile python3 tools/profile_op.py ${PROFILE_ARGS:-} ;;
     study)    run study bash -c "t0=\$SECONDS; [ -f /tmp/code_corpus/manifest.json ] \
                  || python3 examples/code_corpus.py --output_dir /tmp/code_corpus \
                  && cp /tmp/code_corpus/manifest.json docs/fidelity/corpus_manifest.json \
@@ -99,6 +101,7 @@ for stage in $stages; do
     tests)    grep -E "(FAILED|ERROR) tests/" "$TMP/$stage.log" | sort -u | head -40; tail -2 "$TMP/$stage.log" ;;
     breakdown) grep -E "^(# |fwd|bwd|SASS)" "$TMP/$stage.log" | cut -c1-400 ;;
     kernels)  grep -E "^(# |d[0-9]|varlen| )" "$TMP/$stage.log" | cut -c1-200 ;;
+    profile)  sed -n '/^# precision/,$p' "$TMP/$stage.log" ;;
     accuracy) sed -n '/^# backward kernels/,$p' "$TMP/$stage.log" ;;
     speed|sweep|e2e) sed -n '/^== /,$p' "$TMP/$stage.log" ;;
     plot)     tail -1 "$TMP/$stage.log" ;;

@@ -77,6 +77,7 @@ def main():
                     help="the Transformers paths' heads and head dim (their CPU copies grow with the heads)")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--packed", action="store_true", help="the dense path as a packed batch (varlen)")
+    ap.add_argument("--precision", default="accurate", help="the dense path's precision (a preset or rules)")
     ap.add_argument("--device", default="meta", choices=["meta", "cpu"],
                     help="the dense path's tensors: meta (default): tensors without data, so the op's torch ops "
                          "(fills, copies) cost only their dispatch, as they do on a GPU's host; cpu: real tensors "
@@ -106,12 +107,14 @@ def dense_cases(args):
         assert not args.packed, "a packed batch's offsets are checked from their values: --device cpu"
         q, k, v = (x.detach().to("meta").requires_grad_() for x in (q, k, v))
         do = do.to("meta")
-    print(f"dense: the op, B={b} H={h} N={n} D={d}{' packed' if args.packed else ''}, causal, {args.device} tensors")
-    return (lambda fresh=False: call(q, k, v, cu, n, causal=True)), (q, k, v), do
+    print(f"dense: the op, B={b} H={h} N={n} D={d}{' packed' if args.packed else ''}, causal, {args.device} tensors, "
+          f"precision {args.precision!r}")
+    return (lambda fresh=False: call(q, k, v, cu, n, causal=True, precision=args.precision)), (q, k, v), do
 
 
 def measure(path, run, leaves, do, args):
-    for hopper in (True, False):
+    # (the portable kernels compute precision="accurate" only)
+    for hopper in (True, False) if path != "dense" or args.precision == "accurate" else (True,):
         keyed = KeyedLaunches()
         with stubbed_launches(hopper, keyed):
 

@@ -1,0 +1,76 @@
+"""Where one forward + backward of the op spends its time: each GPU kernel's time per step (torch.profiler), their
+sum, and the step's wall time, for one or more precisions on one shape. Wall time well above the kernels' sum
+means the step waits on the host (Python, launches) or on gaps between kernels, not on the GPU.
+
+    python tools/profile_op.py --head-dim 128 --seqlen 1024 --causal --precision fastest \\
+        pv_e4m3+p_static+do_sequence+dk_e4m3+ds_bound
+
+B·N and H·D are fixed (``--tokens``, ``--width``) as in benchmarks/speed.py. Needs a CUDA GPU.
+"""
+import argparse
+import collections
+import time
+
+import torch
+
+
+def profile(precision, d, n, causal, tokens, width, steps, top):
+    from sagebwd_hf import sagebwd_attn_func
+
+    b, h = tokens // n, width // d
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_()
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None     # (no gradient accumulation in the profile)
+        sagebwd_attn_func(q, k, v, causal=causal, precision=precision).backward(do)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    total, count = collections.defaultdict(float), collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name] += getattr(e, "device_time_total", 0.0) or e.cuda_time_total
+            count[e.name] += 1
+    gpu = sum(total.values()) / steps / 1e3
+    print(f"== {precision}  D={d} N={n} causal={causal} B={b} H={h}: wall {wall:.3f} ms a step, kernels "
+          f"{gpu:.3f} ms ({len(total)} kinds, {sum(count.values()) // steps} launches a step)")
+    for name, t in sorted(total.items(), key=lambda x: -x[1])[:top]:
+        print(f"  {t / steps / 1e3:8.3f} ms  x{count[name] // steps:<2} {name[:100]}")
+    return wall, gpu
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--precision", nargs="+", default=["accurate"])
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--tokens", type=int, default=32768, help="B·N")
+    p.add_argument("--width", type=int, default=2048, help="H·D")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--top", type=int, default=14, help="kernels listed a precision")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_op.py needs a CUDA GPU")
+    rows = [(name, *profile(name, args.head_dim, args.seqlen, args.causal, args.tokens, args.width, args.steps,
+                            args.top)) for name in args.precision]
+    print("\n# precision: wall ms / kernels ms a step")
+    for name, wall, gpu in rows:
+        print(f"{name:<52} {wall:8.3f} {gpu:8.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -3,7 +3,8 @@ bound of the row's largest |dS|, and Q times the bound at one e4m3 scale per cha
 
 Everywhere: the preparation (the rows' bounds, Q's e4m3 copy and its channel maxima) against the reference's
 expressions. On an sm_90 GPU: forward and backward through the op against the reference of the rule and float64,
-padded and packed, and the calls whose backward is not the one launch refused before any launch."""
+padded and packed, with sinks and a window, and the calls whose backward is not the one launch refused before any
+launch. (Non-finite inputs under the rule: tests/test_nonfinite.py.)"""
 import functools
 import math
 
@@ -109,6 +110,18 @@ def test_one_launch(case, rule):
     _check_against_float64(got, accurate, q, k, v, do, causal, f"{rule} {_case_id(case)}")
     base = run_with_grads(functools.partial(attn, precision=rule.replace("+ds_bound", "")), q, k, v, do)
     assert torch.equal(got["dV"], base["dV"]) and not torch.equal(got["dK"], base["dK"])
+
+
+@on_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sinks_and_a_window(head_dim):
+    """Sinks (in lse, so in max P) and a sliding window (the row maxima over the visible keys) on the one launch."""
+    q, k, v, do = make_qkv(2, 4, 2, 1000, 1000, head_dim, torch.bfloat16, "cuda", k_outliers=10.0, seed=25)
+    sinks = torch.randn(4, device="cuda")
+    attn = functools.partial(sagebwd_attn_func, causal=True, sinks=sinks, window_size=(255, 0))
+    dispatch.reset_kernel_counts()
+    _check_against_reference(attn, q, k, v, do, DS_BOUND, f"ds_bound sinks window d{head_dim}")
+    assert dispatch.kernel_counts().get("bwd_gluon_one_launch"), dispatch.kernel_counts()
 
 
 @on_hopper

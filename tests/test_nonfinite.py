@@ -200,11 +200,13 @@ def test_nonfinite_reaches_the_logits_through_transformers(layout):
 GPU_CASES = [(which, value) for which in "qkv" for value in (NAN, INF)]
 # dV and dK summed in place (the one launch at head dims 64 and 128; deterministic: one key-tile launch for both)
 IN_PLACE = "pv_e4m3+p_static+do_sequence+dk_e4m3"
+# dK's dS at each row's fixed scale from a bound (the one launch only): a bad row's bound reaches Q's channel scales
+DS_BOUND = IN_PLACE + "+ds_bound"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernels", ["gluon", "triton"])
-@pytest.mark.parametrize("precision", ["accurate", "fast", IN_PLACE])
+@pytest.mark.parametrize("precision", ["accurate", "fast", IN_PLACE, DS_BOUND])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("layout", ["dense", "packed"])
@@ -213,6 +215,8 @@ def test_nonfinite_input_reaches_outputs_gpu(monkeypatch, kernels, precision, he
                                              deterministic):
     if kernels == "triton" and precision != "accurate":
         pytest.skip("the portable kernels compute the accurate preset only")
+    if deterministic and precision == DS_BOUND:
+        pytest.skip("ds_bound is the one launch's only (tests/test_ds_bound.py: the refusal)")
     if deterministic and head_dim == 128 and precision != IN_PLACE:
         pytest.skip("head dim 128 runs the three launches either way")
     monkeypatch.setenv("SAGEBWD_KERNELS", kernels)

@@ -529,7 +529,7 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, rin
                 ds8, ds_scale = _e4m3_rows(xk, nan_max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
             else:
                 ds8, ds_scale = quantize_rows(xk, nan_max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
-            if ASYNC:   # dK's product before the wait for the other consumer's dS^T
+            if ASYNC and not DS_BOUND:   # dK's product before the wait for the other consumer's dS^T
                 dk_scale, factor = running_scale(dk_scale, ds_scale)
                 dk_tok = accumulate_in_place(dk_acc, factor, ds8, ring.qt.index(s), True)
         if DO_DV and not ASYNC:   # (ASYNC: issued above)

@@ -420,6 +420,8 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, rin
     DS_BOUND: gl.constexpr = opts.DS_BOUND
     gl.static_assert(PV_E4M3 or not P_STATIC, "a fixed P scale only with e4m3 P^T dO")
     gl.static_assert(not DP_INT8 or (ASYNC and DO_DQ), "an INT8 dP^T in the one launch's async tile only")
+    gl.static_assert(not DS_BOUND or (ASYNC and DO_DQ and IN_PLACE and DK_E4M3),
+                     "dS^T at each query's fixed scale in the one launch's async tile, dK in place, only")
     gl.static_assert(not IN_PLACE or ((not DO_DV or PV_E4M3) and (not DO_DK or DK_E4M3)),
                      "in place: e4m3 products")
     MASK_LEFT: gl.constexpr = seqs.MASK_LEFT
@@ -522,9 +524,7 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, rin
                     xk = xk * (1.0 - tht * tht)
             if DS_BOUND:   # (VQSR holds 448 / each query's bound: dS^T straight to e4m3, no max, no rescale)
                 ds8 = as_operand(xk.to(gl.float8e4nv), ORDER, p_layout)
-                ds_scale = dk_scale
-                if ASYNC:
-                    dk_tok = product_in_place(dk_acc, ds8, ring.qt.index(s), True)
+                dk_tok = product_in_place(dk_acc, ds8, ring.qt.index(s), True)
             elif DK_E4M3:
                 ds8, ds_scale = _e4m3_rows(xk, nan_max(gl.abs(xk), 1), ORDER, p_layout, o_layout)
             else:
@@ -557,11 +557,7 @@ def _key_tiles_bwd(dv_acc, dk_acc, dk2_acc, dv_scale, dk_scale, it, key_ops, rin
                 dq_tok = _dq_issue(dq_x.ds.index(2), dq_x.ds.index(3), dq_x.kb.index(C), dq_x.kb.index(2 + C),
                                    dq_zero)
         if DO_DK and not ASYNC:
-            if DS_BOUND:
-                dk_acc = product_in_place(dk_acc, ds8, ring.qt.index(s), False)
-                if QK_SPLIT:
-                    dk2_acc = product_in_place(dk2_acc, ds8, ring.qt2.index(s), False)
-            elif IN_PLACE:
+            if IN_PLACE:
                 dk_scale, factor = running_scale(dk_scale, ds_scale)
                 dk_acc = accumulate_in_place(dk_acc, factor, ds8, ring.qt.index(s), False)
                 if QK_SPLIT:

@@ -915,8 +915,7 @@ def ds_row_bounds(v4: torch.Tensor, do4: torch.Tensor, lse: torch.Tensor, row_ma
     |V|max the norm of V's channel maxima over its sequence; 0 for a row that sees no key."""
     v_norm = _stats(v4, layout_k, True)[0].norm(dim=-1).repeat_interleave(group, 0)     # [H, S]
     if layout_q.is_varlen:   # each token's sequence, found on the device (no sync)
-        tokens = torch.arange(do4.shape[2], device=do4.device, dtype=layout_q.cu_seqlens.dtype)
-        v_rows = v_norm[:, torch.searchsorted(layout_q.cu_seqlens[1:], tokens, right=True)][None]    # [1, H, T]
+        v_rows = v_norm[:, layout_q.seq_ids(do4.shape[2], do4.device)][None]                    # [1, H, T]
     else:
         v_rows = v_norm.transpose(0, 1)[:, :, None]                                         # [B, H, 1]
     do_norm = torch.linalg.vector_norm(do4, dim=-1, dtype=torch.float32)
@@ -928,8 +927,10 @@ def quantize_ds_bound(q4: torch.Tensor, bound: torch.Tensor, layout_q: SeqLayout
     """dK's operands under the ds_bound rule from the rows' bounds (``ds_row_bounds``): Q times its rows' bounds in
     FP8 e4m3, token-major as Q's copy (``t_starts``, ``operand_order`` as ``quantize``'s), one scale per channel over
     the sequence and the KV group's query heads, its max mapped to 448. Returns (those e4m3 bytes, 448 / each row's
-    bound (0 where it is 0) ``[B, H, N]``, the channel maxima ``[S, H, D]``)."""
-    ds_inv = torch.where(bound > 0, torch.full_like(bound, constants.E4M3_MAX) / bound, torch.zeros_like(bound))
+    bound (0 where it is at most TINY_SCALE) ``[B, H, N]``, the channel maxima ``[S, H, D]``)."""
+    # (a tiny bound as a zero one: 448 over it would be inf, and inf times a zero dS NaN; the reference's rule)
+    ds_inv = torch.where(bound > constants.TINY_SCALE, torch.full_like(bound, constants.E4M3_MAX) / bound,
+                         torch.zeros_like(bound))
     q_max = _group_max(_stats(q4, layout_q, True, row_mul=bound)[0], group)              # [H, S, D]
     q_t = quantize(q4, layout_q, channel_scale=q_max, natural=False, transposed=True, t_starts=t_starts,
                    operand_order=operand_order, e4m3=True, row_mul=bound)
@@ -974,8 +975,8 @@ def prepare_backward(q4, k4, do4, o4, layout_q: SeqLayout, layout_k: SeqLayout, 
                       t_starts=t_starts_q, e4m3=do_e4m3, channel_tile=do_channel_tile)
     alone = (do_channel_tile is not None and do_channel_tile != QUANTIZE_TILE[0]) or do_group is not None
     quant, do_q = _quantize_qk(q4, k4, layout_q, layout_k, softmax_scale, k_smoothing, q_smoothing, q_transposed,
-                               row_shift, None, operand_order, t_starts_q, t_starts_k, k_transposed, True, zero_ints, zero_rows,
-                               partner=None if alone else lambda scale, parts: (do4, layout_q, do_options),
+                               row_shift, None, operand_order, t_starts_q, t_starts_k, k_transposed, True, zero_ints,
+                               zero_rows, partner=None if alone else lambda scale, parts: (do4, layout_q, do_options),
                                qt_e4m3=qt_e4m3)
     if do_group is not None:
         return quant, quantize_do_sequence(do4, layout_q, do_group, o4, t_starts_q, operand_order,

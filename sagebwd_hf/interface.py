@@ -112,7 +112,8 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_sm
 
 
 def _no_row_max(q):
-    return q.new_empty(0, dtype=torch.float32)     # a custom op cannot return None
+    """The op's third output where no kernel keeps the row maxima (a custom op cannot return None)."""
+    return q.new_empty(0, dtype=torch.float32)
 
 
 def _sink_shift(shift: Optional[Shift], softcap):

@@ -298,14 +298,12 @@ def _tiles(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return x.reshape(shape)
 
 
-def ds_row_bound(q, keys: "_Keys", v, out, lse, dout, softmax_scale, window_size, q_smoothing, softcap,
-                 block_n, block_rows) -> torch.Tensor:
-    """The ds_bound rule's bound of each query row's largest |dS| ``[B, H, Nq]``: ``max_k P · (|dO| · |V|max +
-    |δ|)``. max_k P = exp2(m − lse) with m the row's largest score (what the forward's online softmax ends with),
-    |dP| ≤ |dO| |V_k| ≤ |dO| · |V|max with |V|max the norm of V's channel maxima over the sequence, δ = rowsum(dO · O);
-    a cap's derivative is at most 1. Rows that see no key get 0."""
+def row_max_scores(q, keys: "_Keys", softmax_scale, window_size, q_smoothing, softcap, block_n,
+                   block_rows) -> torch.Tensor:
+    """Each query row's largest visible score ``[B, H, Nq]`` in lse's frame (base 2, the quantized scores the
+    forward's online softmax ends with); -inf for a row that sees no key."""
     b, h, n_q = q.shape[:3]
-    n_k = v.shape[2]
+    n_k = keys.k8.shape[2]
     m = torch.full((b, h, n_q), float("-inf"), device=q.device)
     for rows in _row_blocks(n_q, block_rows):
         cols = _visible_keys(rows, n_q, n_k, window_size, block_n)
@@ -313,6 +311,17 @@ def ds_row_bound(q, keys: "_Keys", v, out, lse, dout, softmax_scale, window_size
             s = _block_scores(q[:, :, rows], keys, rows, cols, n_q, n_k, softmax_scale, window_size, q_smoothing,
                               softcap)[0]
             m[:, :, rows] = s.amax(-1)
+    return m
+
+
+def ds_row_bound(q, keys: "_Keys", v, out, lse, dout, softmax_scale, window_size, q_smoothing, softcap,
+                 block_n, block_rows) -> torch.Tensor:
+    """The ds_bound rule's bound of each query row's largest |dS| ``[B, H, Nq]``: ``max_k P · (|dO| · |V|max +
+    |δ|)``. max_k P = exp2(m − lse) with m the row's largest score (``row_max_scores``), |dP| ≤ |dO| |V_k| ≤
+    |dO| · |V|max with |V|max the norm of V's channel maxima over the sequence, δ = rowsum(dO · O); a cap's
+    derivative is at most 1. Rows that see no key get 0."""
+    m = row_max_scores(q, keys, softmax_scale, window_size, q_smoothing, softcap, block_n, block_rows)
+    h = q.shape[1]
     p_max = torch.exp2(m - lse)                                   # +inf lse or -inf m: 0
     v_norm = _repeat_kv(v.float().abs().amax(2).norm(dim=-1, keepdim=True), h)    # [B, H, 1]
     delta = (dout.float() * out.float()).sum(-1)
@@ -428,7 +437,8 @@ def sagebwd_backward_naive(q, k, v, out, lse, dout, softmax_scale, window_size=(
             dk[:, :, cols] += dk_tiles.flatten(2, 3)[:, :, :cols.stop - cols.start]
         elif numerics.ds_bound:   # no scale changes along the sum over queries: it is applied after it
             bound = row_bound[:, :, rows]
-            ds_inv = torch.where(bound > 0, torch.full_like(bound, E4M3_MAX) / bound, torch.zeros_like(bound))
+            # (a tiny bound as a zero one: 448 over it would be inf, and inf times a zero dS NaN)
+            ds_inv = torch.where(bound > TINY_SCALE, torch.full_like(bound, E4M3_MAX) / bound, torch.zeros_like(bound))
             ds_e4m3 = round_e4m3(ds * ds_inv[..., None])
             qr8 = round_e4m3((q_rows.float() * bound[..., None]) * qr_inv)
             dk[:, :, cols] += (ds_e4m3.transpose(-1, -2) @ qr8) * (qr_max * (1.0 / E4M3_MAX ** 2))

@@ -31,14 +31,16 @@ Each rule is also selectable on its own by joining rule names with ``+`` (``prec
   exp2(m − lse), the forward's row maximum of P; |V|max the norm of V's channel maxima over the sequence), and
   mapped onto 448. The bound multiplies Q's rows instead, in e4m3 with one scale per channel over the sequence and
   the KV group, applied to dK's columns after the sum. No scale then changes along dK's sum: no per-key maximum
-  and no rescale of the accumulator. No kernel computes it yet.
+  and no rescale of the accumulator. Only the Hopper one launch computes it, with the fastest preset's other rules
+  (the Gluon forward keeps each row's largest score for it).
 
 ``ds_tile``, ``dk_e4m3``, ``do_sequence``, ``dp_int8`` and ``ds_bound`` change only the backward. QKᵀ stays INT8
 with K-smoothing and dP = dO·Vᵀ stays in 16-bit in every preset. The PyTorch reference
 (``sagebwd_hf.naive``) computes every rule; the Gluon kernels (Hopper) compute "accurate", ``pv_e4m3`` and
-``pv_e4m3+p_static`` ("fast") forward and backward (and the forward of those rules with ``ds_tile``, a backward rule
-no kernel computes: its accuracy is measured, its speed is not), the portable kernels "accurate" only; a kernel call
-that needs another rule from them raises NotImplementedError (``interface.check_kernels_compute``).
+``pv_e4m3+p_static`` ("fast") forward and backward, each with or without ``dk_e4m3``, and "fastest" with or without
+``dp_int8`` and ``ds_bound`` (and the forward of every rule with ``ds_tile``, a backward rule no kernel computes: its
+accuracy is measured, its speed is not), the portable kernels "accurate" only; a kernel call that needs another
+rule from them raises NotImplementedError (``interface.check_kernels_compute``).
 docs/fast_preset.md has the rules' accuracy and costs.
 """
 from typing import NamedTuple

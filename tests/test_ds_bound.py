@@ -17,7 +17,7 @@ from sagebwd_hf.numerics import round_e4m3
 from sagebwd_hf.testing import make_qkv, run_with_grads
 
 from conftest import kernel_devices
-from test_fast_backward_hopper import (_case_id, _check_against_float64, _check_against_reference, _packed_batch,
+from test_fast_backward_hopper import (_case_id, _check_against_reference, _packed_batch, check_one_launch_rule,
                                        on_hopper)
 
 DS_BOUND = "pv_e4m3+p_static+do_sequence+dk_e4m3+ds_bound"
@@ -109,15 +109,7 @@ def test_one_launch(case, rule):
     dK is not."""
     if rule == DS_BOUND_DP_INT8 and case[3] == 4096:
         pytest.skip("one long case a rule")
-    b, h, hk, n, d, causal, deterministic = case
-    q, k, v, do = make_qkv(b, h, hk, n, n, d, torch.bfloat16, "cuda", k_outliers=10.0, seed=n + d + causal)
-    attn = functools.partial(sagebwd_attn_func, causal=causal, deterministic=deterministic)
-    dispatch.reset_kernel_counts()
-    got, accurate = _check_against_reference(attn, q, k, v, do, rule, f"{rule} {_case_id(case)}")
-    assert dispatch.kernel_counts().get("bwd_gluon_one_launch"), dispatch.kernel_counts()
-    _check_against_float64(got, accurate, q, k, v, do, causal, f"{rule} {_case_id(case)}")
-    base = run_with_grads(functools.partial(attn, precision=rule.replace("+ds_bound", "")), q, k, v, do)
-    assert torch.equal(got["dV"], base["dV"]) and not torch.equal(got["dK"], base["dK"])
+    check_one_launch_rule(case, rule, rule.replace("+ds_bound", ""))
 
 
 @on_hopper

@@ -170,15 +170,21 @@ def test_dp_int8_one_launch(case):
     """dP = dO V^T in INT8 in the one launch (V's INT8 copy one scale a key block, dO's one a token, both folded
     into the per-query vectors): against the reference of the rule and float64, and not the fastest preset's
     numbers."""
+    check_one_launch_rule(case, DP_INT8, "fastest")
+
+
+def check_one_launch_rule(case, rule, base):
+    """A one-launch rule on ``case`` against its reference and float64, run by the one launch, with dV equal to the
+    ``base`` precision's (the same dV rule) and dK not."""
     b, h, hk, n, d, causal, deterministic = case
     q, k, v, do = make_qkv(b, h, hk, n, n, d, torch.bfloat16, "cuda", k_outliers=10.0, seed=n + d + causal)
     attn = functools.partial(sagebwd_attn_func, causal=causal, deterministic=deterministic)
     dispatch.reset_kernel_counts()
-    got, accurate = _check_against_reference(attn, q, k, v, do, DP_INT8, f"dp_int8 {_case_id(case)}")
+    got, accurate = _check_against_reference(attn, q, k, v, do, rule, f"{rule} {_case_id(case)}")
     assert dispatch.kernel_counts().get("bwd_gluon_one_launch"), dispatch.kernel_counts()
-    _check_against_float64(got, accurate, q, k, v, do, causal, f"dp_int8 {_case_id(case)}")
-    fastest = run_with_grads(functools.partial(attn, precision="fastest"), q, k, v, do)
-    assert torch.equal(got["dV"], fastest["dV"]) and not torch.equal(got["dK"], fastest["dK"])
+    _check_against_float64(got, accurate, q, k, v, do, causal, f"{rule} {_case_id(case)}")
+    other = run_with_grads(functools.partial(attn, precision=base), q, k, v, do)
+    assert torch.equal(got["dV"], other["dV"]) and not torch.equal(got["dK"], other["dK"])
 
 
 @on_hopper

@@ -134,7 +134,6 @@ def backward(q4, k4, v4, o4, do4, lse, dq4, dk4, dv4, call: Call, plan: Backward
     if plan.dp_int8:   # dP = dO V^T in INT8: dO's rows from its pass, V one scale a key block as K
         v_q = quantize(v4, lay_k, natural=True, block_scale=True)
         dp_int8 = (do_q.x8, do_q.x8_scale, v_q.x8, v_q.scale)
-    q_e4m3 = (quant.q8t, quant.qt_scale) if plan.dk_e4m3 else None
     ds_bound = None
     if plan.ds_bound:   # dK's dS at each query's fixed scale: Q's copy times the rows' bounds, after dO's delta
         assert plan.one_launch and row_max is not None and row_max.shape == lse.shape
@@ -142,6 +141,8 @@ def backward(q4, k4, v4, o4, do4, lse, dq4, dk4, dv4, call: Call, plan: Backward
         bound = ds_row_bounds(v4, do4, lse, row_max, do_q.delta, lay_q, lay_k, group)
         q8t_bound, ds_inv, ds_bound = quantize_ds_bound(q4, bound, lay_q, group, starts_q, operand_order=True)
         q_e4m3 = (q8t_bound, ds_inv)
+    else:
+        q_e4m3 = (quant.q8t, quant.qt_scale) if plan.dk_e4m3 else None
     q_shift = quant.q_shift if call.need_shift else None
     if call.q_smoothing:   # dK = dS^T Q needs the caller's Q, not the smoothed one the scores use
         raw = quantize(q4, lay_q, natural=False, transposed=True)

@@ -302,14 +302,12 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
         fold = part in ("dv", "dk")
     assert not (fold and do_dv and do_dk), "FOLD scales P^T by one product's scale: the other needs it unscaled"
     assert not (do_dq and softcap), "a cap's K-smoothing row term needs dS's row sums, which the one launch lacks"
-    if ds_bound is not None and not (do_dq and p_static and in_place and q_e4m3 is not None):
-        raise ValueError("ds_bound is a rule of the one launch (part 'dkdvq') with dV and dK in place (p_static, "
-                         "in_place, q_e4m3)")
+    for name, given in (("dp_int8", dp_int8), ("ds_bound", ds_bound)):
+        if given is not None and not (do_dq and p_static and in_place and q_e4m3 is not None):
+            raise ValueError(f"{name} is a rule of the one launch (part 'dkdvq') with dV and dK in place "
+                             "(p_static, in_place, q_e4m3)")
     if ds_bound is not None:   # read with dO's channel maxima's strides
         assert ds_bound.shape == do_scale.shape and ds_bound.stride() == do_scale.stride()
-    if dp_int8 is not None and not (do_dq and p_static and in_place and q_e4m3 is not None):
-        raise ValueError("dp_int8 is a rule of the one launch (part 'dkdvq') with dV and dK in place (p_static, "
-                         "in_place, q_e4m3)")
     block_q = block_q or (ONE_LAUNCH_QUERY_TILE if do_dv and do_dk else dkdv_query_tile(head_dim))
     can_tile_ks = head_dim in K_BLOCK_HEAD_DIMS and K_SCALE_BLOCK == backward_hopper.BLOCK_N.value
     tile_ks = can_tile_ks if tile_ks is None else bool(tile_ks)

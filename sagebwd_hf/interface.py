@@ -236,16 +236,12 @@ def _backward_kernels(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, 
                                      ds_bound=rules.ds_bound, empty=empty)
     # before any launch (an empty side has no P to round: its zero gradients are every rule's)
     check_kernels_compute(precision, backward_on_gluon=plan.gluon or empty)
-    if rules.dp_int8 and not (plan.one_launch or empty):
+    one_launch_only = next((name for name in ONE_LAUNCH_RULES if getattr(rules, name)), None)
+    if one_launch_only and not (plan.one_launch or empty):
         raise NotImplementedError(
-            f"precision={precision!r}: dp_int8 is computed only by the Hopper one-launch backward (no cap, not "
-            "deterministic, no key shard, head dims 64/64 and 128/128); this call runs another, and the PyTorch "
+            f"precision={precision!r}: {one_launch_only} is computed only by the Hopper one-launch backward (no cap, "
+            "not deterministic, no key shard, head dims 64/64 and 128/128); this call runs another, and the PyTorch "
             "path (backend='naive') computes it")
-    if rules.ds_bound and not empty and not (plan.one_launch and plan.pv_e4m3 and plan.p_static and plan.do_sequence):
-        raise NotImplementedError(
-            f"precision={precision!r}: ds_bound is computed only by the Hopper one-launch backward with dV at a fixed "
-            "P scale summed over the sequence (pv_e4m3+p_static+do_sequence; no cap, not deterministic, no key shard, "
-            "head dims 64/64 and 128/128); this call runs another, and the PyTorch path (backend='naive') computes it")
     if rules.ds_bound and not empty and (row_max is None or row_max.numel() == 0):
         raise NotImplementedError(
             f"precision={precision!r}: ds_bound's backward reads each row's largest score, which only "
@@ -557,6 +553,8 @@ def _check_precision(precision, backend) -> str:
 _N = numerics_rules.Numerics
 # Backward rules of the reference that no kernel computes yet, and what each is (check_kernels_compute's errors)
 NO_BACKWARD_KERNEL = {"ds_tile": "one dS scale per 64x64 tile for dK and dQ"}
+# Backward rules only the Hopper one launch computes (the Gluon rules below hold them with fastest's others only)
+ONE_LAUNCH_RULES = ("dp_int8", "ds_bound")
 GLUON_FORWARD_RULES = (_N(pv_e4m3=True), _N(pv_e4m3=True, p_static=True))
 GLUON_BACKWARD_RULES = GLUON_FORWARD_RULES + (
     _N(pv_e4m3=True, dk_e4m3=True), _N(pv_e4m3=True, p_static=True, dk_e4m3=True),

@@ -18,8 +18,8 @@ from .constants import LOG2E
 from .forward import launch_forward
 from .layout import SeqLayout
 from .plan import BackwardPlan, ForwardPlan
-from .quantize import (aligned_starts, ds_row_bounds, prepare_backward, prepare_forward, quantize,
-                       quantize_ds_bound)
+from .ds_bound import prepare_ds_bound
+from .quantize import aligned_starts, prepare_backward, prepare_forward, quantize
 
 # Tests set SAGEBWD_POISON=1: kernel outputs start as NaN, so an element a kernel forgot shows up.
 POISON = os.environ.get("SAGEBWD_POISON") == "1"
@@ -138,8 +138,8 @@ def backward(q4, k4, v4, o4, do4, lse, dq4, dk4, dv4, call: Call, plan: Backward
     if plan.ds_bound:   # dK's dS at each query's fixed scale: Q's copy times the rows' bounds, after dO's delta
         assert plan.one_launch and row_max is not None and row_max.shape == lse.shape
         group = q4.shape[1] // k4.shape[1]
-        bound = ds_row_bounds(v4, do4, lse, row_max, do_q.delta, lay_q, lay_k, group)
-        q8t_bound, ds_inv, ds_bound = quantize_ds_bound(q4, bound, lay_q, group, starts_q, operand_order=True)
+        q8t_bound, ds_inv, ds_bound = prepare_ds_bound(q4, v4, do4, lse, row_max, do_q.delta, lay_q, lay_k,
+                                                       group, starts_q, operand_order=True)
         q_e4m3 = (q8t_bound, ds_inv)
     else:
         q_e4m3 = (quant.q8t, quant.qt_scale) if plan.dk_e4m3 else None

@@ -285,7 +285,7 @@ def dkdv_hopper_args(part, quant, lse, do4, do8t, do_scale, delta, v4, dv4, dk4,
     ``quantize_do_sequence(..., natural_int8=True)`` and ``quantize(v4, natural=True, block_scale=True)``: dP^T = V
     dO^T in INT8 instead of the input dtype. ``ds_bound`` (the one launch with that rule, in place with
     ``p_static``): the channel maxima of Q times its rows' bounds ``[S, H, D]`` (``do_scale``'s layout), with
-    ``q_e4m3`` = (that product's e4m3 bytes, 448 / each row's bound) from ``quantize.quantize_ds_bound``: dS^T
+    ``q_e4m3`` = (that product's e4m3 bytes, 448 / each row's bound) from ``ds_bound.prepare_ds_bound``: dS^T
     goes to e4m3 at each query's fixed scale, and dK's columns take the maxima at the end."""
     head_dim_v = v4.shape[3]
     assert part in ("dv", "dk", "dkdv", "dkdvq") and (head_dim, head_dim_v) in GLUON_HEAD_DIMS

@@ -908,35 +908,6 @@ def _group_max(stats: torch.Tensor, group: int) -> torch.Tensor:
     return stats.expand(-1, group, -1, -1).reshape(h, *stats.shape[2:]).contiguous()
 
 
-def ds_row_bounds(v4: torch.Tensor, do4: torch.Tensor, lse: torch.Tensor, row_max: torch.Tensor,
-                  delta: torch.Tensor, layout_q: SeqLayout, layout_k: SeqLayout, group: int) -> torch.Tensor:
-    """The ds_bound rule's bound of each query row's largest |dS| (``sagebwd_hf.naive.ds_row_bound``), fp32
-    ``[B, H, N]`` contiguous: max P · (|dO| · |V|max + |delta|), with max P = exp2(row_max - lse) (the forward's) and
-    |V|max the norm of V's channel maxima over its sequence; 0 for a row that sees no key."""
-    v_norm = _stats(v4, layout_k, True)[0].norm(dim=-1).repeat_interleave(group, 0)     # [H, S]
-    if layout_q.is_varlen:   # each token's sequence, found on the device (no sync)
-        v_rows = v_norm[:, layout_q.seq_ids(do4.shape[2], do4.device)][None]                    # [1, H, T]
-    else:
-        v_rows = v_norm.transpose(0, 1)[:, :, None]                                         # [B, H, 1]
-    do_norm = torch.linalg.vector_norm(do4, dim=-1, dtype=torch.float32)
-    return (torch.exp2(row_max - lse) * (do_norm * v_rows + delta.abs())).contiguous()
-
-
-def quantize_ds_bound(q4: torch.Tensor, bound: torch.Tensor, layout_q: SeqLayout, group: int, t_starts=None,
-                      operand_order: bool = False):
-    """dK's operands under the ds_bound rule from the rows' bounds (``ds_row_bounds``): Q times its rows' bounds in
-    FP8 e4m3, token-major as Q's copy (``t_starts``, ``operand_order`` as ``quantize``'s), one scale per channel over
-    the sequence and the KV group's query heads, its max mapped to 448. Returns (those e4m3 bytes, 448 / each row's
-    bound (0 where it is at most TINY_SCALE) ``[B, H, N]``, the channel maxima ``[S, H, D]``)."""
-    # (a tiny bound as a zero one: 448 over it would be inf, and inf times a zero dS NaN; the reference's rule)
-    ds_inv = torch.where(bound > constants.TINY_SCALE, torch.full_like(bound, constants.E4M3_MAX) / bound,
-                         torch.zeros_like(bound))
-    q_max = _group_max(_stats(q4, layout_q, True, row_mul=bound)[0], group)              # [H, S, D]
-    q_t = quantize(q4, layout_q, channel_scale=q_max, natural=False, transposed=True, t_starts=t_starts,
-                   operand_order=operand_order, e4m3=True, row_mul=bound)
-    return q_t.x8t, ds_inv, q_max.transpose(0, 1)
-
-
 def prepare_forward(q4, k4, v4, layout_q: SeqLayout, layout_k: SeqLayout, softmax_scale: float, k_smoothing: bool,
                     q_smoothing: bool, row_shift: bool = False, v_starts=None, v_operand_order: bool = False,
                     zero_ints=None, v_e4m3: bool = False):

@@ -50,23 +50,30 @@ def _want_bound(v, do, row_max, lse, delta, group):
 @pytest.mark.parametrize("group, n", [(1, 150), (2, 150), (2, 600)])
 def test_preparation_is_the_reference(device, group, n):
     """The rows' bounds within fp32 rounding of the float64 expression (0 where a row sees no key), and from those
-    bounds Q's channel maxima and 448 / bound exactly the reference's (0 for a tiny bound, not inf); Q's e4m3 bytes
-    the reference's on the GPU (the interpreter's fp8 cast does not round to nearest: within one e4m3 step there).
-    Padded and packed batches (aligned starts, operand order: the bytes read back in token order); 600 tokens take
-    the statistics' chunked path."""
+    bounds Q's channel maxima exactly the reference's, 448 / bound rounded once (0 for a tiny bound, not inf); Q's
+    e4m3 bytes the reference's on the GPU (the interpreter's fp8 cast does not round to nearest: within an e4m3 step
+    there). Padded and packed batches (aligned starts, operand order: the bytes read back in token order); 600
+    tokens take the statistics' chunked path."""
     from sagebwd_hf.kernels.layout import SeqLayout
-    from sagebwd_hf.kernels.quantize import aligned_starts, ds_row_bounds, operand_order_columns, quantize_ds_bound
+    from sagebwd_hf.kernels.ds_bound import ds_row_bounds, quantize_ds_bound
+    from sagebwd_hf.kernels.quantize import aligned_starts, operand_order_columns
 
     q, v, do, row_max, lse, delta = _inputs(device, group, n)
     lay = SeqLayout(2, n, None)
-    bound = ds_row_bounds(v, do, lse, row_max, delta, lay, lay, group)
+    bound, ds_inv = ds_row_bounds(v, do, lse, row_max, delta, lay, lay, group)
     want = _want_bound(v, do, row_max, lse, delta, group)
     assert bound[0, 1, 3] == 0 and bound[1, 2, 40] > 0 and 0 < bound[1, 0, 9] < 1e-30 and bound.is_contiguous()
     torch.testing.assert_close(bound.double(), want, rtol=5e-6, atol=0)
+    # 448 / bound rounded once (the GPU's division; the interpreter's is within an ulp), 0 for a tiny bound, not inf
+    assert torch.isfinite(ds_inv).all() and ds_inv[1, 0, 9] == 0 and ds_inv[0, 1, 3] == 0
+    want_inv = torch.where(bound > 1e-30, torch.full_like(bound, 448.0) / bound, torch.zeros_like(bound))
+    torch.testing.assert_close(ds_inv, want_inv, rtol=0 if device == "cuda" else 2.5e-7, atol=0)
     cu = torch.tensor([0, 40, 40, n], dtype=torch.int32, device=device)
     packed = SeqLayout(3, n - 40, cu)
     seqs = [(0, 40), (40, n)]
-    bound_packed = ds_row_bounds(v[:1], do[:1], lse[:1], row_max[:1], delta[:1], packed, packed, group)
+    bound_packed, inv_packed = ds_row_bounds(v[:1], do[:1], lse[:1], row_max[:1], delta[:1], packed, packed, group)
+    torch.testing.assert_close(inv_packed, torch.where(bound_packed > 1e-30, 448.0 / bound_packed, 0.0),
+                               rtol=0 if device == "cuda" else 2.5e-7, atol=0)
     for a, b in seqs:
         want_seq = _want_bound(v[:1, :, a:b], do[:1, :, a:b], row_max[:1, :, a:b], lse[:1, :, a:b],
                                delta[:1, :, a:b], group)
@@ -76,10 +83,7 @@ def test_preparation_is_the_reference(device, group, n):
     for lay_x, x, rows, spans in ((lay, q, bound, [(b, b, 0, n) for b in range(2)]),
                                   (packed, q[:1], bound_packed, [(0, 0, 0, 40), (0, 2, 40, n)])):
         starts = aligned_starts(lay_x) if lay_x.is_varlen else None
-        q8t, ds_inv, q_max = quantize_ds_bound(x, rows, lay_x, group, starts, operand_order=True)
-        assert torch.isfinite(ds_inv).all()
-        assert torch.equal(ds_inv, torch.where(rows > 1e-30, torch.full_like(rows, 448.0) / rows,
-                                               torch.zeros_like(rows)))
+        q8t, q_max = quantize_ds_bound(x, rows, lay_x, group, starts, operand_order=True)
         for b, s, a, e in spans:
             qr = x[b, :, a:e].float() * rows[b, :, a:e, None]                         # [H, n, D]
             want_max = qr.abs().amax(1).view(4 // group, group, -1).amax(1).repeat_interleave(group, 0)

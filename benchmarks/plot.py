@@ -14,12 +14,17 @@ import csv
 import os
 import sys
 
+DS_BOUND = "pv_e4m3+p_static+do_sequence+dk_e4m3+ds_bound"
 COLORS = {"sagebwd": "#d62728", "sagebwd_fast": "#ff7f0e", "sagebwd-fast": "#ff7f0e", "cudnn": "#1f77b4",
+          "sagebwd@fastest": "#e377c2", "sagebwd-fastest": "#e377c2", f"sagebwd@{DS_BOUND}": "#8c564b",
           "flash": "#2ca02c", "sageattn": "#9467bd",
-          "efficient": "#8c564b", "sdpa": "#1f77b4", "sdpa-flash": "#2ca02c", "sdpa-cudnn": "#17becf",
+          "efficient": "#bcbd22", "sdpa": "#1f77b4", "sdpa-flash": "#2ca02c", "sdpa-cudnn": "#17becf",
           "noop": "#7f7f7f"}
 LABELS = {"sagebwd": "SageBwd (INT8)", "sagebwd_fast": "SageBwd, precision='fast'",
-          "sagebwd-fast": "SageBwd, precision='fast'", "cudnn": "SDPA cuDNN", "flash": "SDPA flash (FA2)",
+          "sagebwd-fast": "SageBwd, precision='fast'", "sagebwd@fastest": "SageBwd, precision='fastest'",
+          "sagebwd-fastest": "SageBwd, precision='fastest'",
+          f"sagebwd@{DS_BOUND}": "SageBwd, 'fastest' rules + ds_bound",
+          "cudnn": "SDPA cuDNN", "flash": "SDPA flash (FA2)",
           "sageattn": "sageattention 1.0.6 (fwd only)", "efficient": "SDPA mem-efficient",
           "sdpa": "sdpa (default backend)", "sdpa-flash": "sdpa flash", "sdpa-cudnn": "sdpa cuDNN",
           "noop": "no-op attention (bound)"}

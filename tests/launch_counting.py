@@ -1,6 +1,7 @@
 """What one attention call launches, counted on a CPU: every Triton or Gluon launch the op makes (through the
-``launch`` of kernels/quantize.py, forward.py, backward.py and hopper_launch.py, stubbed: nothing runs) and every
-torch op that would be a kernel on a GPU (a fill, a copy, arithmetic; views and allocations are counted apart).
+``launch`` of kernels/quantize.py, ds_bound.py, forward.py, backward.py and hopper_launch.py, stubbed: nothing runs)
+and every torch op that would be a kernel on a GPU (a fill, a copy, arithmetic; views and allocations are counted
+apart).
 
 ``hopper=True`` takes the Hopper (Gluon) path's host code on CPU tensors: dispatch answers as on an H100 (132
 SMs), the Gluon launches are recorded instead of run. Used by tests/test_launch_count.py (the counts the op must
@@ -13,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sagebwd_hf import interface
-from sagebwd_hf.kernels import attention, backward, dispatch, forward, plan, quantize
+from sagebwd_hf.kernels import attention, backward, dispatch, ds_bound, forward, plan, quantize
 from sagebwd_hf.kernels.constants import GLUON_HEAD_DIMS
 
 H100_SMS = 132
@@ -69,7 +70,7 @@ def stubbed_launches(hopper: bool, launches=None):
     from sagebwd_hf.kernels import hopper_launch
 
     launches = Launches() if launches is None else launches
-    patches = [(module, "launch", launches) for module in (quantize, forward, backward, hopper_launch)]
+    patches = [(module, "launch", launches) for module in (quantize, ds_bound, forward, backward, hopper_launch)]
     patches.append((attention, "POISON", False))     # the tests' NaN fills are not the op's
     patches.append((interface, "_use_triton", lambda x: True))   # CPU tensors take the kernels' path, GPU or not
     if hopper:

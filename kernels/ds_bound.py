@@ -16,7 +16,7 @@ import triton.language as tl
 from . import constants
 from .launch import launch
 from .layout import SeqLayout, cdiv, strides4
-from .quantize import _block_d, _group_max, _seq_bounds, _stats, quantize
+from .quantize import _seq_bounds, kv_group_max, quantize, token_stats
 
 # (query rows, warps) per program of the bounds' pass: one dO tile of 64 rows in registers
 BOUND_TILE = (64, 4)
@@ -67,7 +67,7 @@ def ds_row_bounds(v4: torch.Tensor, do4: torch.Tensor, lse: torch.Tensor, row_ma
     fp32 contiguous of ``lse``'s shape ``[B, H, N]``; a row that sees no key (row max −inf) gets 0 for both."""
     lse, row_max, delta = (x.contiguous() for x in (lse, row_max, delta))
     assert lse.shape == row_max.shape == delta.shape == do4.shape[:3]
-    v_max = _stats(v4, layout_k, True)[0]                                       # [Hkv, S, D]
+    v_max = token_stats(v4, layout_k, True)[0]                                       # [Hkv, S, D]
     bound, ds_inv = torch.empty_like(lse), torch.empty_like(lse)
     h, d = do4.shape[1], do4.shape[3]
     block_t, warps = BOUND_TILE
@@ -75,7 +75,7 @@ def ds_row_bounds(v4: torch.Tensor, do4: torch.Tensor, lse: torch.Tensor, row_ma
            do4, lse, row_max, delta, v_max, layout_q.cu_seqlens if layout_q.is_varlen else lse, bound, ds_inv,
            *strides4(do4), lse.stride(0), lse.stride(1), v_max.stride(0), v_max.stride(1),
            do4.shape[2], h, group, d, float(constants.TINY_SCALE), float(constants.E4M3_MAX),
-           IS_VARLEN=layout_q.is_varlen, BLOCK_T=block_t, BLOCK_D=_block_d(d), num_warps=warps)
+           IS_VARLEN=layout_q.is_varlen, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(max(d, 16)), num_warps=warps)
     return bound, ds_inv
 
 
@@ -84,7 +84,7 @@ def quantize_ds_bound(q4: torch.Tensor, bound: torch.Tensor, layout_q: SeqLayout
     """Q times its rows' bounds (``ds_row_bounds``) in FP8 e4m3, token-major as Q's copy (``t_starts``,
     ``operand_order`` as ``quantize``'s), one scale per channel over the sequence and the KV group's query heads, its
     max mapped to 448. Returns (those e4m3 bytes, the channel maxima ``[S, H, D]``)."""
-    q_max = _group_max(_stats(q4, layout_q, True, row_mul=bound)[0], group)              # [H, S, D]
+    q_max = kv_group_max(token_stats(q4, layout_q, True, row_mul=bound)[0], group)       # [H, S, D]
     q_t = quantize(q4, layout_q, channel_scale=q_max, natural=False, transposed=True, t_starts=t_starts,
                    operand_order=operand_order, e4m3=True, row_mul=bound)
     return q_t.x8t, q_max.transpose(0, 1)

@@ -560,11 +560,12 @@ def _steps(count: int, step: int, device) -> torch.Tensor:
     return torch.arange(count, dtype=torch.int32, device=device) * step
 
 
-def token_stats(x4: torch.Tensor, layout: SeqLayout, abs_max: bool, block_tokens=None):
-    """Mean (or max |x|) over each sequence (or each run of ``block_tokens`` within it).
+def token_stats(x4: torch.Tensor, layout: SeqLayout, abs_max: bool, block_tokens=None, row_mul=None):
+    """Mean (or max |x|) over each sequence (or each run of ``block_tokens`` within it); ``row_mul`` (fp32 ``[B, H,
+    N]``, tokens contiguous): each token's row times its factor first.
 
     Returns (``[H, blocks, D]`` fp32, ``cu_blocks`` int32 [S + 1])."""
-    return _stats(x4, layout, abs_max, block_tokens)[:2]
+    return _stats(x4, layout, abs_max, block_tokens, row_mul=row_mul)[:2]
 
 
 def _stats(x4, layout, abs_max, block_tokens=None, factor=1.0, second=None, row_mul=None):
@@ -892,14 +893,14 @@ def quantize_do_sequence(do4: torch.Tensor, layout: SeqLayout, group: int, out_f
     and the ``group`` query heads of its KV group mapped to 448, with ``delta``; ``scale`` holds those maxima
     ``[S, H, D]`` (every head of a group its group's; a view of ``[H, S, D]``). ``natural_int8`` (the dp_int8 rule):
     also ``x8``, dO in INT8 with one scale per token (``x8_scale``), from the same pass."""
-    stats = _group_max(_stats(do4, layout, True)[0], group)                    # [H, S, D]
+    stats = kv_group_max(_stats(do4, layout, True)[0], group)                    # [H, S, D]
     result = quantize(do4, layout, channel_scale=stats, natural=natural_int8, transposed=True,
                       out_for_delta=out_for_delta, t_starts=t_starts, operand_order=operand_order, e4m3=True,
                       natural_int8=natural_int8)
     return result._replace(scale=stats.transpose(0, 1))
 
 
-def _group_max(stats: torch.Tensor, group: int) -> torch.Tensor:
+def kv_group_max(stats: torch.Tensor, group: int) -> torch.Tensor:
     """``[H, S, D]`` statistics -> each KV group's maximum, at every head of the group (amax keeps a NaN)."""
     if group == 1:
         return stats

@@ -15,7 +15,8 @@
 #             to unpack into the repository: the next call resumes from it)
 #             on a machine of several GPUs, STUDY_ARGS="--devices 0 1 2 3" runs a cell on each at once
 #   bash tools/device_run.sh [stage ...]       (default: tests accuracy speed)
-# Extra arguments per script: SPEED_ARGS, SWEEP_ARGS, E2E_ARGS, ACCURACY_ARGS (e.g. E2E_ARGS="--seqlens 8192").
+# Extra arguments per script: SPEED_ARGS, SWEEP_ARGS, E2E_ARGS, ACCURACY_ARGS (e.g. E2E_ARGS="--seqlens 8192");
+# TESTS_ARGS: the tests to run instead of the whole GPU suite (pytest's paths and -k).
 # A time limit per stage in seconds: TIMEOUT_<stage> (e.g. TIMEOUT_tests=330), so one stage cannot eat the call.
 # Carried wheels: every .whl/*.whl is installed with --no-deps into /tmp/site first. sageattention 1.0.6 is
 # pure Python (20 KB): `pip download sageattention==1.0.6 --no-deps -d .whl` here (.whl/ is git-ignored),
@@ -61,8 +62,13 @@ for stage in $stages; do
               [ "$ngpu" -gt 1 ] && [ -z "${SAGEBWD_TEST_GPUS:-}" ] && export SAGEBWD_TEST_GPUS="$(seq -s ' ' 0 $((ngpu - 1)))"
               [ -n "${SAGEBWD_TEST_GPUS:-}" ] && ngpu=$(wc -w <<< "$SAGEBWD_TEST_GPUS")
               workers=$(( ngpu > 1 ? 4 * ngpu : 8 ))
-              run tests bash -c "python3 -m pytest tests -m gpu -v -rf -p no:cacheprovider -n $workers \
-                 --ignore=tests/test_large.py && python3 -m pytest tests/test_large.py -v -rf -p no:cacheprovider" ;;
+              # (TESTS_ARGS: pytest's selection instead of the whole suite, e.g. "tests/test_ds_bound.py -k row_max")
+              if [ -n "${TESTS_ARGS:-}" ]; then
+                run tests bash -c "python3 -m pytest -m gpu -v -rf -p no:cacheprovider -n $workers $TESTS_ARGS"
+              else
+                run tests bash -c "python3 -m pytest tests -m gpu -v -rf -p no:cacheprovider -n $workers \
+                   --ignore=tests/test_large.py && python3 -m pytest tests/test_large.py -v -rf -p no:cacheprovider"
+              fi ;;
     accuracy) run accuracy python3 benchmarks/accuracy.py --check --csv "$OUT/accuracy.csv" ${ACCURACY_ARGS:-} ;;
     speed)    run speed python3 benchmarks/speed.py --quick --csv "$OUT/speed.csv" ${SPEED_ARGS:-} ;;
     sweep)    run sweep python3 benchmarks/speed.py --csv "$OUT/sweep.csv" ${SWEEP_ARGS:-} ;;

@@ -674,8 +674,8 @@ def sagebwd_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     precision = _check_precision(precision, backend)
     q, k, v, restore = _compute_dtype(q, k, v)
     out, lse, _ = _attn(q, k, v, None, None, q.shape[2], k.shape[2], scale, *window,
-                     bool(k_smoothing), bool(q_smoothing), backend, softcap, _check_deterministic(deterministic),
-                     precision, sinks)
+                        bool(k_smoothing), bool(q_smoothing), backend, softcap,
+                        _check_deterministic(deterministic), precision, sinks)
     if restore is not None:
         out = out.to(restore)
     if not return_lse:
@@ -710,8 +710,8 @@ def sagebwd_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     precision = _check_precision(precision, backend)
     q, k, v, restore = _compute_dtype(q, k, v)
     out, lse, _ = _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *window,
-                     bool(k_smoothing), bool(q_smoothing), backend, softcap, _check_deterministic(deterministic),
-                     precision, sinks)
+                        bool(k_smoothing), bool(q_smoothing), backend, softcap,
+                        _check_deterministic(deterministic), precision, sinks)
     if restore is not None:
         out = out.to(restore)
     if not return_lse:

@@ -30,6 +30,7 @@ Attention implementations (one model, switched with set_attn_implementation):
                 masking_utils.flash_attention_mask; cu_seqlens from the collator's kwargs, else from restarting
                 position_ids (in each layer, as Transformers' flash path), padded batches unpadded by the 2D mask
   sagebwd       attn_implementation="sagebwd"
+  sagebwd-fastest  the same with precision="fastest" (sagebwd_hf.configure; not in the default list)
   sagebwd-sdpa  the fa2-varlen function with sagebwd_hf.sdpa_flash active: SageBwd's kernels behind torch's
                 varlen flash op
 
@@ -74,11 +75,13 @@ from e2e import LLAMA_3_2_1B, attention_kernels   # (benchmarks/ is the script's
 
 DEVICE = "cuda"
 IMPLS = ["sdpa", "fa2-varlen", "sagebwd", "sagebwd-sdpa"]
+CHOICES = IMPLS + ["sagebwd-fastest"]
 KINDS = ["packed", "padded"]
 MODES = ["full", "lora"]
 FA2_VARLEN = "fa2_varlen"
 # implementation -> the name the model is switched to (and whose attention function is timed)
-ATTN_NAME = {"sdpa": "sdpa", "fa2-varlen": FA2_VARLEN, "sagebwd": "sagebwd", "sagebwd-sdpa": FA2_VARLEN}
+ATTN_NAME = {"sdpa": "sdpa", "fa2-varlen": FA2_VARLEN, "sagebwd": "sagebwd", "sagebwd-fastest": "sagebwd",
+             "sagebwd-sdpa": FA2_VARLEN}
 DOC_MEAN, DOC_SIGMA, DOC_MAX = 750, 1.0, 4096
 IGNORE = -100
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -347,7 +350,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[16384], help="real tokens per step")
     p.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS)
-    p.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS, help="sdpa and fa2-varlen are the references")
+    p.add_argument("--impls", nargs="+", default=IMPLS, choices=CHOICES, help="sdpa and fa2-varlen are the references")
     p.add_argument("--modes", nargs="+", default=["full"], choices=MODES)
     p.add_argument("--lora", action="store_true", help="the same as --modes lora")
     p.add_argument("--layers", type=int, default=8, help="decoder layers of Llama-3.2-1B's 16")
@@ -436,6 +439,7 @@ def run_mode(mode, args, cfg, meta, documents, rows):
     @contextlib.contextmanager
     def implementation(name):
         model.set_attn_implementation(ATTN_NAME[name])
+        sagebwd_hf.configure(model, precision="fastest" if name == "sagebwd-fastest" else None)
         if name == "sagebwd-sdpa":
             sdpa_flash.activate()
         sagebwd_hf.reset_attention_stats()
@@ -447,7 +451,7 @@ def run_mode(mode, args, cfg, meta, documents, rows):
                 sdpa_flash.restore()
 
     def what_ran(name):
-        if name == "sagebwd":
+        if name in ("sagebwd", "sagebwd-fastest"):
             s = sagebwd_hf.attention_stats()
             return " ".join(f"{k}:{v}" for k, v in {**s["paths"], **{f"fallback:{r}": n for r, n in
                                                                      s["fallback"].items()}}.items())
@@ -617,7 +621,7 @@ def print_summary(rows, meta):
         print("* step against a row run otherwise with activation checkpointing (column ckpt)")
     print("targets (sagebwd against fa2-varlen): attention op >= 1.20x, step >= 1.00x, peak memory <= fa2-varlen's")
     for r in rows:
-        if r["impl"] != "sagebwd" or r.get("x_fa2-varlen") is None:
+        if r["impl"] not in ("sagebwd", "sagebwd-fastest") or r.get("x_fa2-varlen") is None:
             continue
         ref = next(b for b in rows if b["impl"] == "fa2-varlen" and all(b[k] == r[k] for k in
                                                                          ("mode", "kind", "tokens")))

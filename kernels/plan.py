@@ -90,8 +90,8 @@ def dkdv_block_m(cfg) -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 
 # Three consumer warpgroups in the Gluon forward (192 query rows a program) measured faster only without a mask
-# (with P·V in e4m3: masked too), from this many query rows, and with a cap only at head dim 64 (docs/history.md,
-# docs/fast_preset.md)
+# (with P·V in e4m3: masked too), from this many query rows a sequence (on average, in a packed batch), and with a
+# cap only at head dim 64 (docs/history.md, docs/fast_preset.md)
 GLUON_THREE_CONSUMERS_MIN_QUERIES = 2048
 # Ping-pong turns between two consumers at V's head dim 128 paid off only for masked square-head calls from this
 # many query rows (capped calls keep them; docs/history.md)
@@ -119,13 +119,14 @@ def one_launch_dq_buffers(head_dim: int) -> int:
     return ONE_LAUNCH_DQ_BUFFERS_D128 if head_dim > 64 else ONE_LAUNCH_DQ_BUFFERS
 
 
-def gluon_forward_consumers(head_dim: int, masked: bool, softcap: bool, max_len_q: int,
+def gluon_forward_consumers(head_dim: int, masked: bool, softcap: bool, len_q: int,
                             pv_e4m3: bool = False) -> int:
-    """Consumer warpgroups of a Gluon forward launch; ``pv_e4m3``: the numerics rule of P·V (its tile loop is
-    shorter, and causal calls ran faster with three too)."""
+    """Consumer warpgroups of a Gluon forward launch; ``len_q``: a sequence's query rows, on average over a packed
+    batch (``forward_plan``'s ``mean_len_q``); ``pv_e4m3``: the numerics rule of P·V (its tile loop is shorter,
+    and causal calls ran faster with three too)."""
     mask_allowed = not masked or (pv_e4m3 and head_dim in (64, 128))
     three = (head_dim in (64, 128, 192) and mask_allowed and (not softcap or head_dim == 64)
-             and max_len_q >= GLUON_THREE_CONSUMERS_MIN_QUERIES)
+             and len_q >= GLUON_THREE_CONSUMERS_MIN_QUERIES)
     return 3 if three else 2
 
 
@@ -277,14 +278,17 @@ class BackwardPlan:
 
 def forward_plan(device: torch.device, head_dim: int, head_dim_v: int, *, q_smoothing: bool, varlen: bool,
                  masked: bool, softcap: bool, max_len_q: int, pv_e4m3: bool = False, p_static: bool = False,
-                 empty: bool = False) -> ForwardPlan:
+                 empty: bool = False, mean_len_q: Optional[int] = None) -> ForwardPlan:
     """The plan of a forward call (``empty``: a side with no token, which the portable kernels take: a TMA
     descriptor cannot have a zero extent). ``pv_e4m3`` / ``p_static``: the call's numerics rule, which the Gluon
-    kernel computes; the portable kernels' plan leaves them off."""
+    kernel computes; the portable kernels' plan leaves them off. ``mean_len_q``: a packed batch's query rows over
+    its sequences (default ``max_len_q``), which picks the consumer warpgroups: on documents of ~700 tokens whose
+    longest passed 2,048, three ran the forward 0.79-0.93x as fast as two (H200, both presets, D=64 and 128)."""
     tiles = tile_configs(head_dim, device, head_dim_v)
     if empty or not dispatch.use_gluon(device, head_dim, q_smoothing, varlen, softcap=softcap, head_dim_v=head_dim_v):
         return ForwardPlan("triton", tiles)
-    consumers = gluon_forward_consumers(head_dim, masked, softcap, max_len_q, pv_e4m3)
+    consumers = gluon_forward_consumers(head_dim, masked, softcap,
+                                        max_len_q if mean_len_q is None else mean_len_q, pv_e4m3)
     pingpong = consumers == 2 and gluon_forward_pingpong(head_dim, head_dim_v, masked, softcap, max_len_q)
     return ForwardPlan("gluon", tiles, pv_e4m3=pv_e4m3, p_static=p_static, consumers=consumers, pingpong=pingpong,
                        named_barriers=gluon_forward_named_barriers(head_dim_v),

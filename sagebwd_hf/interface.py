@@ -147,7 +147,8 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
     plan = kernel_plan.forward_plan(q.device, q4.shape[3], v4.shape[3], q_smoothing=q_smoothing, varlen=varlen,
                                     masked=tuple(window) != (-1, -1), softcap=bool(softcap),
                                     max_len_q=call.layout_q.max_len, pv_e4m3=rules.pv_e4m3, p_static=rules.p_static,
-                                    empty=empty)
+                                    empty=empty, mean_len_q=q4.shape[2] // max(call.layout_q.num_seqs, 1)
+                                    if varlen else None)
     # before any launch (an empty side has no P to round: its zeros and +inf lse are every rule's)
     check_kernels_compute(precision, forward_on_gluon=plan.gluon or empty)
     row_max = None

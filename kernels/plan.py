@@ -283,7 +283,7 @@ def forward_plan(device: torch.device, head_dim: int, head_dim_v: int, *, q_smoo
     descriptor cannot have a zero extent). ``pv_e4m3`` / ``p_static``: the call's numerics rule, which the Gluon
     kernel computes; the portable kernels' plan leaves them off. ``mean_len_q``: a packed batch's query rows over
     its sequences (default ``max_len_q``), which picks the consumer warpgroups: on documents of ~700 tokens whose
-    longest passed 2,048, three ran the forward 0.79-0.93x as fast as two (H200, both presets, D=64 and 128)."""
+    longest passed 2,048, three ran the forward 0.79-0.98x as fast as two (H200, both presets, D=64 and 128)."""
     tiles = tile_configs(head_dim, device, head_dim_v)
     if empty or not dispatch.use_gluon(device, head_dim, q_smoothing, varlen, softcap=softcap, head_dim_v=head_dim_v):
         return ForwardPlan("triton", tiles)

@@ -118,7 +118,7 @@ def test_three_consumer_warpgroups_only_where_measured_faster():
 def test_packed_batch_consumers_follow_the_mean_length(lengths, expected, monkeypatch):
     """A packed batch's forward picks its consumer warpgroups by its sequences' mean query rows, not its longest:
     documents of a few hundred tokens with one past the threshold keep two (on lognormal documents three ran
-    0.79-0.93x as fast). Through the op's own host code, launches stubbed, dispatch as on Hopper."""
+    0.79-0.98x as fast). Through the op's own host code, launches stubbed, dispatch as on Hopper."""
     from launch_counting import stubbed_launches
 
     planned = []

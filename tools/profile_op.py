@@ -1,6 +1,7 @@
 """Where one forward + backward of the op spends its time: each GPU kernel's time per step (torch.profiler), their
-sum, and the step's wall time, for one or more precisions on one shape. Wall time well above the kernels' sum
-means the step waits on the host (Python, launches) or on gaps between kernels, not on the GPU.
+sum, the step's wall time, and the host's time to issue one step (timed behind queued GPU work), for one or more
+precisions on one shape. Host time above the kernels' sum means steps back to back wait on the host (Python,
+launches), not on the GPU.
 
     python tools/profile_op.py --head-dim 128 --seqlen 1024 --causal --precision fastest \\
         pv_e4m3+p_static+do_sequence+dk_e4m3+ds_bound
@@ -13,6 +14,7 @@ varlen kernel as torch ships it, for comparison. Needs a CUDA GPU.
 import argparse
 import collections
 import os
+import statistics
 import sys
 import time
 
@@ -76,6 +78,14 @@ def profile(precision, step, what, steps, top):
         step()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / steps * 1e3
+    host = []
+    for _ in range(steps):            # the host's own time: a step issued behind ~20 ms of queued GPU work
+        torch.cuda._sleep(40_000_000)
+        t0 = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    host = statistics.median(host) * 1e3
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -86,11 +96,11 @@ def profile(precision, step, what, steps, top):
             total[e.name] += e.device_time_total
             count[e.name] += 1
     gpu = sum(total.values()) / steps / 1e3
-    print(f"== {precision}  {what}: wall {wall:.3f} ms a step, kernels "
+    print(f"== {precision}  {what}: wall {wall:.3f} ms a step, host {host:.3f} ms, kernels "
           f"{gpu:.3f} ms ({len(total)} kinds, {sum(count.values()) // steps} launches a step)")
     for name, t in sorted(total.items(), key=lambda x: -x[1])[:top]:
         print(f"  {t / steps / 1e3:8.3f} ms  x{count[name] // steps:<2} {name[:100]}")
-    return wall, gpu
+    return wall, host, gpu
 
 
 def main():
@@ -117,9 +127,9 @@ def main():
         else:
             step, what = dense_step(name, args.head_dim, args.seqlen, args.causal, args.tokens, args.width)
         rows.append((name, *profile(name, step, what, args.steps, args.top)))
-    print("\n# precision: wall ms / kernels ms a step")
-    for name, wall, gpu in rows:
-        print(f"{name:<52} {wall:8.3f} {gpu:8.3f}")
+    print("\n# precision: wall ms / host ms / kernels ms a step")
+    for name, wall, host, gpu in rows:
+        print(f"{name:<52} {wall:8.3f} {host:8.3f} {gpu:8.3f}")
 
 
 if __name__ == "__main__":

@@ -144,11 +144,11 @@ def _forward_kernels(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, k_smoothi
     q4, k4, v4 = as_bhnd(q, varlen), as_bhnd(k, varlen), as_bhnd(v, varlen)
     call = _kernel_call(q, k, cu_q, cu_k, max_q, max_k, scale, window, k_smoothing, q_smoothing, softcap, need_shift)
     empty = q4.numel() == 0 or k4.numel() == 0
+    mean_len_q = q4.shape[2] // max(call.layout_q.num_seqs, 1) if varlen else None   # (padded: every row's length)
     plan = kernel_plan.forward_plan(q.device, q4.shape[3], v4.shape[3], q_smoothing=q_smoothing, varlen=varlen,
                                     masked=tuple(window) != (-1, -1), softcap=bool(softcap),
                                     max_len_q=call.layout_q.max_len, pv_e4m3=rules.pv_e4m3, p_static=rules.p_static,
-                                    empty=empty, mean_len_q=q4.shape[2] // max(call.layout_q.num_seqs, 1)
-                                    if varlen else None)
+                                    empty=empty, mean_len_q=mean_len_q)
     # before any launch (an empty side has no P to round: its zeros and +inf lse are every rule's)
     check_kernels_compute(precision, forward_on_gluon=plan.gluon or empty)
     row_max = None

@@ -32,3 +32,17 @@ def kernel_devices():
     return [pytest.param("cpu", marks=pytest.mark.skipif(
                 os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests need TRITON_INTERPRET=1")),
             pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture
+def forward_plans(monkeypatch):
+    """Every forward plan the op builds during the test, in order (``kernels/plan.py``'s ``forward_plan``, spied)."""
+    from sagebwd_hf.kernels import plan
+
+    plans, build = [], plan.forward_plan
+
+    def recording(*args, **kwargs):
+        plans.append(build(*args, **kwargs))
+        return plans[-1]
+    monkeypatch.setattr(plan, "forward_plan", recording)
+    return plans

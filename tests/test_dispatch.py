@@ -115,21 +115,18 @@ def test_three_consumer_warpgroups_only_where_measured_faster():
 
 @pytest.mark.parametrize("lengths, expected", [([100] * 20 + [3000], 2), ([2500, 3000], 3), ([3000], 3)],
                          ids=["short-documents-one-long", "long-documents", "one-sequence"])
-def test_packed_batch_consumers_follow_the_mean_length(lengths, expected, monkeypatch):
+def test_packed_batch_consumers_follow_the_mean_length(lengths, expected, forward_plans):
     """A packed batch's forward picks its consumer warpgroups by its sequences' mean query rows, not its longest:
     documents of a few hundred tokens with one past the threshold keep two (on lognormal documents three ran
     0.79-0.98x as fast). Through the op's own host code, launches stubbed, dispatch as on Hopper."""
     from launch_counting import stubbed_launches
 
-    planned = []
-    forward_plan = plan.forward_plan
-    monkeypatch.setattr(plan, "forward_plan", lambda *a, **k: planned.append(forward_plan(*a, **k)) or planned[-1])
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     q, k, v = (torch.randn(int(cu[-1]), 2, 64, dtype=torch.bfloat16) for _ in range(3))
     with stubbed_launches(hopper=True), torch.no_grad():
         sagebwd_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), backend="triton")
-    assert [p.gluon for p in planned] == [True]
-    assert planned[0].consumers == expected
+    assert [p.gluon for p in forward_plans] == [True]
+    assert forward_plans[0].consumers == expected
 
 
 def test_ping_pong_only_where_measured_faster():

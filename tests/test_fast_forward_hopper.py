@@ -12,7 +12,7 @@ import torch
 
 from sagebwd_hf import naive, sagebwd_attn_func, sagebwd_attn_varlen_func
 from sagebwd_hf.interface import check_kernels_compute
-from sagebwd_hf.kernels import dispatch, plan
+from sagebwd_hf.kernels import dispatch
 from sagebwd_hf.testing import error_stats, make_qkv
 
 IS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -120,12 +120,9 @@ def test_fast_forward_is_the_fp8_rules():
 @on_hopper
 @pytest.mark.parametrize("lengths, consumers", [([2300, 2100], 3), ([100, 150, 2100, 1], 2)],
                          ids=["mean-past-2048", "longest-past-2048"])
-def test_packed_causal_with_either_consumer_count(lengths, consumers, monkeypatch):
+def test_packed_causal_with_either_consumer_count(lengths, consumers, forward_plans):
     """The e4m3 forward on a causal packed batch runs three consumer warpgroups where its sequences average 2,048
     query rows and two where only its longest passes them (kernels/plan.py): both against the reference."""
-    planned = []
-    forward_plan = plan.forward_plan
-    monkeypatch.setattr(plan, "forward_plan", lambda *a, **k: planned.append(forward_plan(*a, **k)) or planned[-1])
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     total = int(cu[-1])
     q, k, v, _ = make_qkv(1, 4, 2, total, total, 64, torch.bfloat16, "cuda", k_outliers=10.0, seed=14)
@@ -133,7 +130,7 @@ def test_packed_causal_with_either_consumer_count(lengths, consumers, monkeypatc
     attn = functools.partial(sagebwd_attn_varlen_func, flat(q), flat(k), flat(v), cu, cu, max(lengths),
                              max(lengths), causal=True)
     got = attn(precision="pv_e4m3+p_static", return_lse=True)
-    assert planned[0].gluon and planned[0].consumers == consumers
+    assert forward_plans[0].gluon and forward_plans[0].consumers == consumers
     _check_against_reference(attn, got, "pv_e4m3+p_static", f"packed {lengths}")
 
 

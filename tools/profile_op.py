@@ -42,7 +42,9 @@ def dense_step(precision, d, n, causal, tokens, width):
 
 def documents_step(precision, d, tokens, width, kv_heads):
     """One packed row of lognormal documents, causal: its forward + backward, as a closure."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    benchmarks = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
     from packed_finetune import document_lengths
     from sagebwd_hf import sagebwd_attn_varlen_func
 
